@@ -1,0 +1,137 @@
+"""Plain dataclasses for DeMo's sparse payloads and the value encodings they go through.
+
+Math layer: imports torch only. Protobuf conversion lives in `demonet.wire`, never here.
+
+Shape legend: C = chunks of one tensor, K = coefficients kept per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ENCODINGS", "Compressed", "Payload", "quantize"]
+
+ENCODINGS = ("fp32", "bf16", "fp16", "int8", "sign")
+"""Value encodings. Each one is applied by the sender before error feedback, so what the sender
+subtracts from its momentum is exactly what receivers decode:
+
+- ``fp32``: values as they are (the reference).
+- ``bf16``: values rounded to bfloat16 (8-bit mantissa, fp32's range).
+- ``fp16``: values scaled by one power of two per tensor (exact) and rounded to float16, so the
+  small magnitudes of a momentum with the learning rate folded in do not underflow.
+- ``int8``: per-chunk scale ``bf16(max|v| / 127)``, values rounded to integers in [-127, 127].
+- ``sign``: 1 bit per value, ``sign(v) * bf16(mean|v|)`` per chunk (error-feedback signSGD,
+  Karimireddy et al. 2019). The quantization residual stays in the momentum.
+"""
+
+_FP16_TARGET_EXP = 14  # the largest |value| maps into [2^13, 2^14): far from fp16's max of 65504
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Compressed:
+    """One tensor's kept DCT coefficients.
+
+    Attributes:
+        idx: (C, K) int64. Index of a coefficient inside its chunk, row-major over the chunk's
+            (h, w) frequencies: ``i * w + j``. Unique within a row. Rows are chunks in row-major
+            order over the (padded) grid of chunks.
+        val: (C, K) float. The coefficient values, after the value encoding's round trip. In an
+            aggregate, a row may hold padding entries whose value is exactly 0.
+        shape: the parameter's shape.
+        chunk: (h, w), the chunk shape. A 1-D or 0-D parameter has h == 1.
+        scale: the encoding's scale, exactly as it travels: (C, 1) for ``int8`` and ``sign``, a
+            0-d power of two for ``fp16``; None for the others.
+    """
+
+    idx: torch.Tensor
+    val: torch.Tensor
+    shape: tuple[int, ...]
+    chunk: tuple[int, int]
+    scale: torch.Tensor | None = None
+
+    @property
+    def totalk(self) -> int:
+        """Coefficients per chunk (h * w)."""
+        return self.chunk[0] * self.chunk[1]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(Y, X): chunks along the rows and the columns of the 2-D view, padding included."""
+        rows, cols = matrix_shape(self.shape)
+        return -(-rows // self.chunk[0]), -(-cols // self.chunk[1])
+
+    @property
+    def k(self) -> int:
+        """Entries per chunk."""
+        return int(self.idx.shape[-1])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Payload:
+    """What one peer sends for one step, or the merged aggregate of a round.
+
+    Attributes:
+        tensors: one `Compressed` per parameter, keyed by parameter name, in the optimizer's order.
+        encoding: the value encoding `val` went through (one of `ENCODINGS`).
+    """
+
+    tensors: Mapping[str, Compressed]
+    encoding: str = "fp32"
+
+    def numel(self) -> int:
+        """Number of (index, value) entries."""
+        return sum(c.idx.numel() for c in self.tensors.values())
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D view DeMo chunks: (n,) -> (1, n), () -> (1, 1), (a, b, ...) -> (a, b * ...)."""
+    if len(shape) == 0:
+        return 1, 1
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def quantize(val_CK: torch.Tensor, encoding: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Round values through an encoding.
+
+    Args:
+        val_CK: (C, K) values.
+        encoding: one of `ENCODINGS`.
+
+    Returns:
+        (values as receivers will decode them, same dtype as `val_CK`; the scale that travels, or
+        None). With the scale the wire is exact: ``val / scale`` is an integer in [-127, 127] for
+        ``int8``, +-1 for ``sign``; ``val / scale`` is a float16 for ``fp16``.
+    """
+    if encoding == "fp32":
+        return val_CK, None
+    if encoding == "bf16":
+        return _round_bf16(val_CK), None
+    if encoding == "fp16":
+        amax = float(val_CK.abs().max()) if val_CK.numel() else 0.0
+        if amax == 0.0 or not math.isfinite(amax):
+            exp = 0
+        else:
+            exp = math.frexp(amax)[1] - _FP16_TARGET_EXP  # amax / 2^exp in [2^13, 2^14)
+        scale = torch.tensor(math.ldexp(1.0, exp), dtype=torch.float32)
+        deq = (val_CK * math.ldexp(1.0, -exp)).to(torch.float16).to(val_CK.dtype) * math.ldexp(1.0, exp)
+        return deq, scale
+    if encoding == "int8":
+        scale_C1 = _round_bf16(val_CK.abs().amax(dim=-1, keepdim=True).float() / 127.0)
+        safe_C1 = torch.where(scale_C1 > 0, scale_C1, torch.ones_like(scale_C1))
+        q_CK = torch.round(val_CK.float() / safe_C1).clamp_(-127, 127)
+        return (q_CK * scale_C1).to(val_CK.dtype), scale_C1
+    if encoding == "sign":
+        scale_C1 = _round_bf16(val_CK.abs().mean(dim=-1, keepdim=True).float())
+        sign_CK = torch.where(val_CK < 0, -1.0, 1.0)
+        return (sign_CK * scale_C1).to(val_CK.dtype), scale_C1
+    raise ValueError(f"encoding should be one of {ENCODINGS}, got {encoding!r}")
