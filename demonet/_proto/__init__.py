@@ -1,0 +1,1 @@
+"""Generated protobuf code (scripts/gen_proto.sh). Import it only from demonet.wire."""
