@@ -45,11 +45,11 @@ def test_init_is_deterministic_from_global_seed() -> None:
 def test_init_std_and_residual_scaling() -> None:
     torch.manual_seed(0)
     model = GPT(TINY_MODEL)
-    fc_std = model.blocks[0].mlp.fc.weight.std().item()
-    proj_std = model.blocks[0].mlp.proj.weight.std().item()
+    fc_std = model.get_parameter("blocks.0.mlp.fc.weight").std().item()
+    proj_std = model.get_parameter("blocks.0.mlp.proj.weight").std().item()
     assert fc_std == pytest.approx(0.02, rel=0.05)
     assert proj_std == pytest.approx(0.02 / math.sqrt(2 * TINY_MODEL.n_layers), rel=0.05)
-    assert torch.count_nonzero(model.blocks[0].attn.qkv.bias) == 0
+    assert torch.count_nonzero(model.get_parameter("blocks.0.attn.qkv.bias")) == 0
 
 
 def test_weight_tying_and_param_count() -> None:
