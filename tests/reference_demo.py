@@ -57,9 +57,9 @@ def dct_matrix(n: int) -> torch.Tensor:
     return c * torch.cos(math.pi * (2 * j + 1) * k / (2 * n))  # (n, n)
 
 
-def _basis(n: int) -> torch.Tensor:
+def _basis(n: int, device: torch.device) -> torch.Tensor:
     # fp32 like the reference's basis in an fp32 run (built, then cast to the param dtype).
-    return dct_matrix(n).to(torch.float32)
+    return dct_matrix(n).to(device=device, dtype=torch.float32)
 
 
 def encode(x: torch.Tensor, target: int = 64) -> torch.Tensor:
@@ -72,12 +72,13 @@ def encode(x: torch.Tensor, target: int = 64) -> torch.Tensor:
     """
     if x.ndim == 2:
         a, b = chunk_size(x.shape[0], target), chunk_size(x.shape[1], target)
+        d_a, d_b = _basis(a, x.device), _basis(b, x.device)
         blocks_YAXB = x.reshape(x.shape[0] // a, a, x.shape[1] // b, b)  # (Y, A, X, B)
-        return torch.einsum("yhxw,ph,qw->yxpq", blocks_YAXB, _basis(a), _basis(b))  # (Y, X, A, B)
+        return torch.einsum("yhxw,ph,qw->yxpq", blocks_YAXB, d_a, d_b)  # (Y, X, A, B)
     if x.ndim == 1:
         b = chunk_size(x.shape[0], target)
         chunks_XB = x.reshape(x.shape[0] // b, b)  # (X, B)
-        return torch.einsum("xw,qw->xq", chunks_XB, _basis(b))  # (X, B)
+        return torch.einsum("xw,qw->xq", chunks_XB, _basis(b, x.device))  # (X, B)
     raise ValueError(f"the reference handles 1-D and 2-D tensors only, got shape {tuple(x.shape)}")
 
 
@@ -85,11 +86,12 @@ def decode(c: torch.Tensor) -> torch.Tensor:
     """Inverse of `encode`: (Y, X, A, B) -> (Y*A, X*B) or (X, B) -> (X*B,)."""
     if c.ndim == 4:
         y, x, a, b = c.shape
-        blocks_YAXB = torch.einsum("yxpq,ph,qw->yhxw", c, _basis(a), _basis(b))  # (Y, A, X, B)
+        d_a, d_b = _basis(a, c.device), _basis(b, c.device)
+        blocks_YAXB = torch.einsum("yxpq,ph,qw->yhxw", c, d_a, d_b)  # (Y, A, X, B)
         return blocks_YAXB.reshape(y * a, x * b)  # (Y*A, X*B)
     if c.ndim == 2:
         x, b = c.shape
-        chunks_XB = torch.einsum("xq,qw->xw", c, _basis(b))  # (X, B)
+        chunks_XB = torch.einsum("xq,qw->xw", c, _basis(b, c.device))  # (X, B)
         return chunks_XB.reshape(x * b)  # (X*B,)
     raise ValueError(f"coefficients should be (Y, X, A, B) or (X, B), got shape {tuple(c.shape)}")
 
@@ -120,9 +122,10 @@ def decompress(idx: torch.Tensor, val: torch.Tensor, xshape: tuple[int, ...]) ->
     oracle does not share the reference's primitive.
     """
     flat_shape = (*xshape[:-2], xshape[-2] * xshape[-1]) if len(xshape) == 4 else xshape
-    sums = torch.zeros(flat_shape, dtype=val.dtype).scatter_add(-1, idx, val)  # (Y, X, A*B) or (X, B)
-    counts = torch.zeros(flat_shape, dtype=val.dtype).scatter_add(-1, idx, torch.ones_like(val))
-    mean = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+    zeros = torch.zeros(flat_shape, dtype=val.dtype, device=val.device)  # (Y, X, A*B) or (X, B)
+    sums = zeros.scatter_add(-1, idx, val)
+    counts = zeros.scatter_add(-1, idx, torch.ones_like(val))
+    mean = torch.where(counts > 0, sums / counts.clamp(min=1), zeros)
     return mean.reshape(xshape)  # (Y, X, A, B) or (X, B)
 
 
