@@ -1,0 +1,87 @@
+"""Merge the sparse payloads of several peers into one aggregate payload.
+
+Math layer: imports torch only.
+
+Shape legend: C = chunks of one tensor, K = entries per chunk, N = h * w coefficients per chunk,
+U = entries per chunk of the merged union.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .payload import Compressed, Payload
+
+__all__ = ["aggregate", "merge_tensor"]
+
+
+def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False) -> Compressed:
+    """Merge one tensor's entries from several peers: union of indices, mean over contributors.
+
+    Each coefficient is averaged over the peers that sent it, as the reference's
+    ``scatter_reduce(mean, include_self=False)`` does; coefficients nobody sent stay 0. Sums run
+    peer by peer in the given order with unique indices per row, so the result is the same bits on
+    every device (no atomics race).
+
+    Args:
+        parts: the tensor's `Compressed` from each peer, same shape and chunk.
+        count_zeros: count a peer that sent exactly 0 as a contributor (the reference does; it
+            halves other peers' values wherever one peer's chunk was all zeros). Off by default.
+
+    Returns:
+        (C, U) entries, U the largest union over chunks; shorter rows are padded with value 0.
+    """
+    first = parts[0]
+    for part in parts[1:]:
+        if part.shape != first.shape or part.chunk != first.chunk or part.idx.shape[0] != first.idx.shape[0]:
+            raise ValueError(
+                f"cannot merge tensors of shape {part.shape} chunk {part.chunk} and {first.shape} {first.chunk}")
+    num_chunks, n = first.idx.shape[0], first.totalk
+    dtype = torch.promote_types(first.val.dtype, torch.float32)
+    sums_CN = torch.zeros(num_chunks, n, dtype=dtype, device=first.val.device)
+    counts_CN = torch.zeros(num_chunks, n, dtype=dtype, device=first.val.device)
+    for part in parts:
+        val_CK = part.val.to(dtype)
+        sums_CN.scatter_add_(1, part.idx, val_CK)
+        weight_CK = torch.ones_like(val_CK) if count_zeros else (val_CK != 0).to(dtype)
+        counts_CN.scatter_add_(1, part.idx, weight_CK)
+
+    # Union per row: sort all sent indices, keep the first of each run that somebody counted.
+    sorted_CK, _ = torch.sort(torch.cat([p.idx for p in parts], dim=1), dim=1)
+    keep_CK = torch.ones_like(sorted_CK, dtype=torch.bool)
+    keep_CK[:, 1:] = sorted_CK[:, 1:] != sorted_CK[:, :-1]
+    keep_CK &= counts_CN.gather(1, sorted_CK) > 0
+    num_kept_C = keep_CK.sum(dim=1)
+    width = max(int(num_kept_C.max()) if num_chunks else 0, 1)
+    # Unkept entries go to a spare column that is dropped; kept ranks are unique, so no race.
+    rank_CK = torch.where(keep_CK, keep_CK.cumsum(dim=1) - 1, width)
+    idx_CU = torch.zeros(num_chunks, width + 1, dtype=torch.int64, device=sorted_CK.device)
+    idx_CU.scatter_(1, rank_CK, sorted_CK)
+    idx_CU = idx_CU[:, :width]
+    valid_CU = torch.arange(width, device=idx_CU.device)[None, :] < num_kept_C[:, None]
+    idx_CU = torch.where(valid_CU, idx_CU, idx_CU[:, :1])  # padding repeats a real index, value 0
+    mean_CN = sums_CN.div_(counts_CN.clamp_(min=1))
+    val_CU = torch.where(valid_CU, mean_CN.gather(1, idx_CU), 0.0).to(first.val.dtype)
+    return Compressed(idx=idx_CU, val=val_CU, shape=first.shape, chunk=first.chunk)
+
+
+def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False) -> Payload:
+    """The round's aggregate: every tensor merged with `merge_tensor`.
+
+    A single payload is returned as it is (its own mean). All payloads must hold the same tensor
+    names in the same order; a mismatch raises ValueError (the wire layer validates peers' payloads
+    against the model before they get here).
+    """
+    if not payloads:
+        raise ValueError("aggregate needs at least one payload")
+    if len(payloads) == 1:
+        return payloads[0]
+    names = list(payloads[0].tensors)
+    for payload in payloads[1:]:
+        if list(payload.tensors) != names:
+            raise ValueError("payloads hold different tensors; validate them against the model first")
+    merged = {name: merge_tensor([p.tensors[name] for p in payloads], count_zeros=count_zeros) for name in names}
+    # Means of encoded values are no longer on the encoding's grid: the aggregate is plain floats.
+    return Payload(tensors=merged, encoding="fp32")
