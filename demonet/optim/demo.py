@@ -329,6 +329,11 @@ class DeMo(torch.optim.Optimizer):
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer keeps only defaults, state and param_groups: copy the buckets too, so
+        # copy.deepcopy(opt) works (deepcopy keeps the state entries as views of the copied buckets).
+        return self.__dict__.copy()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load, then copy the saved buffers into this optimizer's buckets at full precision."""
         saved = {int(i): dict(s) for i, s in state_dict["state"].items()}

@@ -1,0 +1,244 @@
+"""The DeMo optimizer: reference parity, error feedback, aggregation, determinism, state, bad input."""
+
+import copy
+
+import pytest
+import torch
+
+from demonet.digest import param_digest
+from demonet.optim import DeMo, Payload, aggregate, dct_matrix
+from tests.reference_demo import ReferenceDeMo
+
+
+def _params(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in shapes]
+
+
+def _set_grads(params: list[torch.nn.Parameter], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 0.01
+
+
+def _dct_of(p: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(Y*X, h*w) block DCT of a 2-D tensor, computed directly (no demonet transform code)."""
+    rows, cols = p.shape
+    blocks = p.reshape(rows // h, h, cols // w, w).permute(0, 2, 1, 3).reshape(-1, h, w).double()
+    return (dct_matrix(h, torch.float64) @ blocks @ dct_matrix(w, torch.float64).t()).reshape(-1, h * w)
+
+
+SHAPES = [(128, 192), (64,), (96, 50), (200,)]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_matches_the_reference_semantics(world: int) -> None:
+    """Each of `world` peers trains on its own gradients; all apply the same aggregate (§1.7)."""
+    ours = [_params(0, SHAPES) for _ in range(world)]
+    refs = [_params(0, SHAPES) for _ in range(world)]
+    opts = [DeMo(ps, lr=0.01, compression_topk=8, compression_chunk=32) for ps in ours]
+    oracles = [ReferenceDeMo(ps, lr=0.01, compression_topk=8, compression_chunk=32) for ps in refs]
+    for step in range(6):
+        for rank in range(world):
+            _set_grads(ours[rank], 100 * step + rank)
+            _set_grads(refs[rank], 100 * step + rank)
+        before = [p.detach().clone() for p in ours[0]]
+        agg = aggregate([opt.compress() for opt in opts])
+        for opt in opts:
+            opt.apply(agg)
+        gathered = [o.step_local() for o in oracles]
+        us = [o.apply_gathered(gathered) for o in oracles]
+        for p, b, u in zip(ours[0], before, us[0], strict=True):
+            our_sign = torch.sign((b - p.detach()) / 0.01)
+            agree = (our_sign == torch.sign(u)).float().mean().item()
+            assert agree > 0.9999, f"step {step}: sign agreement {agree}"
+    for rank in range(world):
+        for p, r in zip(ours[rank], refs[rank], strict=True):
+            assert torch.allclose(p, r, atol=1e-5)
+        assert param_digest(enumerate(ours[rank])) == param_digest(enumerate(ours[0]))
+
+
+def test_error_feedback_invariant() -> None:
+    """momentum before (beta*m + lr*DCT(g)) == momentum after + what was sent, coefficient by coefficient."""
+    ps = _params(1, [(64, 128)])
+    opt = DeMo(ps, lr=0.1, compression_decay=0.9, compression_topk=5, compression_chunk=32)
+    for step in range(3):
+        prev = opt.state[ps[0]]["momentum"].double().clone()
+        _set_grads(ps, step)
+        payload = opt.compress()
+        before = 0.9 * prev + 0.1 * _dct_of(ps[0].grad, 32, 32)
+        after = opt.state[ps[0]]["momentum"].double()
+        sent = torch.zeros_like(after).scatter_add_(1, payload.tensors["0"].idx, payload.tensors["0"].val.double())
+        assert torch.allclose(before, after + sent, atol=1e-7)
+        assert (sent != 0).sum(dim=1).max() <= 5
+        kept = after.abs().max(dim=1).values
+        assert torch.all(payload.tensors["0"].val.abs().min(dim=1).values >= kept - 1e-9)  # the largest were sent
+        opt.apply(payload)
+
+
+def test_topk_all_is_lossless() -> None:
+    ps = _params(2, [(32, 16), (48,)])
+    opt = DeMo(ps, lr=0.5, compression_decay=0.0, compression_topk=10_000, compression_chunk=16, base="sgd")
+    _set_grads(ps, 0)
+    grads = [p.grad.clone() for p in ps]
+    before = [p.detach().clone() for p in ps]
+    opt.step()
+    for p, b, g in zip(ps, before, grads, strict=True):
+        assert torch.allclose(p, b - 0.5 * 0.5 * g, atol=1e-6)  # p -= lr * (lr * g): the whole momentum
+        assert torch.count_nonzero(opt.state[p]["momentum"]) == 0
+
+
+@pytest.mark.parametrize("encoding", ["fp32", "int8", "sign"])
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+def test_restore_puts_the_payload_back(encoding: str, alpha: float) -> None:
+    ps = _params(3, [(64, 64)])
+    opt = DeMo(ps, lr=0.1, compression_decay=0.8, compression_topk=4, compression_chunk=16, encoding=encoding,
+               alpha=alpha)
+    _set_grads(ps, 0)
+    opt.step()
+    prev = opt.state[ps[0]]["momentum"].double().clone()
+    _set_grads(ps, 1)
+    payload = opt.compress()
+    assert not torch.allclose(opt.state[ps[0]]["momentum"].double(), 0.8 * prev + 0.1 * _dct_of(ps[0].grad, 16, 16))
+    opt.restore(payload)
+    assert torch.allclose(opt.state[ps[0]]["momentum"].double(), 0.8 * prev + 0.1 * _dct_of(ps[0].grad, 16, 16),
+                          atol=1e-7)
+
+
+def test_deepcopy_keeps_state_views() -> None:
+    ps = _params(3, [(32, 32)])
+    opt = DeMo(ps, lr=0.1, compression_chunk=16)
+    twin = copy.deepcopy(opt)
+    _set_grads([s.param for s in twin._slots], 0)
+    twin.step()
+    assert torch.count_nonzero(twin.state[twin._slots[0].param]["momentum"]) > 0
+    assert torch.count_nonzero(opt.state[ps[0]]["momentum"]) == 0
+
+
+def test_identical_aggregate_gives_identical_bits() -> None:
+    a, b = _params(4, SHAPES), _params(4, SHAPES)
+    opt_a = DeMo(a, lr=0.01, compression_topk=8, compression_chunk=32)
+    opt_b = DeMo(b, lr=0.01, compression_topk=8, compression_chunk=32)
+    other = _params(4, SHAPES)
+    opt_other = DeMo(other, lr=0.01, compression_topk=8, compression_chunk=32)
+    for step in range(5):
+        _set_grads(a, step)
+        _set_grads(b, step + 1000)  # different local data: different momentum, same aggregate
+        _set_grads(other, step + 2000)
+        agg = aggregate([opt_a.compress(), opt_b.compress(), opt_other.compress()])
+        opt_a.apply(agg)
+        opt_b.apply(agg)
+        opt_other.apply(agg)
+        assert param_digest(enumerate(a)) == param_digest(enumerate(b))
+
+
+def test_state_dict_round_trip_resumes_identically() -> None:
+    a = _params(5, SHAPES)
+    opt_a = DeMo(a, lr=0.01, compression_topk=8, compression_chunk=32, base="adamw", weight_decay=0.1)
+    for step in range(3):
+        _set_grads(a, step)
+        opt_a.step()
+    saved = copy.deepcopy(opt_a.state_dict())
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt_b = DeMo(b, lr=0.01, compression_topk=8, compression_chunk=32, base="adamw", weight_decay=0.1)
+    opt_b.load_state_dict(saved)
+    assert torch.count_nonzero(opt_b.state[b[0]]["momentum"]) > 0
+    for step in range(3, 6):
+        _set_grads(a, step)
+        _set_grads(b, step)
+        opt_a.step()
+        opt_b.step()
+    assert param_digest(enumerate(a)) == param_digest(enumerate(b))
+    with pytest.raises(ValueError, match="does not fit"):
+        DeMo(_params(5, [(8, 8)]), lr=0.01).load_state_dict(saved)
+
+
+def test_awkward_tensors_train() -> None:
+    """3-D and 0-d params, a param without grad, a frozen param, a prime dimension (pad policy)."""
+    shapes = [(6, 4, 3, 3), (), (97, 64), (10,)]
+    ps = _params(6, shapes)
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    opt = DeMo([*ps, frozen], lr=0.01, compression_topk=4, compression_chunk=16, chunk_policy="pad")
+    assert set(opt.compress().tensors) == {"0", "1", "2", "3"}
+    assert opt.param_specs()["2"] == ((97, 64), (16, 16))  # 97 is prime: padded to 7 chunks of 16
+    target = [torch.zeros(s) for s in shapes]
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = sum(((p - t) ** 2).sum() for p, t in zip(ps[:3], target[:3], strict=True))  # ps[3]: no grad
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0]
+    assert torch.equal(frozen, torch.ones(3))
+
+
+def test_per_group_weight_decay_and_lr() -> None:
+    a, b = _params(7, [(16, 16)]), _params(7, [(16, 16)])
+    opt = DeMo([{"params": a, "weight_decay": 0.5}, {"params": b, "lr": 0.0}], lr=0.1, weight_decay=0.0)
+    a[0].grad = torch.zeros(16, 16)
+    b[0].grad = torch.ones(16, 16)
+    before_a, before_b = a[0].detach().clone(), b[0].detach().clone()
+    opt.step()
+    assert torch.allclose(a[0], before_a * (1 - 0.1 * 0.5))  # zero grad: only the decay
+    assert torch.equal(b[0], before_b)  # lr 0: no change
+
+
+@pytest.mark.parametrize("base", ["sign", "sgd", "adamw"])
+@pytest.mark.parametrize("encoding", ["fp32", "bf16", "fp16", "int8", "sign"])
+def test_bases_and_encodings_descend(base: str, encoding: str) -> None:
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(32, 32))
+    target = torch.randn(32, 32)
+    lr = {"sign": 0.04, "sgd": 5.0, "adamw": 0.04}[base]
+    opt = DeMo([w], lr=lr, compression_topk=16, compression_chunk=16, base=base, encoding=encoding, alpha=0.5)
+    first = float(((w - target) ** 2).mean().detach())
+    for _ in range(50):
+        opt.zero_grad()
+        ((w - target) ** 2).mean().backward()
+        opt.step()
+    assert float(((w - target) ** 2).mean()) < 0.7 * first
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"compression_topk": 0}, "compression_topk"), ({"compression_topk": -3}, "compression_topk"),
+    ({"compression_chunk": 0}, "compression_chunk"), ({"compression_decay": 1.0}, "compression_decay"),
+    ({"compression_decay": -0.1}, "compression_decay"), ({"lr": -1.0}, "lr"), ({"base": "lion"}, "base"),
+    ({"alpha": 0.0}, "alpha"), ({"alpha": 1.5}, "alpha"), ({"encoding": "fp8"}, "encoding"),
+    ({"chunk_policy": "x"}, "chunk_policy"), ({"weight_decay": -1.0}, "weight_decay"),
+])
+def test_bad_arguments_raise(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DeMo(_params(8, [(4, 4)]), **{"lr": 0.1, **kwargs})  # type: ignore[arg-type]
+
+
+def test_bad_aggregate_is_rejected_without_change() -> None:
+    ps = _params(9, [(16, 16)])
+    opt = DeMo(ps, lr=0.1, compression_chunk=8)
+    _set_grads(ps, 0)
+    payload = opt.compress()
+    digest = param_digest(enumerate(ps))
+    momentum = opt.state[ps[0]]["momentum"].clone()
+    c = payload.tensors["0"]
+    bad = [
+        Payload(tensors={}),
+        Payload(tensors={"0": c, "extra": c}),
+        Payload(tensors={"0": type(c)(idx=c.idx[:2], val=c.val[:2], shape=c.shape, chunk=c.chunk)}),
+        Payload(tensors={"0": type(c)(idx=c.idx, val=c.val, shape=(16, 17), chunk=c.chunk)}),
+        Payload(tensors={"0": type(c)(idx=c.idx, val=c.val, shape=c.shape, chunk=(4, 16))}),
+    ]
+    for p in bad:
+        with pytest.raises(ValueError):
+            opt.apply(p)
+        with pytest.raises(ValueError):
+            opt.restore(p)
+    assert param_digest(enumerate(ps)) == digest
+    assert torch.equal(opt.state[ps[0]]["momentum"], momentum)
+
+
+def test_named_parameters_name_the_payload() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2, bias=False))
+    opt = DeMo(model.named_parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    assert list(opt.compress().tensors) == ["0.weight", "0.bias", "1.weight"]

@@ -1,0 +1,163 @@
+"""Chunk rule, DCT basis and transforms, two-level top-k, aggregation: the pure math."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from demonet.optim import Compressed, Payload, aggregate, chunk_size, dct_matrix, merge_tensor, quantize
+from demonet.optim.chunking import divisors, reference_chunk_size
+from demonet.optim.dct import add_blocks_, decode_dense, encode, to_blocks
+from demonet.optim.demo import _topk_abs
+
+
+@pytest.mark.parametrize(("n", "target", "want"), [
+    (12, 3, 3), (12, 4, 4), (12, 5, 4), (100, 7, 5), (100, 26, 25), (100, 101, 100), (1, 1, 1),
+    (1_000_000_007, 500_000_000, 1), (50304, 64, 64), (50280, 64, 60), (50257, 64, 29), (16384, 64, 64),
+    (100, 64, 50), (97, 64, 1),
+])
+def test_reference_chunk_rule(n: int, target: int, want: int) -> None:
+    assert reference_chunk_size(n, target) == want
+    assert chunk_size(n, target, "reference") == want
+
+
+@pytest.mark.parametrize(("n", "want"), [(50257, 64), (97, 64), (50280, 60), (100, 50), (64, 64), (30, 30)])
+def test_pad_policy_never_collapses(n: int, want: int) -> None:
+    assert chunk_size(n, 64, "pad") == want
+
+
+def test_chunk_rule_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="target"):
+        reference_chunk_size(10, 0)
+    with pytest.raises(ValueError, match="chunk_policy"):
+        chunk_size(10, 4, "nearest")
+    assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+
+
+def test_dct_matrix_is_the_orthonormal_dct2() -> None:
+    # The reference's f_dict[4] (= D.T), from research notes section 1.3.
+    truth_f = torch.tensor([[0.5, 0.6533, 0.5, 0.2706], [0.5, 0.2706, -0.5, -0.6533],
+                            [0.5, -0.2706, -0.5, 0.6533], [0.5, -0.6533, 0.5, -0.2706]])
+    assert torch.allclose(dct_matrix(4).t(), truth_f, atol=1e-4)
+    for n in (1, 3, 33, 64):
+        d = dct_matrix(n, torch.float64)
+        assert torch.allclose(d @ d.t(), torch.eye(n, dtype=torch.float64), atol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), cols=st.integers(1, 40), h=st.integers(1, 8), w=st.integers(1, 8),
+       seed=st.integers(0, 2**16))
+def test_blockwise_dct_round_trip_with_padding(rows: int, cols: int, h: int, w: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    grid = -(-rows // h) * -(-cols // w)
+    blocks = torch.empty(grid, h, w, dtype=torch.float64)
+    to_blocks(x, h, w, blocks)
+    d_h, d_w = dct_matrix(h, torch.float64), dct_matrix(w, torch.float64)
+    coef = torch.zeros_like(blocks)
+    encode(blocks, d_h, d_w.t().contiguous(), torch.empty_like(blocks), coef, beta=0.0, alpha=1.0)
+    assert torch.allclose(coef, d_h @ blocks @ d_w.t(), atol=1e-12)  # per block: D_h B D_w^T
+    energy = (coef**2).sum()
+    assert torch.allclose(energy, (x**2).sum())  # orthonormal: Parseval
+    out = torch.empty_like(blocks)
+    decode_dense(coef, d_h.t().contiguous(), d_w, torch.empty_like(blocks), out)
+    back = torch.zeros_like(x)
+    add_blocks_(back, out, 1.0)
+    assert torch.allclose(back, x, atol=1e-12)
+
+
+def test_encode_accumulates_momentum() -> None:
+    blocks = torch.randn(5, 4, 8, dtype=torch.float64)
+    acc = torch.randn(5, 4, 8, dtype=torch.float64)
+    want = 0.9 * acc + 0.1 * (dct_matrix(4, torch.float64) @ blocks @ dct_matrix(8, torch.float64).t())
+    encode(blocks, dct_matrix(4, torch.float64), dct_matrix(8, torch.float64).t().contiguous(),
+           torch.empty_like(blocks), acc, beta=0.9, alpha=0.1)
+    assert torch.allclose(acc, want, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 20), n=st.sampled_from([8, 64, 256, 1024, 4096]), k=st.integers(1, 40),
+       seed=st.integers(0, 2**16), ties=st.booleans())
+def test_two_level_topk_finds_the_topk_set(rows: int, n: int, k: int, seed: int, ties: bool) -> None:
+    k = min(k, n)
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(rows, n, generator=g)
+    if ties:
+        m = torch.round(m * 2) / 2  # many equal magnitudes
+    idx = _topk_abs(m, k, torch.empty_like(m))
+    assert idx.shape == (rows, k)
+    assert all(len(set(r.tolist())) == k for r in idx)
+    got = m.abs().gather(1, idx).sort(dim=1).values
+    want = torch.topk(m.abs(), k, dim=1).values.sort(dim=1).values
+    assert torch.equal(got, want)  # the same magnitudes: a valid top-k even where ties pick others
+
+
+def _c(idx: list[list[int]], val: list[list[float]], chunk: tuple[int, int] = (1, 4)) -> Compressed:
+    return Compressed(idx=torch.tensor(idx), val=torch.tensor(val), shape=(len(idx) * chunk[1],), chunk=chunk)
+
+
+def test_mean_over_contributors_by_hand() -> None:
+    a = _c([[0, 2], [1, 3]], [[1.0, 2.0], [3.0, -4.0]])
+    b = _c([[2, 3], [1, 0]], [[4.0, 8.0], [5.0, 6.0]])
+    m = merge_tensor([a, b])
+    dense = torch.zeros(2, 4).scatter_add_(1, m.idx, m.val)
+    # chunk 0: coef 0 from a only (1), coef 2 from both ((2+4)/2), coef 3 from b only (8)
+    # chunk 1: coef 1 from both ((3+5)/2), coef 3 from a (-4), coef 0 from b (6)
+    assert torch.equal(dense, torch.tensor([[1.0, 0.0, 3.0, 8.0], [6.0, 4.0, 0.0, -4.0]]))
+    assert m.idx.shape == (2, 3)
+
+
+def test_zero_chunks_do_not_dilute() -> None:
+    zeros = _c([[0, 1]], [[0.0, 0.0]])  # a peer whose chunk was all zeros
+    real = _c([[0, 3]], [[2.0, -1.0]])
+    dense = lambda c: torch.zeros(1, 4).scatter_add_(1, c.idx, c.val)  # noqa: E731
+    assert torch.equal(dense(merge_tensor([zeros, real])), torch.tensor([[2.0, 0.0, 0.0, -1.0]]))
+    # The reference's rule, on request: the zero counts and halves the other peer's value.
+    assert torch.equal(dense(merge_tensor([zeros, real], count_zeros=True)), torch.tensor([[1.0, 0.0, 0.0, -1.0]]))
+
+
+def test_aggregate_padding_is_zero_and_rows_unique() -> None:
+    g = torch.Generator().manual_seed(0)
+    parts = [_c([torch.randperm(64, generator=g)[:5].tolist() for _ in range(7)],
+                torch.randn(7, 5, generator=g).tolist(), chunk=(8, 8)) for _ in range(4)]
+    m = merge_tensor(parts)
+    for row_idx, row_val in zip(m.idx, m.val, strict=True):
+        nonzero = row_idx[row_val != 0].tolist()
+        assert len(nonzero) == len(set(nonzero))
+    dense = torch.zeros(7, 64).scatter_add_(1, m.idx, m.val)
+    sums, counts = torch.zeros(7, 64), torch.zeros(7, 64)
+    for p in parts:
+        sums.scatter_add_(1, p.idx, p.val)
+        counts.scatter_add_(1, p.idx, torch.ones_like(p.val))
+    assert torch.allclose(dense, sums / counts.clamp(min=1))
+
+
+def test_aggregate_rejects_mismatched_payloads() -> None:
+    a = Payload(tensors={"w": _c([[0]], [[1.0]])})
+    b = Payload(tensors={"v": _c([[0]], [[1.0]])})
+    with pytest.raises(ValueError, match="different tensors"):
+        aggregate([a, b])
+    with pytest.raises(ValueError, match="at least one"):
+        aggregate([])
+    assert aggregate([a]) is a
+
+
+@pytest.mark.parametrize("encoding", ["fp32", "bf16", "fp16", "int8", "sign"])
+def test_quantize_scale_is_exact(encoding: str) -> None:
+    val = torch.randn(6, 32) * 1e-6
+    deq, scale = quantize(val, encoding)
+    assert deq.shape == val.shape and deq.dtype == val.dtype
+    if encoding == "int8":
+        assert scale is not None
+        q = deq / scale
+        assert torch.equal(q, torch.round(q)) and q.abs().max() <= 127
+    if encoding == "sign":
+        assert scale is not None
+        assert torch.equal((deq / scale).abs(), torch.ones_like(deq))
+        assert torch.equal(torch.sign(deq), torch.where(val < 0, -1.0, 1.0))
+    if encoding == "fp16":
+        assert scale is not None and math.log2(float(scale)).is_integer()
+        assert torch.equal((deq / scale).half().float(), deq / scale)
+    assert (deq - val).abs().max() <= val.abs().max()  # within the chunk's range
