@@ -1,0 +1,259 @@
+"""Wire format round trips: every value encoding and index coding, bit-identical values, accounting.
+
+Also holds the synthetic-payload helpers the other tests/unit/test_wire_*.py files import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from demonet import wire
+from demonet._proto import demonet_pb2 as pb
+from demonet.optim.payload import ENCODINGS, Compressed, Payload, matrix_shape, quantize
+
+
+def num_chunks(shape: tuple[int, ...], chunk: tuple[int, int]) -> int:
+    rows, cols = matrix_shape(shape)
+    return -(-rows // chunk[0]) * -(-cols // chunk[1])
+
+
+def make_compressed(
+    shape: tuple[int, ...],
+    chunk: tuple[int, int],
+    k: int,
+    encoding: str,
+    gen: torch.Generator,
+    *,
+    magnitude: float = 1e-6,
+    zeros: float = 0.0,
+    pad: bool = False,
+) -> Compressed:
+    """k distinct random indices per chunk; normal values; a `zeros` fraction of exact +-0.
+
+    With ``pad`` some rows end in aggregate-style padding: value 0 and the row's first index again.
+    """
+    count, n = num_chunks(shape, chunk), chunk[0] * chunk[1]
+    idx_CK = torch.rand(count, n, generator=gen).argsort(dim=1)[:, :k]
+    val_CK = torch.randn(count, k, generator=gen) * magnitude
+    if zeros:
+        zero_CK = torch.rand(count, k, generator=gen) < zeros
+        val_CK = torch.where(zero_CK, torch.where(val_CK < 0, -0.0, 0.0), val_CK)
+    if pad and k > 1:
+        kept_C1 = torch.randint(1, k + 1, (count, 1), generator=gen)
+        pad_CK = torch.arange(k)[None, :] >= kept_C1
+        idx_CK = torch.where(pad_CK, idx_CK[:, :1], idx_CK)
+        val_CK = torch.where(pad_CK, 0.0, val_CK)
+    val_CK, scale = quantize(val_CK, encoding)
+    return Compressed(idx=idx_CK, val=val_CK, shape=shape, chunk=chunk, scale=scale)
+
+
+def small_payload(encoding: str, seed: int, *, pad: bool = False) -> Payload:
+    """A few tensors of every kind: 2-D with a padded grid, 1-D, 0-d, 3-D."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = [((10, 12), (4, 8), 5), ((20,), (1, 8), 3), ((), (1, 1), 1), ((3, 4, 5), (2, 4), 8)]
+    tensors = {f"t{i}": make_compressed(s, c, k, encoding, gen, pad=pad) for i, (s, c, k) in enumerate(specs)}
+    return Payload(tensors=tensors, encoding=encoding)
+
+
+def expected_of(payload: Payload) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
+    return {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
+
+
+def seal(msg: pb.Payload) -> bytes:
+    """Serialize a (possibly tampered) message with a correct digest, as a sender would."""
+    msg.ClearField("digest")
+    body = msg.SerializeToString()
+    return body + pb.Payload(digest=hashlib.sha256(body).digest()).SerializeToString()
+
+
+def parse(data: bytes) -> pb.Payload:
+    msg = pb.Payload()
+    msg.ParseFromString(data)
+    return msg
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.contiguous().view(torch.int32))
+
+
+# --- round trips -------------------------------------------------------------------------------
+
+
+def _sorted_like(c: Compressed) -> tuple[torch.Tensor, torch.Tensor]:
+    idx_CK, order_CK = torch.sort(c.idx, dim=1, stable=True)
+    return idx_CK, c.val.gather(1, order_CK)
+
+
+def assert_round_trip(payload: Payload, index_coding: str, step: int = 3) -> Payload:
+    data = wire.encode(payload, step=step, index_coding=index_coding)
+    got_step, got = wire.decode(data, expected=expected_of(payload))
+    assert got_step == step and got.encoding == payload.encoding
+    assert list(got.tensors) == list(payload.tensors)
+    for name, sent in payload.tensors.items():
+        back = got.tensors[name]
+        assert back.shape == sent.shape and back.chunk == sent.chunk
+        idx_CK, val_CK = (sent.idx, sent.val) if index_coding == "packed" else _sorted_like(sent)
+        assert torch.equal(back.idx, idx_CK), name
+        assert bits_equal(back.val, val_CK), name  # what the sender subtracted, to the bit
+        if sent.scale is None:
+            assert back.scale is None
+        else:
+            assert back.scale is not None and bits_equal(back.scale, sent.scale.reshape(back.scale.shape))
+    assert wire.payload_bytes(payload, index_coding=index_coding, step=step) == len(data)
+    return got
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("index_coding", wire.INDEX_CODINGS)
+def test_round_trip_every_encoding(encoding: str, index_coding: str) -> None:
+    assert_round_trip(small_payload(encoding, seed=1), index_coding)
+
+
+@pytest.mark.parametrize("encoding", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("index_coding", wire.INDEX_CODINGS)
+def test_round_trip_aggregate_padding(encoding: str, index_coding: str) -> None:
+    """An aggregate's rows end in value-0 entries that repeat the row's first index."""
+    assert_round_trip(small_payload(encoding, seed=2, pad=True), index_coding)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_signed_zeros_and_zero_chunks_are_bit_exact(encoding: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    c = make_compressed((16, 16), (8, 8), 6, encoding, gen, zeros=0.5)
+    zero = make_compressed((8, 8), (8, 8), 4, encoding, gen, magnitude=0.0)
+    assert_round_trip(Payload(tensors={"w": c, "z": zero}, encoding=encoding), "entropy")
+    assert_round_trip(Payload(tensors={"w": c, "z": zero}, encoding=encoding), "packed")
+
+
+@st.composite
+def _tensor_specs(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, int], int]:
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 24), min_size=ndim, max_size=ndim)))
+    h = 1 if ndim < 2 else draw(st.integers(1, 8))
+    w = draw(st.sampled_from([1, 2, 3, 5, 8, 16, 64]))
+    k = draw(st.integers(1, h * w))
+    return shape, (h, w), k
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    specs=st.lists(_tensor_specs(), min_size=1, max_size=3),
+    encoding=st.sampled_from(ENCODINGS),
+    index_coding=st.sampled_from(wire.INDEX_CODINGS),
+    seed=st.integers(0, 2**31),
+    exponent=st.integers(-30, 10),
+    pad=st.booleans(),
+)
+def test_round_trip_property(
+    specs: list[tuple[tuple[int, ...], tuple[int, int], int]],
+    encoding: str,
+    index_coding: str,
+    seed: int,
+    exponent: int,
+    pad: bool,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pad = pad and encoding in ("fp32", "bf16", "fp16")  # aggregates travel in these
+    tensors = {
+        f"p{i}": make_compressed(s, c, k, encoding, gen, magnitude=2.0**exponent, zeros=0.1, pad=pad)
+        for i, (s, c, k) in enumerate(specs)
+    }
+    assert_round_trip(Payload(tensors=tensors, encoding=encoding), index_coding, step=seed)
+
+
+def test_empty_payload_and_k_zero() -> None:
+    assert_round_trip(Payload(tensors={}, encoding="fp32"), "packed")
+    c = Compressed(
+        idx=torch.zeros(2, 0, dtype=torch.int64), val=torch.zeros(2, 0), shape=(4, 8), chunk=(2, 8)
+    )
+    for coding in wire.INDEX_CODINGS:
+        assert_round_trip(Payload(tensors={"w": c}, encoding="fp32"), coding)
+
+
+# --- index codings -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("chunk", "width"), [((64, 64), 12), ((1, 64), 6), ((1, 1), 0), ((3, 5), 4)])
+def test_packed_index_width(chunk: tuple[int, int], width: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    k = min(3, chunk[0] * chunk[1])
+    c = make_compressed((chunk[0] * 2, chunk[1]), chunk, k, "fp32", gen)
+    msg = parse(wire.encode(Payload(tensors={"w": c}, encoding="fp32"), step=0))
+    assert len(msg.tensors[0].indices) == math.ceil(2 * k * width / 8)
+
+
+def test_entropy_coding_near_the_floor() -> None:
+    """64x64 chunks with k=32: Elias-Fano takes 287 bits a chunk against a floor of about 266."""
+    gen = torch.Generator().manual_seed(5)
+    payload = Payload(tensors={"w": make_compressed((256, 384), (64, 64), 32, "fp16", gen)}, encoding="fp16")
+    report = wire.index_bits_report(payload)
+    assert report["packed_bits_per_index"] == 12
+    assert report["entropy_over_floor"] < 1.10
+    assert abs(report["floor_bits_per_index"] - 8.32) < 0.01
+    assert report["tensors"]["w"]["entropy_bits"] == 24 * 287
+    msg = parse(wire.encode(payload, step=0, index_coding="entropy"))
+    assert msg.tensors[0].index_coding == pb.INDEX_CODING_ELIAS_FANO
+    assert len(msg.tensors[0].indices) == math.ceil(24 * 287 / 8)
+
+
+def test_entropy_coding_picks_a_bitmap_for_dense_chunks_unless_indices_repeat() -> None:
+    gen = torch.Generator().manual_seed(6)
+    dense = make_compressed((64,), (1, 64), 32, "fp32", gen)
+    msg = parse(wire.encode(Payload(tensors={"b": dense}, encoding="fp32"), step=0, index_coding="entropy"))
+    assert msg.tensors[0].index_coding == pb.INDEX_CODING_BITMAP and len(msg.tensors[0].indices) == 8
+    padded = make_compressed((64,), (1, 64), 32, "fp32", gen, pad=True)
+    msg = parse(wire.encode(Payload(tensors={"b": padded}, encoding="fp32"), step=0, index_coding="entropy"))
+    assert msg.tensors[0].index_coding == pb.INDEX_CODING_ELIAS_FANO
+
+
+# --- encode refuses local bugs -----------------------------------------------------------------
+
+
+def test_encode_rejects_values_off_the_encoding_grid() -> None:
+    gen = torch.Generator().manual_seed(7)
+    c = make_compressed((8, 8), (8, 8), 4, "fp32", gen)  # fp32 values, not rounded to bf16
+    with pytest.raises(ValueError, match="quantize"):
+        wire.encode(Payload(tensors={"w": c}, encoding="bf16"), step=0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"idx": torch.full((1, 4), 64)},
+        {"idx": torch.zeros(2, 4, dtype=torch.int64)},
+        {"val": torch.zeros(1, 4, dtype=torch.float64)},
+        {"chunk": (8, 4)},
+    ],
+)
+def test_encode_rejects_malformed_local_payloads(change: dict[str, object]) -> None:
+    fields = {"idx": torch.arange(4)[None, :], "val": torch.zeros(1, 4), "shape": (8, 8), "chunk": (8, 8)}
+    fields.update(change)
+    with pytest.raises(ValueError):
+        wire.encode(Payload(tensors={"w": Compressed(**fields)}, encoding="fp32"), step=0)  # type: ignore[arg-type]
+
+
+def test_encode_rejects_bad_arguments() -> None:
+    payload = small_payload("fp32", seed=8)
+    with pytest.raises(ValueError, match="step"):
+        wire.encode(payload, step=-1)
+    with pytest.raises(ValueError, match="index_coding"):
+        wire.encode(payload, step=0, index_coding="zip")
+
+
+def test_digest_is_the_last_field_and_covers_everything_before_it() -> None:
+    data = wire.encode(small_payload("sign", seed=9), step=11)
+    assert data[-34:-32] == b"\x7a\x20"
+    assert hashlib.sha256(data[:-34]).digest() == data[-32:] == parse(data).digest
+
+
+def test_index_bits_report_totals_match_tensors() -> None:
+    report = wire.index_bits_report(small_payload("int8", seed=10))
+    for key in ("num_indices", "packed_bits", "entropy_bits"):
+        assert report[key] == sum(t[key] for t in report["tensors"].values())
+    assert report["packed_over_floor"] >= report["entropy_over_floor"] >= 1.0
