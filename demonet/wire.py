@@ -301,13 +301,16 @@ def _decode_tensor(t: Any, encoding: str, layout: _Layout) -> Compressed:
     where = f"tensor {t.name!r}"
     data_B = _codec.from_bytes(t.indices, torch.uint8)
     c, k, n = layout.num_chunks, layout.k, layout.n
-    if t.index_coding == _PACKED:
-        idx_CK = _codec.decode_packed(data_B, c, k, n)
-    elif t.index_coding == _ELIAS_FANO:
-        idx_CK = _codec.decode_elias_fano(data_B, c, k, n)
-    else:
-        idx_CK = _codec.decode_bitmap(data_B, c, k, n)
-    val_CK, scale = _codec.decode_values(t.values, t.scales, encoding, c, k)
+    decode_indices = {
+        _PACKED: _codec.decode_packed,
+        _ELIAS_FANO: _codec.decode_elias_fano,
+        _BITMAP: _codec.decode_bitmap,
+    }[t.index_coding]
+    try:
+        idx_CK = decode_indices(data_B, c, k, n)
+        val_CK, scale = _codec.decode_values(t.values, t.scales, encoding, c, k)
+    except InvalidPayload as e:
+        raise InvalidPayload(f"{where}: {e}") from None
     if not bool(torch.isfinite(val_CK).all()):
         raise InvalidPayload(f"{where}: values are not all finite")
     _check_entries(where, idx_CK, val_CK, n, sorted_=t.index_coding != _PACKED)
