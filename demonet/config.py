@@ -1,0 +1,165 @@
+"""Run configuration: frozen sections loaded from TOML, then DEMONET_* env vars, then CLI flags.
+
+Imports the model config only; library classes take explicit arguments, entry points read this.
+Precedence: CLI > env > TOML > defaults. Env names are DEMONET_<SECTION>_<FIELD>, e.g.
+DEMONET_OPTIM_LR=0.001 or DEMONET_TRAIN_PEERS=8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .model import ModelConfig
+from .optim import BASES, CHUNK_POLICIES, ENCODINGS
+
+__all__ = ["Config", "OptimConfig", "TrainConfig", "load_config"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """The DeMo optimizer."""
+
+    lr: float = 3e-3
+    """Learning rate; folded into the momentum, as the reference does."""
+    compression_decay: float = 0.999
+    """Momentum decay beta, in [0, 1)."""
+    compression_topk: int = 32
+    """DCT coefficients kept per chunk."""
+    compression_chunk: int = 64
+    """Target chunk side."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    base: str = "sign"
+    """Base optimizer on the decoded aggregate: sign, sgd or adamw."""
+    alpha: float = 1.0
+    """Momentum subtraction coefficient in (0, 1]."""
+    encoding: str = "fp32"
+    """Value encoding: fp32, bf16, fp16, int8 or sign."""
+    chunk_policy: str = "pad"
+    """``pad`` never collapses awkward dimensions to tiny chunks; ``reference`` is bloc97's rule."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "lr should be > 0")
+        _check(0 <= self.compression_decay < 1, "compression_decay should be in [0, 1)")
+        _check(self.compression_topk > 0, "compression_topk should be > 0")
+        _check(self.compression_chunk > 0, "compression_chunk should be > 0")
+        _check(self.weight_decay >= 0, "weight_decay should be >= 0")
+        _check(self.base in BASES, f"base should be one of {BASES}")
+        _check(0 < self.alpha <= 1, "alpha should be in (0, 1]")
+        _check(self.encoding in ENCODINGS, f"encoding should be one of {ENCODINGS}")
+        _check(self.chunk_policy in CHUNK_POLICIES, f"chunk_policy should be one of {CHUNK_POLICIES}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The training loop."""
+
+    peers: int = 4
+    """Peers in the local cluster."""
+    steps: int = 200
+    """Optimizer steps (rounds)."""
+    batch_size: int = 8
+    """Sequences per peer per step."""
+    seq_len: int = 128
+    """Tokens per sequence (at most the model's seq_len)."""
+    seed: int = 0
+    """Seed of the model init and of every peer's data stream."""
+    corpus: str = ""
+    """A text file to train on; empty for the embedded corpus (Python's own help topics)."""
+    eval_every: int = 50
+    """Steps between validation losses; 0 for none."""
+    out: str = "runs/demo"
+    """Run folder: config.json, metrics.jsonl, summary.json."""
+    device: str = "cpu"
+    """cpu, cuda or cuda:N."""
+
+    def __post_init__(self) -> None:
+        _check(self.peers >= 1, "peers should be >= 1")
+        _check(self.steps >= 1, "steps should be >= 1")
+        _check(self.batch_size >= 1, "batch_size should be >= 1")
+        _check(self.seq_len >= 1, "seq_len should be >= 1")
+        _check(self.seed >= 0, "seed should be >= 0")
+        _check(self.eval_every >= 0, "eval_every should be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.train.seq_len <= self.model.seq_len, "train.seq_len should be <= model.seq_len")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+_SECTIONS: dict[str, type[Any]] = {"model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
+
+
+def _convert(section: str, name: str, raw: Any, kind: type[Any]) -> Any:
+    if kind is bool and isinstance(raw, str):
+        if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise ValueError(f"{section}.{name} should be a bool, got {raw!r}")
+        return raw.lower() in ("1", "true", "yes")
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{section}.{name} should be a {kind.__name__}, got {raw!r}") from None
+    if kind in (int, float) and isinstance(raw, bool):
+        raise ValueError(f"{section}.{name} should be a {kind.__name__}, got {raw!r}")
+    return value
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+    """Build a `Config`.
+
+    Args:
+        path: a TOML file with [model], [optim] and [train] tables, or None.
+        env: environment variables (DEMONET_<SECTION>_<FIELD>); pass os.environ to use them.
+        overrides: {section: {field: value}} from the command line (None values are ignored).
+
+    Raises:
+        ValueError: unknown sections or fields, values of the wrong type or out of range.
+        FileNotFoundError: the TOML file does not exist.
+    """
+    merged: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    if path is not None:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        for section, values in data.items():
+            if section not in _SECTIONS or not isinstance(values, dict):
+                raise ValueError(f"{path}: unknown section [{section}]; expected one of {sorted(_SECTIONS)}")
+            merged[section].update(values)
+    for key, raw in (env or {}).items():
+        if key.startswith("DEMONET_") and key.count("_") >= 2:
+            section, _, name = key[len("DEMONET_"):].lower().partition("_")
+            if section in _SECTIONS:
+                merged[section][name] = raw
+    for section, values in (overrides or {}).items():
+        merged[section].update({k: v for k, v in values.items() if v is not None})
+    built = {}
+    for section, cls in _SECTIONS.items():
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for name, raw in merged[section].items():
+            if name not in fields:
+                raise ValueError(f"unknown setting {section}.{name}; expected one of {sorted(fields)}")
+            kind = type(fields[name].default)
+            kwargs[name] = _convert(section, name, raw, kind)
+        built[section] = cls(**kwargs)
+    return Config(**built)
