@@ -333,8 +333,8 @@ def decode(
 
     Args:
         data: a serialized ``demonet.v1.Payload`` as `encode` writes it.
-        expected: parameter name -> (shape, chunk) of the model; when given, every tensor must be
-            one of them with that shape and chunk (a payload may hold a subset).
+        expected: parameter name -> (shape, chunk) of the model; when given, the payload must hold
+            exactly these tensors, with these shapes and chunks, and comes back in this order.
         max_norm: when given, the L2 norm of all values together must not exceed it.
         max_bytes: size cap of `data`.
         max_entries: cap on the (index, value) entries of all tensors together.
@@ -353,9 +353,14 @@ def decode(
     total = sum(layout.num_chunks * max(layout.k, 1) for layout in layouts)  # chunks count too
     if total > max_entries:
         raise InvalidPayload(f"payload holds {total} entries, more than the cap of {max_entries}")
+    missing = [name for name in expected or () if name not in seen]
+    if missing:
+        raise InvalidPayload(f"payload lacks {len(missing)} of the model's tensors, e.g. {missing[0]!r}")
     tensors = {
         t.name: _decode_tensor(t, encoding, layout) for t, layout in zip(msg.tensors, layouts, strict=True)
     }
+    if expected is not None:  # the model's order, which aggregate() relies on
+        tensors = {name: tensors[name] for name in expected}
     if max_norm is not None:
         sq = sum(float(c.val.double().square().sum()) for c in tensors.values())
         if not math.sqrt(sq) <= max_norm:

@@ -252,6 +252,13 @@ def test_digest_is_the_last_field_and_covers_everything_before_it() -> None:
     assert hashlib.sha256(data[:-34]).digest() == data[-32:] == parse(data).digest
 
 
+def test_decode_returns_the_model_order() -> None:
+    payload = small_payload("fp32", seed=11)
+    shuffled = dict(reversed(list(expected_of(payload).items())))
+    _, got = wire.decode(wire.encode(payload, step=0), expected=shuffled)
+    assert list(got.tensors) == list(shuffled)
+
+
 def test_index_bits_report_totals_match_tensors() -> None:
     report = wire.index_bits_report(small_payload("int8", seed=10))
     for key in ("num_indices", "packed_bits", "entropy_bits"):

@@ -313,9 +313,11 @@ def test_caps_and_bounds() -> None:
     assert "entries" in _rejected(data, max_entries=10)
     assert "norm" in _rejected(data, max_norm=1e-12)
     wire.decode(data, max_norm=1e6)
-    missing = dict(expected_of(payload))
-    missing.pop("t0")
-    assert "not a parameter" in _rejected(data, expected=missing)
+    fewer = dict(expected_of(payload))
+    fewer.pop("t0")
+    assert "not a parameter" in _rejected(data, expected=fewer)
+    more = {**expected_of(payload), "extra": ((4,), (1, 4))}
+    assert "lacks" in _rejected(data, expected=more)
     assert "bytes" in _rejected("not bytes")  # type: ignore[arg-type]
 
 
