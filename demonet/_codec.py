@@ -2,8 +2,9 @@
 
 Imports torch, numpy (only to turn tensors into bytes) and demonet.errors; never protobuf.
 
-Shape legend: C = chunks, K = entries per chunk, N = C * K entries, H = upper bits per chunk,
-B = bytes. Bit streams are LSB-first (bit j is ``(byte[j // 8] >> (j % 8)) & 1``).
+Shape legend: C = chunks, K = entries per chunk, N = fields (C * K entries), M = h * w coefficients
+of a chunk, H = Elias-Fano upper bits per chunk, B = bytes.
+Bit streams are LSB-first: bit j is ``(byte[j // 8] >> (j % 8)) & 1``.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def pack_bits(bits_N: torch.Tensor) -> bytes:
     padded = torch.zeros(num_bytes(num) * 8, dtype=torch.uint8)
     padded[:num] = bits_N.reshape(-1)
     weights_8 = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
-    return to_bytes((padded.view(-1, 8) * weights_8).sum(dim=1, dtype=torch.uint8))  # (B,)
+    bytes_B = (padded.view(-1, 8) * weights_8).sum(dim=1, dtype=torch.uint8)  # (B, 8) -> (B,)
+    return to_bytes(bytes_B)
 
 
 def unpack_bits(data_B: torch.Tensor, num_bits: int) -> torch.Tensor:
@@ -178,10 +180,10 @@ def encode_bitmap(sorted_CK: torch.Tensor, n: int) -> bytes:
 
 def decode_bitmap(data_B: torch.Tensor, num_chunks: int, k: int, n: int) -> torch.Tensor:
     check_padding(data_B, num_chunks * n, "bitmap indices")
-    bits_CN = unpack_bits(data_B, num_chunks * n).view(num_chunks, n)
-    if not bool((bits_CN.sum(dim=1) == k).all()):
+    bits_CM = unpack_bits(data_B, num_chunks * n).view(num_chunks, n)
+    if not bool((bits_CM.sum(dim=1) == k).all()):
         raise InvalidPayload(f"bitmap indices: a chunk's map does not hold exactly k={k} ones")
-    return bits_CN.nonzero()[:, 1].view(num_chunks, k)  # (C, K), ascending per row
+    return bits_CM.nonzero()[:, 1].view(num_chunks, k)  # (C, K), ascending per row
 
 
 # --- value encodings -----------------------------------------------------------------------------
@@ -257,7 +259,8 @@ def decode_values(
         val_CK = torch.where(q_CK == -128, -0.0, q_CK.to(torch.float32) * scale_C1)
         return val_CK, scale_C1
     if encoding == "sign":
-        bits_CK = unpack_bits(from_bytes(values, torch.uint8), num_chunks * k).view(shape)
-        check_padding(from_bytes(values, torch.uint8), num_chunks * k, "sign values")
+        data_B = from_bytes(values, torch.uint8)
+        check_padding(data_B, num_chunks * k, "sign values")
+        bits_CK = unpack_bits(data_B, num_chunks * k).view(shape)
         return torch.where(bits_CK, -1.0, 1.0) * scale_C1, scale_C1
     raise ValueError(f"unknown encoding {encoding!r}")

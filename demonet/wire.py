@@ -48,6 +48,7 @@ DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_MAX_ENTRIES = 1 << 27
 """Most (index, value) entries one payload may decode to (about 1.6 GB of tensors)."""
 MAX_TENSORS = 1 << 16
+MAX_PARTS = 1 << 16
 MAX_CHUNK_ELEMS = 1 << 20
 MAX_DIMS = 8
 MAX_NAME_BYTES = 1024
@@ -187,6 +188,9 @@ def encode(payload: Payload, *, step: int, index_coding: str = "packed") -> byte
     for name, c in payload.tensors.items():
         _encode_tensor(msg.tensors.add(), name, c, payload.encoding, index_coding)
     body = msg.SerializeToString()
+    logger.debug(
+        "encoded step %d: %d tensors, %d bytes, %s indices", step, len(msg.tensors), len(body), index_coding
+    )
     return body + _TRAILER_HEAD + hashlib.sha256(body).digest()
 
 
@@ -418,7 +422,7 @@ class Reassembler:
             raise InvalidPayload(f"part digest of {len(part.payload_digest)} bytes, expected {_DIGEST_BYTES}")
         if part.total_bytes > self._max_bytes:
             raise InvalidPayload(f"payload of {part.total_bytes} bytes exceeds the cap of {self._max_bytes}")
-        if part.count < 1 or part.count > max(1, part.total_bytes):
+        if part.count < 1 or part.count > min(MAX_PARTS, max(1, part.total_bytes)):
             raise InvalidPayload(f"part count {part.count} does not fit {part.total_bytes} bytes")
         self._digest, self._count, self._total = part.payload_digest, part.count, part.total_bytes
 
