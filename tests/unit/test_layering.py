@@ -1,0 +1,31 @@
+"""The math layer imports no network code (DESIGN.md, Layers; STYLE.md rule 1)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import demonet.optim
+
+ALLOWED = {"torch", "math", "dataclasses", "typing", "collections", "__future__"}
+
+
+def test_optim_imports_no_network_code() -> None:
+    code = ("import sys, demonet.optim, demonet.digest, demonet.model, demonet.data; "
+            "print(','.join(m for m in ('grpc', 'hivemind', 'google.protobuf', 'demonet.wire') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "", f"demonet.optim pulled in {out.stdout.strip()}"
+
+
+def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
+    # torch itself imports asyncio, so that one can only be checked in the sources.
+    for path in Path(demonet.optim.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in ALLOWED, f"{path.name} imports {name}"
