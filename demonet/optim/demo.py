@@ -409,8 +409,8 @@ def _all_gather(payload: Payload, group: Any) -> list[Payload]:
     gathered = []
     for idx_w, val_w in zip(idx_all, val_all, strict=True):
         tensors = {}
-        for (name, c), i_flat, v_flat in zip(payload.tensors.items(), idx_w.split(sizes), val_w.split(sizes),
-                                             strict=True):
+        for (name, c), i_flat, v_flat in zip(payload.tensors.items(), torch.split(idx_w, sizes),
+                                             torch.split(val_w, sizes), strict=True):
             tensors[name] = Compressed(idx=i_flat.view_as(c.idx), val=v_flat.view_as(c.val), shape=c.shape,
                                        chunk=c.chunk)
         gathered.append(Payload(tensors=tensors, encoding=payload.encoding))
