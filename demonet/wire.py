@@ -3,7 +3,8 @@
 The only module that imports protobuf (`demonet._proto`). Imports the math layer's dataclasses;
 never grpc, asyncio or a transport. Layout of every field: proto/demonet.proto.
 
-Shape legend: C = chunks of one tensor, K = entries per chunk, B = bytes.
+Shape legend: C = chunks of one tensor, K = entries per chunk, R = runs of equal indices in a row
+(at most K, plus one unused slot), B = bytes.
 """
 
 from __future__ import annotations
@@ -25,9 +26,16 @@ from .optim.payload import ENCODINGS, Compressed, Payload, matrix_shape
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
+    "DEFAULT_MAX_ENTRIES",
     "DEFAULT_PART_BYTES",
     "INDEX_CODINGS",
+    "MAX_CHUNK_ELEMS",
+    "MAX_DIMS",
+    "MAX_NAME_BYTES",
+    "MAX_PARTS",
+    "MAX_TENSORS",
     "VERSION",
+    "Expected",
     "Reassembler",
     "decode",
     "encode",
@@ -56,15 +64,14 @@ MAX_NAME_BYTES = 1024
 _DIGEST_BYTES = 32
 _TRAILER_HEAD = pb.Payload(digest=bytes(_DIGEST_BYTES)).SerializeToString()[:-_DIGEST_BYTES]  # tag, len
 # Protobuf enum values are typed Any here: the generated stubs give each enum its own int subclass.
-_ENCODING_TO_PB: dict[str, Any] = {
-    e: pb.ValueEncoding.Value(f"VALUE_ENCODING_{e.upper()}") for e in ENCODINGS
-}
+_ENCODING_TO_PB: dict[str, Any] = {e: pb.ValueEncoding.Value(f"VALUE_ENCODING_{e.upper()}") for e in ENCODINGS}
 _PB_TO_ENCODING: dict[int, str] = {v: k for k, v in _ENCODING_TO_PB.items()}
 _PACKED: Any = pb.INDEX_CODING_PACKED
 _ELIAS_FANO: Any = pb.INDEX_CODING_ELIAS_FANO
 _BITMAP: Any = pb.INDEX_CODING_BITMAP
 
 Expected = Mapping[str, tuple[tuple[int, ...], tuple[int, int]]]
+"""Parameter name -> (shape, chunk) of the model, in the model's order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +111,8 @@ def _layout(coding: int, encoding: str, shape: tuple[int, ...], chunk: tuple[int
 
 def _check_local(name: str, c: Compressed, encoding: str) -> None:
     """A malformed local payload is a bug in the caller: ValueError, not InvalidPayload."""
+    if c.chunk[0] < 1 or c.chunk[1] < 1 or c.totalk > MAX_CHUNK_ELEMS:
+        raise ValueError(f"{name}: chunk {c.chunk} should be positive with h*w <= {MAX_CHUNK_ELEMS}")
     num_chunks, n = _num_chunks(c.shape, c.chunk), c.totalk
     if c.idx.dim() != 2 or c.idx.shape[0] != num_chunks or c.val.shape != c.idx.shape:
         raise ValueError(
@@ -113,8 +122,6 @@ def _check_local(name: str, c: Compressed, encoding: str) -> None:
         raise ValueError(f"{name}: idx should be int64 and val float32, got {c.idx.dtype}, {c.val.dtype}")
     if c.k > n or (c.idx.numel() and (int(c.idx.min()) < 0 or int(c.idx.max()) >= n)):
         raise ValueError(f"{name}: indices should be in [0, {n}) with k <= {n}")
-    if c.chunk[0] < 1 or c.chunk[1] < 1 or n > MAX_CHUNK_ELEMS:
-        raise ValueError(f"{name}: chunk {c.chunk} should be positive with h*w <= {MAX_CHUNK_ELEMS}")
     if encoding in ("int8", "sign") and (c.scale is None or c.scale.shape != (num_chunks, 1)):
         raise ValueError(f"{name}: {encoding} needs a ({num_chunks}, 1) scale")
     if encoding == "fp16" and (c.scale is None or c.scale.numel() != 1):
@@ -188,9 +195,7 @@ def encode(payload: Payload, *, step: int, index_coding: str = "packed") -> byte
     for name, c in payload.tensors.items():
         _encode_tensor(msg.tensors.add(), name, c, payload.encoding, index_coding)
     body = msg.SerializeToString()
-    logger.debug(
-        "encoded step %d: %d tensors, %d bytes, %s indices", step, len(msg.tensors), len(body), index_coding
-    )
+    logger.debug("encoded step %d: %d tensors, %d bytes, %s indices", step, len(msg.tensors), len(body), index_coding)
     return body + _TRAILER_HEAD + hashlib.sha256(body).digest()
 
 
@@ -233,9 +238,7 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
     seen.add(name)
     where = f"tensor {name!r}"
     if t.value_encoding != encoding:
-        raise InvalidPayload(
-            f"{where}: value encoding {t.value_encoding} differs from the payload's {encoding}"
-        )
+        raise InvalidPayload(f"{where}: value encoding {t.value_encoding} differs from the payload's {encoding}")
     if t.index_coding not in (_PACKED, _ELIAS_FANO, _BITMAP):
         raise InvalidPayload(f"{where}: unknown index coding {t.index_coding}")
     shape, chunk, k = tuple(int(d) for d in t.shape), (int(t.chunk_h), int(t.chunk_w)), int(t.k)
@@ -245,8 +248,7 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
         want_shape, want_chunk = expected[name]
         if shape != tuple(want_shape) or chunk != tuple(want_chunk):
             raise InvalidPayload(
-                f"{where}: shape {shape} chunk {chunk}, the model has {tuple(want_shape)} "
-                f"chunk {tuple(want_chunk)}"
+                f"{where}: shape {shape} chunk {chunk}, the model has {tuple(want_shape)} chunk {tuple(want_chunk)}"
             )
     if len(shape) > MAX_DIMS or any(d > 1 << 40 for d in shape):
         raise InvalidPayload(f"{where}: shape {shape[: MAX_DIMS + 1]} is too large")
@@ -255,8 +257,6 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
         raise InvalidPayload(f"{where}: chunk {chunk} should be positive with h*w <= {MAX_CHUNK_ELEMS}")
     if k > n:
         raise InvalidPayload(f"{where}: k={k} exceeds the chunk's {n} coefficients")
-    if t.index_coding == _BITMAP and n > 1 << 16:
-        raise InvalidPayload(f"{where}: bitmap coding of {n}-coefficient chunks")
     layout = _layout(t.index_coding, _PB_TO_ENCODING[encoding], shape, chunk, k)
     for field, want in (
         ("indices", layout.index_bytes),
@@ -273,7 +273,7 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
     return layout
 
 
-def _check_entries(where: str, idx_CK: torch.Tensor, val_CK: torch.Tensor, n: int, sorted_: bool) -> None:
+def _check_entries(where: str, idx_CK: torch.Tensor, val_CK: torch.Tensor, n: int, is_sorted: bool) -> None:
     """Bounds, order and repeats: an index may repeat in a row only where at most one value is nonzero."""
     if idx_CK.numel() == 0:
         return
@@ -281,7 +281,7 @@ def _check_entries(where: str, idx_CK: torch.Tensor, val_CK: torch.Tensor, n: in
         raise InvalidPayload(f"{where}: index {int(idx_CK.max())} out of range for {n} coefficients")
     if idx_CK.shape[1] < 2:
         return
-    if sorted_:
+    if is_sorted:
         if not bool((idx_CK[:, 1:] >= idx_CK[:, :-1]).all()):
             raise InvalidPayload(f"{where}: entropy-coded indices are not sorted")
         sorted_CK, sval_CK = idx_CK, val_CK
@@ -293,11 +293,11 @@ def _check_entries(where: str, idx_CK: torch.Tensor, val_CK: torch.Tensor, n: in
     group_start_CK[:, 1:] = sorted_CK[:, 1:] != sorted_CK[:, :-1]
     if bool(group_start_CK.all()):
         return
-    # Count nonzeros per run of equal indices: cumulative count minus the count at the run's start.
-    group_C1K = group_start_CK.cumsum(dim=1)  # run id within the row
-    counts = torch.zeros(sorted_CK.shape[0], sorted_CK.shape[1] + 1, dtype=torch.int64)
-    counts.scatter_add_(1, group_C1K, nonzero_CK.to(torch.int64))
-    if int(counts.max()) > 1:
+    # Nonzero values per run of equal indices; runs are numbered within a row by a cumsum of starts.
+    run_CK = group_start_CK.cumsum(dim=1)
+    nonzeros_CR = torch.zeros(sorted_CK.shape[0], sorted_CK.shape[1] + 1, dtype=torch.int64)
+    nonzeros_CR.scatter_add_(1, run_CK, nonzero_CK.to(torch.int64))
+    if int(nonzeros_CR.max()) > 1:
         raise InvalidPayload(f"{where}: an index repeats within a chunk with more than one nonzero value")
 
 
@@ -317,7 +317,7 @@ def _decode_tensor(t: Any, encoding: str, layout: _Layout) -> Compressed:
         raise InvalidPayload(f"{where}: {e}") from None
     if not bool(torch.isfinite(val_CK).all()):
         raise InvalidPayload(f"{where}: values are not all finite")
-    _check_entries(where, idx_CK, val_CK, n, sorted_=t.index_coding != _PACKED)
+    _check_entries(where, idx_CK, val_CK, n, is_sorted=t.index_coding != _PACKED)
     chunk = (int(t.chunk_h), int(t.chunk_w))
     return Compressed(idx=idx_CK, val=val_CK, shape=tuple(int(d) for d in t.shape), chunk=chunk, scale=scale)
 
@@ -360,9 +360,7 @@ def decode(
     missing = [name for name in expected or () if name not in seen]
     if missing:
         raise InvalidPayload(f"payload lacks {len(missing)} of the model's tensors, e.g. {missing[0]!r}")
-    tensors = {
-        t.name: _decode_tensor(t, encoding, layout) for t, layout in zip(msg.tensors, layouts, strict=True)
-    }
+    tensors = {t.name: _decode_tensor(t, encoding, layout) for t, layout in zip(msg.tensors, layouts, strict=True)}
     if expected is not None:  # the model's order, which aggregate() relies on
         tensors = {name: tensors[name] for name in expected}
     if max_norm is not None:

@@ -229,6 +229,7 @@ def test_encode_rejects_values_off_the_encoding_grid() -> None:
         {"idx": torch.zeros(2, 4, dtype=torch.int64)},
         {"val": torch.zeros(1, 4, dtype=torch.float64)},
         {"chunk": (8, 4)},
+        {"chunk": (0, 8)},
     ],
 )
 def test_encode_rejects_malformed_local_payloads(change: dict[str, object]) -> None:
