@@ -126,6 +126,16 @@ def _check_local(name: str, c: Compressed, encoding: str) -> None:
         raise ValueError(f"{name}: {encoding} needs a ({num_chunks}, 1) scale")
     if encoding == "fp16" and (c.scale is None or c.scale.numel() != 1):
         raise ValueError(f"{name}: fp16 needs a 0-d scale")
+    # NaN or Inf here means the momentum is already poisoned: a bug to crash on, not to send.
+    if not bool(torch.isfinite(c.val).all()):
+        raise ValueError(f"{name}: val holds NaN or Inf")
+    if c.scale is not None and encoding in ("fp16", "int8", "sign"):
+        scale = c.scale.detach().cpu().to(torch.float32)
+        ok = bool((torch.isfinite(scale) & (scale >= 0)).all())
+        if encoding == "fp16":
+            ok = ok and float(scale) > 0 and math.frexp(float(scale))[0] == 0.5
+        if not ok:
+            raise ValueError(f"{name}: {encoding} scale {scale.flatten()[:4].tolist()} is not what quantize returns")
 
 
 def _choose_entropy(idx_CK: torch.Tensor, n: int) -> tuple[int, torch.Tensor, torch.Tensor]:

@@ -169,9 +169,7 @@ def test_round_trip_property(
 
 def test_empty_payload_and_k_zero() -> None:
     assert_round_trip(Payload(tensors={}, encoding="fp32"), "packed")
-    c = Compressed(
-        idx=torch.zeros(2, 0, dtype=torch.int64), val=torch.zeros(2, 0), shape=(4, 8), chunk=(2, 8)
-    )
+    c = Compressed(idx=torch.zeros(2, 0, dtype=torch.int64), val=torch.zeros(2, 0), shape=(4, 8), chunk=(2, 8))
     for coding in wire.INDEX_CODINGS:
         assert_round_trip(Payload(tensors={"w": c}, encoding="fp32"), coding)
 
@@ -237,6 +235,24 @@ def test_encode_rejects_malformed_local_payloads(change: dict[str, object]) -> N
     fields.update(change)
     with pytest.raises(ValueError):
         wire.encode(Payload(tensors={"w": Compressed(**fields)}, encoding="fp32"), step=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_encode_rejects_non_finite_values_and_scales(encoding: str) -> None:
+    c = make_compressed((8, 8), (8, 8), 4, encoding, torch.Generator().manual_seed(12))
+    val_CK = c.val.clone()
+    val_CK[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        wire.encode(Payload(tensors={"w": _with(c, val=val_CK)}, encoding=encoding), step=0)
+    if c.scale is not None:
+        bad = torch.full_like(c.scale, float("inf") if encoding != "fp16" else 0.0)
+        with pytest.raises(ValueError, match="scale"):
+            wire.encode(Payload(tensors={"w": _with(c, scale=bad)}, encoding=encoding), step=0)
+
+
+def _with(c: Compressed, **change: object) -> Compressed:
+    fields = {"idx": c.idx, "val": c.val, "shape": c.shape, "chunk": c.chunk, "scale": c.scale, **change}
+    return Compressed(**fields)  # type: ignore[arg-type]
 
 
 def test_encode_rejects_bad_arguments() -> None:
