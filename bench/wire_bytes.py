@@ -79,9 +79,7 @@ def synthetic_indices(shapes: Shapes, gen: torch.Generator) -> dict[str, torch.T
     return idx
 
 
-def make_payload(
-    shapes: Shapes, idx: dict[str, torch.Tensor], encoding: str, gen: torch.Generator
-) -> Payload:
+def make_payload(shapes: Shapes, idx: dict[str, torch.Tensor], encoding: str, gen: torch.Generator) -> Payload:
     tensors = {}
     for name, shape in shapes.items():
         idx_CK = idx[name]

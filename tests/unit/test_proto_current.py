@@ -69,9 +69,7 @@ def test_schema_matches_proto(tmp_path: Path) -> None:
 def test_committed_files_are_identical(tmp_path: Path) -> None:
     """With the pinned grpcio-tools (installed, or cached by gen_proto.sh) the files match byte for byte."""
     pinned, installed = _pinned(), _installed()
-    cache = (
-        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "demonet" / f"grpcio-tools-{pinned}"
-    )
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "demonet" / f"grpcio-tools-{pinned}"
     if installed != pinned and not (cache / "grpc_tools").is_dir():
         pytest.skip(
             f"grpcio-tools {installed} is installed, the committed code is from the pinned {pinned}: "
