@@ -121,7 +121,9 @@ def quantize(val_CK: torch.Tensor, encoding: str) -> tuple[torch.Tensor, torch.T
         if amax == 0.0 or not math.isfinite(amax):
             exp = 0
         else:
-            exp = math.frexp(amax)[1] - _FP16_TARGET_EXP  # amax / 2^exp in [2^13, 2^14)
+            # amax / 2^exp in [2^13, 2^14); the bound keeps 2^-exp finite in fp32 for tiny values
+            # (below ~1e-34 they then round to fp16 zeros, which is what they are worth).
+            exp = max(math.frexp(amax)[1] - _FP16_TARGET_EXP, -126)
         scale = torch.tensor(math.ldexp(1.0, exp), dtype=torch.float32)
         deq = (val_CK * math.ldexp(1.0, -exp)).to(torch.float16).to(val_CK.dtype) * math.ldexp(1.0, exp)
         return deq, scale
