@@ -21,7 +21,7 @@ import torch
 
 from .aggregate import aggregate
 from .chunking import CHUNK_POLICIES, chunk_shape
-from .dct import add_blocks_, dct_matrix, decode_dense, encode, to_blocks
+from .dct import add_blocks_, block_view, dct_matrix, decode_dense, decode_sparse, encode, to_blocks
 from .payload import ENCODINGS, Compressed, Payload, matrix_shape, quantize
 
 __all__ = ["BASES", "DeMo"]
@@ -92,7 +92,8 @@ class DeMo(torch.optim.Optimizer):
             `demonet.optim.chunking`).
         betas, eps: Adam's coefficients for ``base="adamw"``.
         bucket_cap_mb: blocks are transformed in buckets of at most this size (a larger tensor gets
-            a bucket of its own); scratch memory is three buckets.
+            a bucket of its own); scratch memory is three buckets. 4 MiB keeps a bucket's passes in
+            a CPU's last-level cache.
     """
 
     # The drop-in signature is fixed by the reference; the extras are keyword-only.
@@ -100,7 +101,7 @@ class DeMo(torch.optim.Optimizer):
                  compression_topk: int = 32, compression_chunk: int = 64, weight_decay: float = 0.0,
                  process_group: Any = None, *, base: str = "sign", alpha: float = 1.0, encoding: str = "fp32",
                  chunk_policy: str = "reference", betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 bucket_cap_mb: float = 16.0) -> None:
+                 bucket_cap_mb: float = 4.0) -> None:
         _check_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay, base, alpha,
                     encoding, chunk_policy, betas, eps, bucket_cap_mb)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
@@ -208,17 +209,26 @@ class DeMo(torch.optim.Optimizer):
         for bucket in self._buckets:
             lr = self.param_groups[bucket.group]["lr"]
             x_BHW, t_BHW, abs_BHW = self._scratch_for(bucket)
+            dst, src = [], []  # gradients that tile exactly: one batched copy per bucket
             for slot in bucket.slots:
-                grad = slot.param.grad
+                grad, x_CHW = slot.param.grad, x_BHW[slot.start:slot.stop]
                 if grad is None:
-                    x_BHW[slot.start:slot.stop].zero_()
+                    x_CHW.zero_()
+                    continue
+                g2d = grad.reshape(slot.rows, slot.cols)
+                g_blocks = block_view(g2d, bucket.h, bucket.w)
+                if g_blocks is None:
+                    to_blocks(g2d, bucket.h, bucket.w, x_CHW)
                 else:
-                    to_blocks(grad.reshape(slot.rows, slot.cols), bucket.h, bucket.w, x_BHW[slot.start:slot.stop])
+                    dst.append(x_CHW.view(g_blocks.shape))
+                    src.append(g_blocks)
+            if dst:
+                torch._foreach_copy_(dst, src)
             m_BN = bucket.momentum_BN
             d_h, _, _, d_wt = bucket.bases
             encode(x_BHW, d_h, d_wt, t_BHW, m_BN.view_as(x_BHW), beta=self.compression_decay, alpha=lr)
             k = min(self.compression_topk, bucket.h * bucket.w)
-            idx_BK = _topk_abs(m_BN, k, abs_BHW.view_as(m_BN))
+            idx_BK = _topk_abs(m_BN, k, abs_BHW.view_as(m_BN), bucket.w)
             val_BK = m_BN.gather(1, idx_BK)
             exact = self.encoding == "fp32" and self.alpha == 1.0
             if exact:
@@ -265,26 +275,45 @@ class DeMo(torch.optim.Optimizer):
                 u_BHW.sign_()
             elif self.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)
+            if wd != 0.0:
+                torch._foreach_mul_([slot.param for slot in bucket.slots], 1.0 - lr * wd)
+            params, updates = [], []  # parameters that tile exactly: one batched add per bucket
             for slot in bucket.slots:
-                p = slot.param
-                if wd != 0.0:
-                    p.mul_(1.0 - lr * wd)
-                add_blocks_(p.view(slot.rows, slot.cols), u_BHW[slot.start:slot.stop], -lr)
+                p, u_CHW = slot.param, u_BHW[slot.start:slot.stop]
+                p_blocks = block_view(p.view(slot.rows, slot.cols), bucket.h, bucket.w) if p.is_contiguous() else None
+                if p_blocks is not None:
+                    params.append(p_blocks)
+                    updates.append(u_CHW.view(p_blocks.shape))
+                elif p.is_contiguous():
+                    add_blocks_(p.view(slot.rows, slot.cols), u_CHW, -lr)
+                else:
+                    delta = torch.zeros(slot.rows, slot.cols, dtype=u_CHW.dtype, device=p.device)
+                    add_blocks_(delta, u_CHW, -lr)
+                    p.add_(delta.view(p.shape))
+            if params:
+                torch._foreach_add_(params, updates, alpha=-lr)
 
     def _decode(self, bucket: _Bucket, agg: Payload, u_BHW: torch.Tensor, t_BHW: torch.Tensor,
                 c_BHW: torch.Tensor) -> None:
         """u = IDCT(aggregate) for the bucket's blocks.
 
-        Entries are scatter-added one tensor at a time into zeros: indices are unique per row except
-        the aggregate's zero-valued padding, and adding an exact zero is order-free, so every device
-        gets the same bits. (A sparse decode, h*w*K flops per block, measured slower than these two
-        dense GEMMs on CPU at K = 32, so there is none.)
+        Few entries per block (S <= min(h, w), e.g. one or two peers' top-32 of 64x64): one bmm of
+        inner size S. Otherwise two dense GEMMs over coefficients scatter-added one tensor at a
+        time into zeros. Both are free of atomics, and the choice depends only on the aggregate, so
+        every peer computes the same bits.
         """
         d_h, d_ht, d_w, _ = bucket.bases
+        parts = [agg.tensors[s.name] for s in bucket.slots]
+        width = max(c.k for c in parts)
+        dtype = u_BHW.dtype
+        if bucket.h > 1 and width <= min(bucket.h, bucket.w):
+            idx_BS = torch.cat([_pad_cols(c.idx, width, c.idx[:, :1]) for c in parts])
+            val_BS = torch.cat([_pad_cols(c.val.to(dtype), width, 0.0) for c in parts])
+            decode_sparse(idx_BS, val_BS, d_h, d_w, t_BHW.view(-1), c_BHW.view(-1), u_BHW)
+            return
         coef_BN = c_BHW.view(bucket.num_blocks, bucket.h * bucket.w).zero_()
-        for slot in bucket.slots:
-            c = agg.tensors[slot.name]
-            coef_BN[slot.start:slot.stop].scatter_add_(1, c.idx, c.val.to(coef_BN.dtype))
+        for slot, c in zip(bucket.slots, parts, strict=True):
+            coef_BN[slot.start:slot.stop].scatter_add_(1, c.idx, c.val.to(dtype))
         decode_dense(c_BHW, d_ht, d_w, t_BHW, u_BHW)
 
     def _adam_direction(self, bucket: _Bucket, u_BHW: torch.Tensor, t_BHW: torch.Tensor) -> None:
@@ -362,27 +391,45 @@ def _momentum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-_GROUP = 8  # elements per group in the two-level top-k
+def _pad_cols(x_CK: torch.Tensor, width: int, fill: torch.Tensor | float) -> torch.Tensor:
+    """Right-pad rows to `width` columns with `fill` (a scalar, or a (C, 1) column)."""
+    if x_CK.shape[1] == width:
+        return x_CK
+    extra = width - x_CK.shape[1]
+    pad = fill.expand(-1, extra) if isinstance(fill, torch.Tensor) else x_CK.new_full((x_CK.shape[0], extra), fill)
+    return torch.cat([x_CK, pad], dim=1)
 
 
-def _topk_abs(m_BN: torch.Tensor, k: int, abs_BN: torch.Tensor) -> torch.Tensor:
+_SEGMENT = 16  # rows per column segment in `_topk_abs`
+
+
+def _topk_abs(m_BN: torch.Tensor, k: int, abs_BN: torch.Tensor, w: int) -> torch.Tensor:
     """Indices of the k largest |m| per row (unordered), exact, about 3x faster than one topk on CPU.
 
-    The k largest elements lie in the k groups with the largest maxima (a group holding one of them
-    has a max >= the k-th largest value, any other group's max is below it), so a top-k over group
-    maxima followed by a top-k over those groups' k * 8 members finds the same set; ties may pick
-    other elements of equal magnitude.
+    Lemma: if elements are split into groups, the k largest elements all lie in the k groups with
+    the largest maxima (a group holding one of them has a max >= the k-th largest value; any other
+    group's max is below it). So, per block of h x w coefficients: (1) max over column segments of
+    16 rows, top-k segments; (2) max over pairs inside those segments, top-k pairs; (3) top-k of
+    the 2k survivors. Each level keeps the top-k set; ties may pick other elements of equal
+    magnitude. torch's topk costs about linearly in the row length, and reductions along a
+    contiguous inner dimension are cheap, which is what this trades on.
     """
     torch.abs(m_BN, out=abs_BN)
     rows, n = m_BN.shape
-    if n % _GROUP or n // _GROUP < 4 * k:
+    h = n // w
+    if h % _SEGMENT or (h // _SEGMENT) * w < 4 * k:
         return torch.topk(abs_BN, k, dim=1, sorted=False).indices
-    gmax_BG = abs_BN.view(rows, n // _GROUP, _GROUP).amax(dim=2)  # (B, n / 8)
-    group_BK = torch.topk(gmax_BG, k, dim=1, sorted=False).indices
-    offsets = torch.arange(_GROUP, device=m_BN.device)
-    cand_BC = (group_BK.unsqueeze(-1) * _GROUP + offsets).view(rows, k * _GROUP)  # (B, k * 8)
-    best_BK = torch.topk(abs_BN.gather(1, cand_BC), k, dim=1, sorted=False).indices
-    return cand_BC.gather(1, best_BK)
+    seg_max_BG = abs_BN.view(rows, h // _SEGMENT, _SEGMENT, w).amax(dim=2).view(rows, -1)  # (B, h/16 * w)
+    seg_BK = torch.topk(seg_max_BG, k, dim=1, sorted=False).indices  # segment (r, c) = r * w + c
+    first_BK = (seg_BK // w) * (_SEGMENT * w) + seg_BK % w  # index of the segment's top element
+    steps = torch.arange(_SEGMENT, device=m_BN.device) * w
+    cand_BC = (first_BK.unsqueeze(-1) + steps).view(rows, k * _SEGMENT)  # (B, 16k): whole segments
+    pair_max_BP = abs_BN.gather(1, cand_BC).view(rows, k * _SEGMENT // 2, 2).amax(dim=2)  # (B, 8k)
+    pair_BK = torch.topk(pair_max_BP, k, dim=1, sorted=False).indices
+    two = torch.arange(2, device=m_BN.device)
+    cand2_BC = cand_BC.gather(1, (2 * pair_BK.unsqueeze(-1) + two).view(rows, 2 * k))  # (B, 2k)
+    best_BK = torch.topk(abs_BN.gather(1, cand2_BC), k, dim=1, sorted=False).indices
+    return cand2_BC.gather(1, best_BK)
 
 
 def _world_size(group: Any) -> int:

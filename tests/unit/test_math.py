@@ -78,15 +78,16 @@ def test_encode_accumulates_momentum() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 20), n=st.sampled_from([8, 64, 256, 1024, 4096]), k=st.integers(1, 40),
-       seed=st.integers(0, 2**16), ties=st.booleans())
-def test_two_level_topk_finds_the_topk_set(rows: int, n: int, k: int, seed: int, ties: bool) -> None:
+@given(rows=st.integers(1, 20), hw=st.sampled_from([(1, 8), (1, 64), (16, 16), (32, 64), (64, 64), (48, 50)]),
+       k=st.integers(1, 40), seed=st.integers(0, 2**16), ties=st.booleans())
+def test_hierarchical_topk_finds_the_topk_set(rows: int, hw: tuple[int, int], k: int, seed: int, ties: bool) -> None:
+    n = hw[0] * hw[1]
     k = min(k, n)
     g = torch.Generator().manual_seed(seed)
     m = torch.randn(rows, n, generator=g)
     if ties:
         m = torch.round(m * 2) / 2  # many equal magnitudes
-    idx = _topk_abs(m, k, torch.empty_like(m))
+    idx = _topk_abs(m, k, torch.empty_like(m), hw[1])
     assert idx.shape == (rows, k)
     assert all(len(set(r.tolist())) == k for r in idx)
     got = m.abs().gather(1, idx).sort(dim=1).values
