@@ -1,6 +1,7 @@
-"""Benchmark: one optimizer step of DeMo vs AdamW vs the per-parameter oracle, on BENCH_MODEL.
+"""Benchmark: one optimizer step of DeMo vs AdamW vs the reference, against a forward+backward, on BENCH_MODEL.
 
-Prints a table; not a test. Run from the repo root: `python bench/optim_step.py --reps 5`.
+Prints a table; not a test. Run from the repo root: `python bench/optim_step.py`. Every timed call
+runs round-robin with the others, so a noisy machine slows all of them alike; medians are reported.
 """
 
 from __future__ import annotations
@@ -25,19 +26,39 @@ GOAL_FRACTION = 0.06
 """The DeMo step should cost at most this share of a forward+backward."""
 
 
-def _time_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.device) -> float:
-    """Median wall time of `fn` in milliseconds, after `warmup` untimed calls."""
-    times_ms: list[float] = []
+def _interleaved_ms(fns: dict[str, Callable[[], object]], reps: int, warmup: int,
+                    device: torch.device) -> dict[str, list[float]]:
+    """Wall times in ms of each function, run round-robin so that all of them see the same noise."""
+    times_ms: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(warmup + reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times_ms.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times_ms)
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                times_ms[name].append((time.perf_counter() - start) * 1e3)
+    return times_ms
+
+
+def _load_bloc97(path: str) -> Any:
+    """The DeMo class of an external copy of bloc97/DeMo's demo.py (it needs einops and a process group)."""
+    import importlib.util
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    spec = importlib.util.spec_from_file_location("bloc97_demo", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DeMo
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -61,12 +82,13 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    parser.add_argument("--reps", type=int, default=15, help="timed repetitions (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
     parser.add_argument("--batch", type=int, default=8, help="sequences per batch")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the slow oracle")
+    parser.add_argument("--bloc97", metavar="DEMO_PY", help="also time bloc97/DeMo's demo.py from this path")
     return parser.parse_args(argv)
 
 
@@ -87,42 +109,50 @@ def main(argv: list[str] | None = None) -> int:
         assert loss is not None
         loss.backward()
 
-    times_ms: dict[str, float] = {}
-    state_bpp: dict[str, float] = {}
-    times_ms["forward+backward"] = _time_ms(forward_backward, args.reps, args.warmup, device)
-    forward_backward()  # every step below reuses these gradients
+    forward_backward()  # the optimizers step on these gradients, round-robin with new forward+backwards
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    def with_grads(step: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:  # forward_backward() replaced the gradients: restore the fixed ones
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g
+            return step()
+
+        return run
+
+    from demonet.optim import DeMo
 
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times_ms["AdamW step"] = _time_ms(adamw.step, args.reps, args.warmup, device)
-    state_bpp["AdamW"] = _state_bytes(adamw) / num_params
-
-    try:
-        from demonet.optim import DeMo
-    except ImportError as e:
-        print(f"DeMo: not available ({e})")
-    else:
-        demo = DeMo(model.parameters(), lr=1e-3)
-        times_ms["DeMo step"] = _time_ms(demo.step, args.reps, args.warmup, device)
-        state_bpp["DeMo"] = _state_bytes(demo) / num_params
-
+    demo = DeMo(model.parameters(), lr=1e-3)
+    fns: dict[str, Callable[[], object]] = {
+        "forward+backward": forward_backward,
+        "AdamW step": with_grads(adamw.step),
+        "DeMo step": with_grads(demo.step),
+    }
+    if args.bloc97:
+        bloc97 = _load_bloc97(args.bloc97)(model.parameters(), lr=1e-3)
+        fns["bloc97 DeMo step"] = with_grads(bloc97.step)
     if not args.skip_reference:
-        reference = ReferenceDeMo(model.parameters(), lr=1e-3)
-        times_ms["reference (per-param loop)"] = _time_ms(reference.step, args.reps, args.warmup, device)
+        fns["reference (per-param loop)"] = with_grads(ReferenceDeMo(model.parameters(), lr=1e-3).step)
+    samples = _interleaved_ms(fns, args.reps, args.warmup, device)
+    times_ms = {name: statistics.median(ts) for name, ts in samples.items()}
+    state_bpp = {"AdamW": _state_bytes(adamw) / num_params, "DeMo": _state_bytes(demo) / num_params}
 
     threads = torch.get_num_threads() if device.type == "cpu" else "-"
     print(
         f"device={device} threads={threads} model=BENCH_MODEL ({num_params / 1e6:.2f}M params) "
         f"batch={args.batch}x{BENCH_MODEL.seq_len} reps={args.reps} warmup={args.warmup}"
     )
-    print(f"{'step':<28}{'median ms':>12}")
+    print(f"{'step':<28}{'median ms':>12}{'min ms':>10}")
     for name, ms in times_ms.items():
-        print(f"{name:<28}{ms:>12.1f}")
+        print(f"{name:<28}{ms:>12.1f}{min(samples[name]):>10.1f}")
     fwd_bwd_ms = times_ms["forward+backward"]
     demo_ms = times_ms.get("DeMo step")
     if demo_ms is not None:
         print(f"ratio DeMo step / forward+backward: {demo_ms / fwd_bwd_ms:.1%}")
-        if "reference (per-param loop)" in times_ms:
-            print(f"ratio reference / DeMo: {times_ms['reference (per-param loop)'] / demo_ms:.1f}x")
+        for name in ("bloc97 DeMo step", "reference (per-param loop)"):
+            if name in times_ms:
+                print(f"ratio {name} / DeMo step: {times_ms[name] / demo_ms:.1f}x")
     for name, bpp in state_bpp.items():
         print(f"optimizer state bytes/param, {name}: {bpp:.2f}")
     print(f"goal: DeMo step <= {GOAL_FRACTION:.0%} of forward+backward")
