@@ -3,8 +3,10 @@
 The only module that imports protobuf (`demonet._proto`). Imports the math layer's dataclasses;
 never grpc, asyncio or a transport. Layout of every field: proto/demonet.proto.
 
-Shape legend: C = chunks of one tensor, K = entries per chunk, R = runs of equal indices in a row
-(at most K, plus one unused slot), B = bytes.
+Tensors that share (h*w, k) travel through the codecs as one batch (`_codec`): per-tensor Python
+work is metadata and protobuf fields only, which keeps a 76-tensor payload's encode+decode near 4 ms.
+
+Shape legend: C = chunks of one tensor, K = entries per chunk, R = chunks of a batch, T = its tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -69,6 +72,8 @@ _PB_TO_ENCODING: dict[int, str] = {v: k for k, v in _ENCODING_TO_PB.items()}
 _PACKED: Any = pb.INDEX_CODING_PACKED
 _ELIAS_FANO: Any = pb.INDEX_CODING_ELIAS_FANO
 _BITMAP: Any = pb.INDEX_CODING_BITMAP
+_CODING_NAME: dict[int, str] = {_PACKED: "packed", _ELIAS_FANO: "elias_fano", _BITMAP: "bitmap"}
+_CODING_PB: dict[str, Any] = {name: coding for coding, name in _CODING_NAME.items()}
 
 Expected = Mapping[str, tuple[tuple[int, ...], tuple[int, int]]]
 """Parameter name -> (shape, chunk) of the model, in the model's order."""
@@ -81,6 +86,7 @@ class _Layout:
     num_chunks: int
     k: int
     n: int
+    index_bits: int
     index_bytes: int
     value_bytes: int
     scale_bytes: int
@@ -92,25 +98,32 @@ def _num_chunks(shape: tuple[int, ...], chunk: tuple[int, int]) -> int:
 
 
 def _index_bits(coding: int, num_chunks: int, k: int, n: int) -> int:
-    if coding == _PACKED:
-        return num_chunks * k * _codec.index_width(n)
-    if coding == _ELIAS_FANO:
-        return num_chunks * _codec.ef_chunk_bits(n, k)
-    return num_chunks * n  # bitmap
+    return num_chunks * _codec.index_row_bits(_CODING_NAME[coding], n, k)
 
 
 def _layout(coding: int, encoding: str, shape: tuple[int, ...], chunk: tuple[int, int], k: int) -> _Layout:
     num_chunks, n = _num_chunks(shape, chunk), chunk[0] * chunk[1]
     value_bytes, scale_bytes = _codec.value_sizes(encoding, num_chunks, k)
-    index_bytes = _codec.num_bytes(_index_bits(coding, num_chunks, k, n))
-    return _Layout(num_chunks, k, n, index_bytes, value_bytes, scale_bytes)
+    index_bits = _index_bits(coding, num_chunks, k, n)
+    return _Layout(num_chunks, k, n, index_bits, _codec.num_bytes(index_bits), value_bytes, scale_bytes)
+
+
+def _batches(keys: list[tuple[int, ...]]) -> list[list[int]]:
+    """Positions grouped by key, in first-seen order: the codecs take each group in one go."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
 
 
 # --- encode ------------------------------------------------------------------------------------
 
 
 def _check_local(name: str, c: Compressed, encoding: str) -> None:
-    """A malformed local payload is a bug in the caller: ValueError, not InvalidPayload."""
+    """A malformed local payload is a bug in the caller: ValueError, not InvalidPayload.
+
+    Metadata only; `_codec.encode_batch` checks the entries of a whole batch at once.
+    """
     if c.chunk[0] < 1 or c.chunk[1] < 1 or c.totalk > MAX_CHUNK_ELEMS:
         raise ValueError(f"{name}: chunk {c.chunk} should be positive with h*w <= {MAX_CHUNK_ELEMS}")
     num_chunks, n = _num_chunks(c.shape, c.chunk), c.totalk
@@ -120,64 +133,39 @@ def _check_local(name: str, c: Compressed, encoding: str) -> None:
         )
     if c.idx.dtype != torch.int64 or c.val.dtype != torch.float32:
         raise ValueError(f"{name}: idx should be int64 and val float32, got {c.idx.dtype}, {c.val.dtype}")
-    if c.k > n or (c.idx.numel() and (int(c.idx.min()) < 0 or int(c.idx.max()) >= n)):
+    if c.k > n:
         raise ValueError(f"{name}: indices should be in [0, {n}) with k <= {n}")
     if encoding in ("int8", "sign") and (c.scale is None or c.scale.shape != (num_chunks, 1)):
         raise ValueError(f"{name}: {encoding} needs a ({num_chunks}, 1) scale")
     if encoding == "fp16" and (c.scale is None or c.scale.numel() != 1):
         raise ValueError(f"{name}: fp16 needs a 0-d scale")
-    # NaN or Inf here means the momentum is already poisoned: a bug to crash on, not to send.
-    if not bool(torch.isfinite(c.val).all()):
-        raise ValueError(f"{name}: val holds NaN or Inf")
-    if c.scale is not None and encoding in ("fp16", "int8", "sign"):
-        scale = c.scale.detach().cpu().to(torch.float32)
-        ok = bool((torch.isfinite(scale) & (scale >= 0)).all())
-        if encoding == "fp16":
-            ok = ok and float(scale) > 0 and math.frexp(float(scale))[0] == 0.5
-        if not ok:
-            raise ValueError(f"{name}: {encoding} scale {scale.flatten()[:4].tolist()} is not what quantize returns")
 
 
-def _choose_entropy(idx_CK: torch.Tensor, n: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(Elias-Fano or bitmap, whichever is smaller, row-sorted indices, the sort's order)."""
-    sorted_CK, order_CK = torch.sort(idx_CK, dim=1, stable=True)
-    k = idx_CK.shape[1]
-    # A bitmap cannot hold an index twice (an aggregate's zero padding may repeat one).
-    use_bitmap = n < _codec.ef_chunk_bits(n, k) and not _codec.has_repeats(sorted_CK)
-    return (_BITMAP if use_bitmap else _ELIAS_FANO), sorted_CK, order_CK
+def _numpy(tensors: list[torch.Tensor], dtype: torch.dtype) -> np.ndarray:
+    """The tensors concatenated along dim 0, on the CPU (one copy from a device); may share their memory."""
+    with torch.no_grad():
+        if len(tensors) > 1:
+            same = len({x.device for x in tensors}) == 1
+            tensors = [torch.cat(tensors if same else [x.cpu() for x in tensors])]
+        return tensors[0].detach().to(device="cpu", dtype=dtype).contiguous().numpy()
 
 
-def _encode_indices(
-    idx_CK: torch.Tensor, val_CK: torch.Tensor, n: int, index_coding: str
-) -> tuple[int, bytes, torch.Tensor]:
-    """(coding, index bytes, values in the order the indices travel)."""
-    if index_coding == "packed":
-        return _PACKED, _codec.encode_packed(idx_CK, n), val_CK
-    coding, sorted_CK, order_CK = _choose_entropy(idx_CK, n)
-    val_CK = val_CK.gather(1, order_CK)
-    if coding == _BITMAP:
-        return _BITMAP, _codec.encode_bitmap(sorted_CK, n), val_CK
-    return _ELIAS_FANO, _codec.encode_elias_fano(sorted_CK, n), val_CK
-
-
-def _encode_tensor(msg: Any, name: str, c: Compressed, encoding: str, index_coding: str) -> None:
-    _check_local(name, c, encoding)
-    idx_CK, val_CK = c.idx.detach().cpu(), c.val.detach().cpu()
-    coding, index_data, val_CK = _encode_indices(idx_CK, val_CK, c.totalk, index_coding)
-    values, scales = _codec.encode_values(val_CK, c.scale, encoding)
-    # Error feedback is exact only if receivers decode the very bits the sender subtracted.
-    back_CK, _ = _codec.decode_values(values, scales, encoding, *val_CK.shape)
-    if not torch.equal(back_CK.view(torch.int32), val_CK.contiguous().view(torch.int32)):
-        raise ValueError(f"{name}: val is not on the {encoding} grid; pass what quantize() returned")
-    msg.name = name
-    msg.shape.extend(c.shape)
-    msg.chunk_h, msg.chunk_w = c.chunk
-    msg.k = c.k
-    msg.index_coding = coding
-    msg.indices = index_data
-    msg.value_encoding = _ENCODING_TO_PB[encoding]
-    msg.values = values
-    msg.scales = scales
+def _encode_batch(
+    names: list[str], cs: list[Compressed], encoding: str, index_coding: str
+) -> list[tuple[int, bytes, bytes, bytes]]:
+    """(index coding, indices, values, scales) of tensors that share (n, k), coded together."""
+    rows = [int(c.idx.shape[0]) for c in cs]
+    idx_RK, val_RK = _numpy([c.idx for c in cs], torch.int64), _numpy([c.val for c in cs], torch.float32)
+    scale = None  # (T,) for fp16, (R,) for int8 and sign
+    if encoding in ("fp16", "int8", "sign"):
+        scale = _numpy([c.scale.reshape(-1) for c in cs if c.scale is not None], torch.float32)
+    try:
+        codings, *blobs = _codec.encode_batch(
+            idx_RK, val_RK, scale, encoding, index_coding == "entropy", cs[0].totalk, rows
+        )
+    except _codec.BadTensor as e:
+        raise ValueError(f"{names[e.tensor]}: {e}") from None
+    return list(zip((_CODING_PB[c] for c in codings), *blobs, strict=True))
 
 
 def encode(payload: Payload, *, step: int, index_coding: str = "packed") -> bytes:
@@ -195,21 +183,55 @@ def encode(payload: Payload, *, step: int, index_coding: str = "packed") -> byte
     Raises:
         ValueError: the payload is malformed (a bug on this side, never a peer's fault).
     """
-    if payload.encoding not in ENCODINGS:
-        raise ValueError(f"encoding should be one of {ENCODINGS}, got {payload.encoding!r}")
+    encoding = payload.encoding
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding should be one of {ENCODINGS}, got {encoding!r}")
     if index_coding not in INDEX_CODINGS:
         raise ValueError(f"index_coding should be one of {INDEX_CODINGS}, got {index_coding!r}")
     if step < 0:
         raise ValueError(f"step should be >= 0, got {step}")
-    msg = pb.Payload(version=VERSION, step=step, encoding=_ENCODING_TO_PB[payload.encoding])
-    for name, c in payload.tensors.items():
-        _encode_tensor(msg.tensors.add(), name, c, payload.encoding, index_coding)
+    items = list(payload.tensors.items())
+    for name, c in items:
+        _check_local(name, c, encoding)
+    coded: list[tuple[int, bytes, bytes, bytes]] = [(0, b"", b"", b"")] * len(items)
+    for members in _batches([(c.totalk, c.k) for _, c in items]):
+        names, cs = [items[i][0] for i in members], [items[i][1] for i in members]
+        for i, parts in zip(members, _encode_batch(names, cs, encoding, index_coding), strict=True):
+            coded[i] = parts
+    msg = pb.Payload(version=VERSION, step=step, encoding=_ENCODING_TO_PB[encoding])
+    for (name, c), (coding, indices, values, scales) in zip(items, coded, strict=True):
+        msg.tensors.add(
+            name=name,
+            shape=c.shape,
+            chunk_h=c.chunk[0],
+            chunk_w=c.chunk[1],
+            k=c.k,
+            index_coding=coding,
+            indices=indices,
+            value_encoding=msg.encoding,
+            values=values,
+            scales=scales,
+        )
     body = msg.SerializeToString()
     logger.debug("encoded step %d: %d tensors, %d bytes, %s indices", step, len(msg.tensors), len(body), index_coding)
     return body + _TRAILER_HEAD + hashlib.sha256(body).digest()
 
 
 # --- decode ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Inbound:
+    """One tensor message that passed `_check_meta`, with the bytes of its fields."""
+
+    name: str
+    shape: tuple[int, ...]
+    chunk: tuple[int, int]
+    coding: int
+    layout: _Layout
+    indices: bytes
+    values: bytes
+    scales: bytes
 
 
 def _parse(data: bytes, max_bytes: int) -> Any:
@@ -238,8 +260,8 @@ def _parse(data: bytes, max_bytes: int) -> Any:
     return msg
 
 
-def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]) -> _Layout:
-    """Everything about one tensor that metadata and byte lengths can tell, before any tensor op."""
+def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]) -> _Inbound:
+    """Everything about one tensor that metadata, byte lengths and padding bits can tell, before any tensor op."""
     name = t.name
     if not name or len(name.encode()) > MAX_NAME_BYTES:
         raise InvalidPayload(f"tensor name {name[:64]!r} should have 1 to {MAX_NAME_BYTES} bytes")
@@ -249,9 +271,10 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
     where = f"tensor {name!r}"
     if t.value_encoding != encoding:
         raise InvalidPayload(f"{where}: value encoding {t.value_encoding} differs from the payload's {encoding}")
-    if t.index_coding not in (_PACKED, _ELIAS_FANO, _BITMAP):
-        raise InvalidPayload(f"{where}: unknown index coding {t.index_coding}")
-    shape, chunk, k = tuple(int(d) for d in t.shape), (int(t.chunk_h), int(t.chunk_w)), int(t.k)
+    coding = t.index_coding
+    if coding not in _CODING_NAME:
+        raise InvalidPayload(f"{where}: unknown index coding {coding}")
+    shape, chunk, k = tuple(t.shape), (t.chunk_h, t.chunk_w), t.k
     if expected is not None:
         if name not in expected:
             raise InvalidPayload(f"{where} is not a parameter of this model")
@@ -267,69 +290,48 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
         raise InvalidPayload(f"{where}: chunk {chunk} should be positive with h*w <= {MAX_CHUNK_ELEMS}")
     if k > n:
         raise InvalidPayload(f"{where}: k={k} exceeds the chunk's {n} coefficients")
-    layout = _layout(t.index_coding, _PB_TO_ENCODING[encoding], shape, chunk, k)
-    for field, want in (
-        ("indices", layout.index_bytes),
-        ("values", layout.value_bytes),
-        ("scales", layout.scale_bytes),
+    value_encoding = _PB_TO_ENCODING[encoding]
+    layout = _layout(coding, value_encoding, shape, chunk, k)
+    indices, values, scales = t.indices, t.values, t.scales  # each access copies the bytes: once
+    for field, have, want in (
+        ("indices", len(indices), layout.index_bytes),
+        ("values", len(values), layout.value_bytes),
+        ("scales", len(scales), layout.scale_bytes),
     ):
-        have = len(getattr(t, field))
         if have != want:
             raise InvalidPayload(
                 f"{where}: {field} hold {have} bytes, expected {want} for "
-                f"{layout.num_chunks} chunks x k={k} of {n} ({pb.IndexCoding.Name(t.index_coding)}, "
-                f"{_PB_TO_ENCODING[encoding]})"
+                f"{layout.num_chunks} chunks x k={k} of {n} ({pb.IndexCoding.Name(coding)}, {value_encoding})"
             )
-    return layout
+    if not _codec.padding_ok(indices, layout.index_bits):
+        raise InvalidPayload(f"{where}: {_CODING_NAME[coding]} indices: the padding bits of the last byte are not 0")
+    if value_encoding == "sign" and not _codec.padding_ok(values, layout.num_chunks * k):
+        raise InvalidPayload(f"{where}: sign values: the padding bits of the last byte are not 0")
+    return _Inbound(name, shape, chunk, coding, layout, indices, values, scales)
 
 
-def _check_entries(where: str, idx_CK: torch.Tensor, val_CK: torch.Tensor, n: int, is_sorted: bool) -> None:
-    """Bounds, order and repeats: an index may repeat in a row only where at most one value is nonzero."""
-    if idx_CK.numel() == 0:
-        return
-    if int(idx_CK.max()) >= n:
-        raise InvalidPayload(f"{where}: index {int(idx_CK.max())} out of range for {n} coefficients")
-    if idx_CK.shape[1] < 2:
-        return
-    if is_sorted:
-        if not bool((idx_CK[:, 1:] >= idx_CK[:, :-1]).all()):
-            raise InvalidPayload(f"{where}: entropy-coded indices are not sorted")
-        sorted_CK, sval_CK = idx_CK, val_CK
-    else:
-        sorted_CK, order_CK = torch.sort(idx_CK, dim=1, stable=True)
-        sval_CK = val_CK.gather(1, order_CK)
-    nonzero_CK = sval_CK != 0
-    group_start_CK = torch.ones_like(sorted_CK, dtype=torch.bool)
-    group_start_CK[:, 1:] = sorted_CK[:, 1:] != sorted_CK[:, :-1]
-    if bool(group_start_CK.all()):
-        return
-    # Nonzero values per run of equal indices; runs are numbered within a row by a cumsum of starts.
-    run_CK = group_start_CK.cumsum(dim=1)
-    nonzeros_CR = torch.zeros(sorted_CK.shape[0], sorted_CK.shape[1] + 1, dtype=torch.int64)
-    nonzeros_CR.scatter_add_(1, run_CK, nonzero_CK.to(torch.int64))
-    if int(nonzeros_CR.max()) > 1:
-        raise InvalidPayload(f"{where}: an index repeats within a chunk with more than one nonzero value")
-
-
-def _decode_tensor(t: Any, encoding: str, layout: _Layout) -> Compressed:
-    where = f"tensor {t.name!r}"
-    data_B = _codec.from_bytes(t.indices, torch.uint8)
-    c, k, n = layout.num_chunks, layout.k, layout.n
-    decode_indices = {
-        _PACKED: _codec.decode_packed,
-        _ELIAS_FANO: _codec.decode_elias_fano,
-        _BITMAP: _codec.decode_bitmap,
-    }[t.index_coding]
+def _decode_batch(ts: list[_Inbound], encoding: str) -> tuple[list[Compressed], np.ndarray]:
+    """Tensors that share (index coding, n, k), decoded and checked together; and their values, (R, K)."""
+    rows = [t.layout.num_chunks for t in ts]
+    blobs = [t.indices for t in ts], [t.values for t in ts], [t.scales for t in ts]
     try:
-        idx_CK = decode_indices(data_B, c, k, n)
-        val_CK, scale = _codec.decode_values(t.values, t.scales, encoding, c, k)
-    except InvalidPayload as e:
-        raise InvalidPayload(f"{where}: {e}") from None
-    if not bool(torch.isfinite(val_CK).all()):
-        raise InvalidPayload(f"{where}: values are not all finite")
-    _check_entries(where, idx_CK, val_CK, n, is_sorted=t.index_coding != _PACKED)
-    chunk = (int(t.chunk_h), int(t.chunk_w))
-    return Compressed(idx=idx_CK, val=val_CK, shape=tuple(int(d) for d in t.shape), chunk=chunk, scale=scale)
+        idx_RK, val_RK, scale = _codec.decode_batch(
+            _CODING_NAME[ts[0].coding], blobs, encoding, rows, ts[0].layout.k, ts[0].layout.n
+        )
+    except _codec.BadTensor as e:
+        raise InvalidPayload(f"tensor {ts[e.tensor].name!r}: {e}") from None
+    scales: list[torch.Tensor | None] = [None] * len(ts)
+    if scale is not None:  # fp16: one 0-d scale per tensor; int8, sign: (C, 1) per tensor
+        scale_t = torch.from_numpy(scale)
+        scales = list(scale_t.unbind() if encoding == "fp16" else torch.split(scale_t.view(-1, 1), rows))
+    parts = zip(
+        ts,
+        torch.split(torch.from_numpy(idx_RK), rows),
+        torch.split(torch.from_numpy(val_RK), rows),
+        scales,
+        strict=True,
+    )
+    return [Compressed(idx=i, val=v, shape=t.shape, chunk=t.chunk, scale=s) for t, i, v, s in parts], val_RK
 
 
 def decode(
@@ -342,8 +344,8 @@ def decode(
 ) -> tuple[int, Payload]:
     """Validate and deserialize a payload from a peer.
 
-    Every check runs before the payload is returned, and metadata and byte lengths are checked
-    before any tensor is built; anything wrong raises `InvalidPayload`.
+    Every check runs before the payload is returned, and metadata, byte lengths and padding bits
+    are checked before any tensor is built; anything wrong raises `InvalidPayload`.
 
     Args:
         data: a serialized ``demonet.v1.Payload`` as `encode` writes it.
@@ -363,21 +365,25 @@ def decode(
     msg = _parse(data, max_bytes)
     encoding = _PB_TO_ENCODING[msg.encoding]
     seen: set[str] = set()
-    layouts = [_check_meta(t, msg.encoding, expected, seen) for t in msg.tensors]
-    total = sum(layout.num_chunks * max(layout.k, 1) for layout in layouts)  # chunks count too
+    inbound = [_check_meta(t, msg.encoding, expected, seen) for t in msg.tensors]
+    total = sum(t.layout.num_chunks * max(t.layout.k, 1) for t in inbound)  # chunks count too
     if total > max_entries:
         raise InvalidPayload(f"payload holds {total} entries, more than the cap of {max_entries}")
     missing = [name for name in expected or () if name not in seen]
     if missing:
         raise InvalidPayload(f"payload lacks {len(missing)} of the model's tensors, e.g. {missing[0]!r}")
-    tensors = {t.name: _decode_tensor(t, encoding, layout) for t, layout in zip(msg.tensors, layouts, strict=True)}
-    if expected is not None:  # the model's order, which aggregate() relies on
-        tensors = {name: tensors[name] for name in expected}
-    if max_norm is not None:
-        sq = sum(float(c.val.double().square().sum()) for c in tensors.values())
-        if not math.sqrt(sq) <= max_norm:
-            raise InvalidPayload(f"payload norm {math.sqrt(sq):.4g} exceeds the bound {max_norm:.4g}")
-    return int(msg.step), Payload(tensors=tensors, encoding=encoding)
+    decoded: dict[str, Compressed] = {}
+    sq = 0.0
+    for members in _batches([(t.coding, t.layout.n, t.layout.k) for t in inbound]):
+        batch = [inbound[i] for i in members]
+        cs, val_RK = _decode_batch(batch, encoding)
+        decoded.update((t.name, c) for t, c in zip(batch, cs, strict=True))
+        if max_norm is not None:
+            sq += float(np.square(val_RK, dtype=np.float64).sum())
+    if max_norm is not None and not math.sqrt(sq) <= max_norm:
+        raise InvalidPayload(f"payload norm {math.sqrt(sq):.4g} exceeds the bound {max_norm:.4g}")
+    order = expected if expected is not None else [t.name for t in inbound]  # expected: what aggregate() relies on
+    return int(msg.step), Payload(tensors={name: decoded[name] for name in order}, encoding=encoding)
 
 
 # --- parts -------------------------------------------------------------------------------------
@@ -478,14 +484,17 @@ class Reassembler:
 # --- accounting ------------------------------------------------------------------------------
 
 
+def _entropy_coding(c: Compressed) -> Any:
+    idx_RK = _numpy([c.idx], torch.int64)
+    sorted_RK, _ = _codec.sort_rows(idx_RK, idx_RK)
+    return _CODING_PB[_codec.entropy_codings(sorted_RK, c.totalk, [int(c.idx.shape[0])])[0]]
+
+
 def payload_bytes(payload: Payload, *, index_coding: str = "packed", step: int = 0) -> int:
     """Bytes `encode(payload, step=step, index_coding=index_coding)` writes, without encoding values."""
     msg = pb.Payload(version=VERSION, step=step, encoding=_ENCODING_TO_PB[payload.encoding])
     for name, c in payload.tensors.items():
-        if index_coding == "packed":
-            coding = _PACKED
-        else:
-            coding, _, _ = _choose_entropy(c.idx.detach().cpu(), c.totalk)
+        coding = _PACKED if index_coding == "packed" else _entropy_coding(c)
         layout = _layout(coding, payload.encoding, c.shape, c.chunk, c.k)
         msg.tensors.add(
             name=name,
@@ -531,7 +540,7 @@ def index_bits_report(payload: Payload) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     for name, c in payload.tensors.items():
         num_chunks, n, k = c.idx.shape[0], c.totalk, c.k
-        coding, _, _ = _choose_entropy(c.idx.detach().cpu(), n)
+        coding = _entropy_coding(c)
         tensors[name] = row(
             num_chunks * k,
             num_chunks * _codec.floor_bits(n, k),

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
+from demonet.errors import InvalidPayload
 from demonet.optim.payload import ENCODINGS, Compressed, Payload, matrix_shape, quantize
 
 
@@ -172,6 +173,58 @@ def test_empty_payload_and_k_zero() -> None:
     c = Compressed(idx=torch.zeros(2, 0, dtype=torch.int64), val=torch.zeros(2, 0), shape=(4, 8), chunk=(2, 8))
     for coding in wire.INDEX_CODINGS:
         assert_round_trip(Payload(tensors={"w": c}, encoding="fp32"), coding)
+
+
+# --- batches: tensors that share (n, k) are coded together --------------------------------------
+
+
+def _batch_payload(encoding: str) -> Payload:
+    """1x8 chunks with k=3 (odd bit counts, so bytes pad between tensors), an empty tensor, a tensor with
+    padding repeats (Elias-Fano beside bitmaps under entropy coding), and a second (n, k)."""
+    gen = torch.Generator().manual_seed(21)
+    pad = encoding in ("fp32", "bf16", "fp16")
+    tensors = {
+        "a": make_compressed((13,), (1, 8), 3, encoding, gen),
+        "empty": make_compressed((0,), (1, 8), 3, encoding, gen),
+        "b": make_compressed((5, 9), (1, 8), 3, encoding, gen, zeros=0.3),
+        "padded": make_compressed((20,), (1, 8), 3, encoding, gen, pad=pad),
+        "c": make_compressed((6, 6), (2, 4), 5, encoding, gen),
+        "d": make_compressed((7,), (1, 8), 3, encoding, gen),
+    }
+    return Payload(tensors=tensors, encoding=encoding)
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("index_coding", wire.INDEX_CODINGS)
+def test_a_batch_codes_each_tensor_as_it_would_alone(encoding: str, index_coding: str) -> None:
+    payload = _batch_payload(encoding)
+    assert_round_trip(payload, index_coding)
+    together = parse(wire.encode(payload, step=0, index_coding=index_coding)).tensors
+    for i, (name, c) in enumerate(payload.tensors.items()):
+        alone = parse(wire.encode(Payload(tensors={name: c}, encoding=encoding), step=0, index_coding=index_coding))
+        assert together[i] == alone.tensors[0], name
+    if index_coding == "entropy" and encoding in ("fp32", "bf16", "fp16"):
+        codings = {t.name: t.index_coding for t in together}
+        assert codings["a"] == codings["d"] == pb.INDEX_CODING_BITMAP
+        assert codings["padded"] == pb.INDEX_CODING_ELIAS_FANO
+
+
+def test_errors_name_the_tensor_within_a_batch() -> None:
+    gen = torch.Generator().manual_seed(22)
+    tensors = {f"t{i}": make_compressed((16,), (1, 8), 3, "fp32", gen) for i in range(4)}
+    val_CK = tensors["t2"].val.clone()
+    val_CK[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="^t2: val holds NaN"):
+        wire.encode(Payload(tensors={**tensors, "t2": _with(tensors["t2"], val=val_CK)}, encoding="fp32"), step=0)
+    idx_CK = tensors["t3"].idx.clone()
+    idx_CK[1, 2] = idx_CK[1, 0]  # encode does not look for repeats; decode must
+    payload = Payload(tensors={**tensors, "t3": _with(tensors["t3"], idx=idx_CK)}, encoding="fp32")
+    with pytest.raises(InvalidPayload, match="^tensor 't3': an index repeats"):
+        wire.decode(wire.encode(payload, step=0))
+    msg = parse(wire.encode(Payload(tensors=tensors, encoding="fp32"), step=0, index_coding="entropy"))
+    msg.tensors[1].values = msg.tensors[1].values[:4] + b"\x00\x00\xc0\x7f" + msg.tensors[1].values[8:]  # NaN
+    with pytest.raises(InvalidPayload, match="^tensor 't1': values are not all finite"):
+        wire.decode(seal(msg))
 
 
 # --- index codings -----------------------------------------------------------------------------

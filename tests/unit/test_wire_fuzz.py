@@ -12,6 +12,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -238,11 +239,11 @@ def m_out_of_range(msg: pb.Payload, rng: random.Random) -> None:
     t = next(t for t in msg.tensors if t.name == "odd")
     num = _chunks(t)
     if t.index_coding == pb.INDEX_CODING_PACKED:
-        idx_CK = torch.tensor([[rng.randrange(15), 15] for _ in range(num)])
-        t.indices = _codec.encode_packed(idx_CK, 15)
+        idx_CK = np.array([[rng.randrange(15), 15] for _ in range(num)])
+        [t.indices] = _codec.encode_indices(["packed"], idx_CK, 15, [num])
     else:  # Elias-Fano with l = 2 can spell 15 (high 3, low 3)
-        idx_CK = torch.tensor([[0, 15] for _ in range(num)])
-        t.indices = _codec.encode_elias_fano(idx_CK, 15)
+        idx_CK = np.array([[0, 15] for _ in range(num)])
+        [t.indices] = _codec.encode_indices(["elias_fano"], idx_CK, 15, [num])
         t.index_coding = pb.INDEX_CODING_ELIAS_FANO
 
 
@@ -299,7 +300,7 @@ def test_unsorted_entropy_indices_are_rejected() -> None:
     msg = parse(wire.encode(small_payload("fp32", 0), step=0, index_coding="entropy"))
     t = msg.tensors.add(name="extra", shape=[64], chunk_h=1, chunk_w=64, k=2, value_encoding=msg.encoding)
     t.index_coding = pb.INDEX_CODING_ELIAS_FANO
-    t.indices = _codec.encode_elias_fano(torch.tensor([[3, 1]]), 64)  # same high part, lows descending
+    [t.indices] = _codec.encode_indices(["elias_fano"], np.array([[3, 1]]), 64, [1])  # same high part, lows descending
     t.values = struct.pack("<2f", 1.0, 2.0)
     assert "sorted" in _rejected(seal(msg))
 
