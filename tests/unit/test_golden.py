@@ -39,7 +39,7 @@ def _run() -> dict[str, object]:
             step_losses.append(round(float(loss.detach()), 6))
             payloads.append(opt.compress())
         agg = aggregate(payloads)
-        for model, opt in zip(models, opts, strict=True):
+        for opt in opts:
             opt.apply(agg)
             opt.zero_grad()
         losses.append(step_losses)
