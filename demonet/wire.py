@@ -25,7 +25,8 @@ from google.protobuf.message import DecodeError
 from . import _codec
 from ._proto import demonet_pb2 as pb
 from .errors import InvalidPayload
-from .optim.payload import ENCODINGS, Compressed, Payload, matrix_shape
+from .optim.payload import ENCODINGS, Compressed, Payload
+from .optim.payload import num_chunks as chunk_count
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -92,17 +93,12 @@ class _Layout:
     scale_bytes: int
 
 
-def _num_chunks(shape: tuple[int, ...], chunk: tuple[int, int]) -> int:
-    rows, cols = matrix_shape(shape)
-    return -(-rows // chunk[0]) * -(-cols // chunk[1])
-
-
 def _index_bits(coding: int, num_chunks: int, k: int, n: int) -> int:
     return num_chunks * _codec.index_row_bits(_CODING_NAME[coding], n, k)
 
 
 def _layout(coding: int, encoding: str, shape: tuple[int, ...], chunk: tuple[int, int], k: int) -> _Layout:
-    num_chunks, n = _num_chunks(shape, chunk), chunk[0] * chunk[1]
+    num_chunks, n = chunk_count(shape, chunk), chunk[0] * chunk[1]
     value_bytes, scale_bytes = _codec.value_sizes(encoding, num_chunks, k)
     index_bits = _index_bits(coding, num_chunks, k, n)
     return _Layout(num_chunks, k, n, index_bits, _codec.num_bytes(index_bits), value_bytes, scale_bytes)
@@ -126,7 +122,7 @@ def _check_local(name: str, c: Compressed, encoding: str) -> None:
     """
     if c.chunk[0] < 1 or c.chunk[1] < 1 or c.totalk > MAX_CHUNK_ELEMS:
         raise ValueError(f"{name}: chunk {c.chunk} should be positive with h*w <= {MAX_CHUNK_ELEMS}")
-    num_chunks, n = _num_chunks(c.shape, c.chunk), c.totalk
+    num_chunks, n = chunk_count(c.shape, c.chunk), c.totalk
     if c.idx.dim() != 2 or c.idx.shape[0] != num_chunks or c.val.shape != c.idx.shape:
         raise ValueError(
             f"{name}: idx and val should be ({num_chunks}, k), got {tuple(c.idx.shape)}, {tuple(c.val.shape)}"

@@ -22,7 +22,7 @@ import torch
 from .aggregate import aggregate
 from .chunking import CHUNK_POLICIES, chunk_shape
 from .dct import add_blocks_, block_view, dct_matrix, decode_dense, decode_sparse, encode, to_blocks
-from .payload import ENCODINGS, Compressed, Payload, matrix_shape, quantize
+from .payload import ENCODINGS, Compressed, Payload, matrix_shape, num_chunks, quantize
 
 __all__ = ["BASES", "DeMo"]
 
@@ -140,7 +140,7 @@ class DeMo(torch.optim.Optimizer):
                     raise ValueError(f"parameter name {name!r} appears twice")
                 rows, cols = matrix_shape(tuple(p.shape))
                 h, w = chunk_shape(rows, cols, self.compression_chunk, self.chunk_policy)
-                num_blocks = -(-rows // h) * -(-cols // w)
+                num_blocks = num_chunks(tuple(p.shape), (h, w))
                 key = (gi, h, w, p.device, _momentum_dtype(p.dtype))
                 bucket = open_buckets.get(key)
                 if bucket is None or (bucket.num_blocks + num_blocks) * h * w > self._bucket_cap:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ENCODINGS", "Compressed", "Payload", "quantize"]
+__all__ = ["ENCODINGS", "Compressed", "Payload", "matrix_shape", "num_chunks", "quantize"]
 
 ENCODINGS = ("fp32", "bf16", "fp16", "int8", "sign")
 """Value encodings. Each one is applied by the sender before error feedback, so what the sender
@@ -59,12 +59,6 @@ class Compressed:
         return self.chunk[0] * self.chunk[1]
 
     @property
-    def grid(self) -> tuple[int, int]:
-        """(Y, X): chunks along the rows and the columns of the 2-D view, padding included."""
-        rows, cols = matrix_shape(self.shape)
-        return -(-rows // self.chunk[0]), -(-cols // self.chunk[1])
-
-    @property
     def k(self) -> int:
         """Entries per chunk."""
         return int(self.idx.shape[-1])
@@ -94,6 +88,12 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) == 1:
         return 1, shape[0]
     return shape[0], math.prod(shape[1:])
+
+
+def num_chunks(shape: tuple[int, ...], chunk: tuple[int, int]) -> int:
+    """Chunks of a tensor: Y * X over its 2-D view, a ragged edge padded to a whole chunk."""
+    rows, cols = matrix_shape(shape)
+    return -(-rows // chunk[0]) * -(-cols // chunk[1])
 
 
 def _round_bf16(x: torch.Tensor) -> torch.Tensor:
