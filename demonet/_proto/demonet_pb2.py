@@ -24,21 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rdemonet.proto\x12\ndemonet.v1\"\xeb\x01\n\x0cSparseTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0f\n\x07\x63hunk_h\x18\x03 \x01(\r\x12\x0f\n\x07\x63hunk_w\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12-\n\x0cindex_coding\x18\x06 \x01(\x0e\x32\x17.demonet.v1.IndexCoding\x12\x0f\n\x07indices\x18\x07 \x01(\x0c\x12\x31\n\x0evalue_encoding\x18\x08 \x01(\x0e\x32\x19.demonet.v1.ValueEncoding\x12\x0e\n\x06values\x18\t \x01(\x0c\x12\x0e\n\x06scales\x18\n \x01(\x0c\"\x90\x01\n\x07Payload\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.demonet.v1.ValueEncoding\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.demonet.v1.SparseTensor\x12\x0e\n\x06\x64igest\x18\x0f \x01(\x0c\"f\n\x0bPayloadPart\x12\x16\n\x0epayload_digest\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c*z\n\x0bIndexCoding\x12\x1c\n\x18INDEX_CODING_UNSPECIFIED\x10\x00\x12\x17\n\x13INDEX_CODING_PACKED\x10\x01\x12\x1b\n\x17INDEX_CODING_ELIAS_FANO\x10\x02\x12\x17\n\x13INDEX_CODING_BITMAP\x10\x03*\xac\x01\n\rValueEncoding\x12\x1e\n\x1aVALUE_ENCODING_UNSPECIFIED\x10\x00\x12\x17\n\x13VALUE_ENCODING_FP32\x10\x01\x12\x17\n\x13VALUE_ENCODING_BF16\x10\x02\x12\x17\n\x13VALUE_ENCODING_FP16\x10\x03\x12\x17\n\x13VALUE_ENCODING_INT8\x10\x04\x12\x17\n\x13VALUE_ENCODING_SIGN\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rdemonet.proto\x12\ndemonet.v1\"\xeb\x01\n\x0cSparseTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0f\n\x07\x63hunk_h\x18\x03 \x01(\r\x12\x0f\n\x07\x63hunk_w\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12-\n\x0cindex_coding\x18\x06 \x01(\x0e\x32\x17.demonet.v1.IndexCoding\x12\x0f\n\x07indices\x18\x07 \x01(\x0c\x12\x31\n\x0evalue_encoding\x18\x08 \x01(\x0e\x32\x19.demonet.v1.ValueEncoding\x12\x0e\n\x06values\x18\t \x01(\x0c\x12\x0e\n\x06scales\x18\n \x01(\x0c\"\x90\x01\n\x07Payload\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.demonet.v1.ValueEncoding\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.demonet.v1.SparseTensor\x12\x0e\n\x06\x64igest\x18\x0f \x01(\x0c\"f\n\x0bPayloadPart\x12\x16\n\x0epayload_digest\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"G\n\x0b\x44\x65nseTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"l\n\nParameters\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.demonet.v1.DenseTensor\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\"\x1e\n\x0bJoinRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\"\x9f\x01\n\tJoinReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nrun_config\x18\x03 \x01(\t\x12\x11\n\tdata_seed\x18\x04 \x01(\x04\x12\x17\n\x0fround_timeout_s\x18\x05 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x06 \x01(\x01\x12\x14\n\x0ctotal_rounds\x18\x07 \x01(\x04\"2\n\x10HeartbeatRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"/\n\x0eHeartbeatReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06member\x18\x02 \x01(\x08\"3\n\x11ParametersRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"w\n\nSubmitPart\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x03 \x01(\t\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12%\n\x04part\x18\x05 \x01(\x0b\x32\x17.demonet.v1.PayloadPart\"?\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06resync\x18\x03 \x01(\x08\"2\n\x10\x41ggregateRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"]\n\x0f\x41ggregateHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x08\x12\x14\n\x0c\x63ontributors\x18\x03 \x03(\t\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\"p\n\x0e\x41ggregateChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.demonet.v1.AggregateHeaderH\x00\x12\'\n\x04part\x18\x02 \x01(\x0b\x32\x17.demonet.v1.PayloadPartH\x00\x42\x06\n\x04kind\"\x0f\n\rStatusRequest\"\xf5\x01\n\x0bStatusReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x11\n\tsubmitted\x18\x04 \x01(\r\x12\x14\n\x0cseconds_left\x18\x05 \x01(\x01\x12\x14\n\x0cparam_digest\x18\x06 \x01(\t\x12\x10\n\x08\x62ytes_up\x18\x07 \x01(\x04\x12\x12\n\nbytes_down\x18\x08 \x01(\x04\x12\x11\n\tlast_loss\x18\t \x01(\x01\x12\x15\n\rrounds_closed\x18\n \x01(\x04\x12\x16\n\x0erounds_aborted\x18\x0b \x01(\x04\x12\x10\n\x08rejected\x18\x0c \x01(\x04*z\n\x0bIndexCoding\x12\x1c\n\x18INDEX_CODING_UNSPECIFIED\x10\x00\x12\x17\n\x13INDEX_CODING_PACKED\x10\x01\x12\x1b\n\x17INDEX_CODING_ELIAS_FANO\x10\x02\x12\x17\n\x13INDEX_CODING_BITMAP\x10\x03*\xac\x01\n\rValueEncoding\x12\x1e\n\x1aVALUE_ENCODING_UNSPECIFIED\x10\x00\x12\x17\n\x13VALUE_ENCODING_FP32\x10\x01\x12\x17\n\x13VALUE_ENCODING_BF16\x10\x02\x12\x17\n\x13VALUE_ENCODING_FP16\x10\x03\x12\x17\n\x13VALUE_ENCODING_INT8\x10\x04\x12\x17\n\x13VALUE_ENCODING_SIGN\x10\x05\x32\x9e\x03\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.demonet.v1.JoinRequest\x1a\x15.demonet.v1.JoinReply\x12\x45\n\tHeartbeat\x12\x1c.demonet.v1.HeartbeatRequest\x1a\x1a.demonet.v1.HeartbeatReply\x12I\n\rGetParameters\x12\x1d.demonet.v1.ParametersRequest\x1a\x17.demonet.v1.PayloadPart0\x01\x12;\n\x06Submit\x12\x16.demonet.v1.SubmitPart\x1a\x17.demonet.v1.SubmitReply(\x01\x12J\n\x0cGetAggregate\x12\x1c.demonet.v1.AggregateRequest\x1a\x1a.demonet.v1.AggregateChunk0\x01\x12<\n\x06Status\x12\x19.demonet.v1.StatusRequest\x1a\x17.demonet.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'demonet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INDEXCODING']._serialized_start=518
-  _globals['_INDEXCODING']._serialized_end=640
-  _globals['_VALUEENCODING']._serialized_start=643
-  _globals['_VALUEENCODING']._serialized_end=815
+  _globals['_INDEXCODING']._serialized_start=1761
+  _globals['_INDEXCODING']._serialized_end=1883
+  _globals['_VALUEENCODING']._serialized_start=1886
+  _globals['_VALUEENCODING']._serialized_end=2058
   _globals['_SPARSETENSOR']._serialized_start=30
   _globals['_SPARSETENSOR']._serialized_end=265
   _globals['_PAYLOAD']._serialized_start=268
   _globals['_PAYLOAD']._serialized_end=412
   _globals['_PAYLOADPART']._serialized_start=414
   _globals['_PAYLOADPART']._serialized_end=516
+  _globals['_DENSETENSOR']._serialized_start=518
+  _globals['_DENSETENSOR']._serialized_end=589
+  _globals['_PARAMETERS']._serialized_start=591
+  _globals['_PARAMETERS']._serialized_end=699
+  _globals['_JOINREQUEST']._serialized_start=701
+  _globals['_JOINREQUEST']._serialized_end=731
+  _globals['_JOINREPLY']._serialized_start=734
+  _globals['_JOINREPLY']._serialized_end=893
+  _globals['_HEARTBEATREQUEST']._serialized_start=895
+  _globals['_HEARTBEATREQUEST']._serialized_end=945
+  _globals['_HEARTBEATREPLY']._serialized_start=947
+  _globals['_HEARTBEATREPLY']._serialized_end=994
+  _globals['_PARAMETERSREQUEST']._serialized_start=996
+  _globals['_PARAMETERSREQUEST']._serialized_end=1047
+  _globals['_SUBMITPART']._serialized_start=1049
+  _globals['_SUBMITPART']._serialized_end=1168
+  _globals['_SUBMITREPLY']._serialized_start=1170
+  _globals['_SUBMITREPLY']._serialized_end=1233
+  _globals['_AGGREGATEREQUEST']._serialized_start=1235
+  _globals['_AGGREGATEREQUEST']._serialized_end=1285
+  _globals['_AGGREGATEHEADER']._serialized_start=1287
+  _globals['_AGGREGATEHEADER']._serialized_end=1380
+  _globals['_AGGREGATECHUNK']._serialized_start=1382
+  _globals['_AGGREGATECHUNK']._serialized_end=1494
+  _globals['_STATUSREQUEST']._serialized_start=1496
+  _globals['_STATUSREQUEST']._serialized_end=1511
+  _globals['_STATUSREPLY']._serialized_start=1514
+  _globals['_STATUSREPLY']._serialized_end=1759
+  _globals['_COORDINATOR']._serialized_start=2061
+  _globals['_COORDINATOR']._serialized_end=2475
 # @@protoc_insertion_point(module_scope)

@@ -83,3 +83,159 @@ class PayloadPart(_message.Message):
     total_bytes: int
     data: bytes
     def __init__(self, payload_digest: _Optional[bytes] = ..., index: _Optional[int] = ..., count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DenseTensor(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Parameters(_message.Message):
+    __slots__ = ("version", "round", "tensors", "param_digest")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    round: int
+    tensors: _containers.RepeatedCompositeFieldContainer[DenseTensor]
+    param_digest: str
+    def __init__(self, version: _Optional[int] = ..., round: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[DenseTensor, _Mapping]]] = ..., param_digest: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("peer_id",)
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    DATA_SEED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    run_config: str
+    data_seed: int
+    round_timeout_s: float
+    heartbeat_interval_s: float
+    total_rounds: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("peer_id", "round")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("round", "member")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    member: bool
+    def __init__(self, round: _Optional[int] = ..., member: bool = ...) -> None: ...
+
+class ParametersRequest(_message.Message):
+    __slots__ = ("peer_id", "round")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class SubmitPart(_message.Message):
+    __slots__ = ("peer_id", "round", "param_digest", "loss", "part")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    param_digest: str
+    loss: float
+    part: PayloadPart
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("accepted", "reason", "resync")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    resync: bool
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., resync: bool = ...) -> None: ...
+
+class AggregateRequest(_message.Message):
+    __slots__ = ("peer_id", "round")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class AggregateHeader(_message.Message):
+    __slots__ = ("round", "aborted", "contributors", "param_digest")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    aborted: bool
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    param_digest: str
+    def __init__(self, round: _Optional[int] = ..., aborted: bool = ..., contributors: _Optional[_Iterable[str]] = ..., param_digest: _Optional[str] = ...) -> None: ...
+
+class AggregateChunk(_message.Message):
+    __slots__ = ("header", "part")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    header: AggregateHeader
+    part: PayloadPart
+    def __init__(self, header: _Optional[_Union[AggregateHeader, _Mapping]] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("round", "phase", "members", "submitted", "seconds_left", "param_digest", "bytes_up", "bytes_down", "last_loss", "rounds_closed", "rounds_aborted", "rejected")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    phase: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    submitted: int
+    seconds_left: float
+    param_digest: str
+    bytes_up: int
+    bytes_down: int
+    last_loss: float
+    rounds_closed: int
+    rounds_aborted: int
+    rejected: int
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., submitted: _Optional[int] = ..., seconds_left: _Optional[float] = ..., param_digest: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., last_loss: _Optional[float] = ..., rounds_closed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...

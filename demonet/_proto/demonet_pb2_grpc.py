@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from . import demonet_pb2 as demonet__pb2
 
 GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,290 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class CoordinatorStub(object):
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/demonet.v1.Coordinator/Join',
+                request_serializer=demonet__pb2.JoinRequest.SerializeToString,
+                response_deserializer=demonet__pb2.JoinReply.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/demonet.v1.Coordinator/Heartbeat',
+                request_serializer=demonet__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=demonet__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+        self.GetParameters = channel.unary_stream(
+                '/demonet.v1.Coordinator/GetParameters',
+                request_serializer=demonet__pb2.ParametersRequest.SerializeToString,
+                response_deserializer=demonet__pb2.PayloadPart.FromString,
+                _registered_method=True)
+        self.Submit = channel.stream_unary(
+                '/demonet.v1.Coordinator/Submit',
+                request_serializer=demonet__pb2.SubmitPart.SerializeToString,
+                response_deserializer=demonet__pb2.SubmitReply.FromString,
+                _registered_method=True)
+        self.GetAggregate = channel.unary_stream(
+                '/demonet.v1.Coordinator/GetAggregate',
+                request_serializer=demonet__pb2.AggregateRequest.SerializeToString,
+                response_deserializer=demonet__pb2.AggregateChunk.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/demonet.v1.Coordinator/Status',
+                request_serializer=demonet__pb2.StatusRequest.SerializeToString,
+                response_deserializer=demonet__pb2.StatusReply.FromString,
+                _registered_method=True)
+
+
+class CoordinatorServicer(object):
+    """Missing associated documentation comment in .proto file."""
+
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetParameters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Submit(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAggregate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CoordinatorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=demonet__pb2.JoinRequest.FromString,
+                    response_serializer=demonet__pb2.JoinReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=demonet__pb2.HeartbeatRequest.FromString,
+                    response_serializer=demonet__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'GetParameters': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetParameters,
+                    request_deserializer=demonet__pb2.ParametersRequest.FromString,
+                    response_serializer=demonet__pb2.PayloadPart.SerializeToString,
+            ),
+            'Submit': grpc.stream_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=demonet__pb2.SubmitPart.FromString,
+                    response_serializer=demonet__pb2.SubmitReply.SerializeToString,
+            ),
+            'GetAggregate': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetAggregate,
+                    request_deserializer=demonet__pb2.AggregateRequest.FromString,
+                    response_serializer=demonet__pb2.AggregateChunk.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=demonet__pb2.StatusRequest.FromString,
+                    response_serializer=demonet__pb2.StatusReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'demonet.v1.Coordinator', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('demonet.v1.Coordinator', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Coordinator(object):
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/demonet.v1.Coordinator/Join',
+            demonet__pb2.JoinRequest.SerializeToString,
+            demonet__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/demonet.v1.Coordinator/Heartbeat',
+            demonet__pb2.HeartbeatRequest.SerializeToString,
+            demonet__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetParameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/demonet.v1.Coordinator/GetParameters',
+            demonet__pb2.ParametersRequest.SerializeToString,
+            demonet__pb2.PayloadPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/demonet.v1.Coordinator/Submit',
+            demonet__pb2.SubmitPart.SerializeToString,
+            demonet__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAggregate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/demonet.v1.Coordinator/GetAggregate',
+            demonet__pb2.AggregateRequest.SerializeToString,
+            demonet__pb2.AggregateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/demonet.v1.Coordinator/Status',
+            demonet__pb2.StatusRequest.SerializeToString,
+            demonet__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
