@@ -17,7 +17,7 @@ from .payload import Compressed, Payload
 __all__ = ["aggregate", "merge_tensor"]
 
 
-def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False) -> Compressed:
+def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False, topk: int | None = None) -> Compressed:
     """Merge one tensor's entries from several peers: union of indices, mean over contributors.
 
     Each coefficient is averaged over the peers that sent it, as the reference's
@@ -29,6 +29,9 @@ def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False) -> C
         parts: the tensor's `Compressed` from each peer, same shape and chunk.
         count_zeros: count a peer that sent exactly 0 as a contributor (the reference does; it
             halves other peers' values wherever one peer's chunk was all zeros). Off by default.
+        topk: keep only this many merged entries per chunk, the largest |mean|, so that the
+            aggregate does not grow with the number of peers. Peers restore what was dropped of
+            their own payloads (`DeMo.restore(payload, kept=aggregate)`). None keeps the union.
 
     Returns:
         (C, U) entries, U the largest union over chunks; shorter rows are padded with value 0.
@@ -64,15 +67,18 @@ def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False) -> C
     idx_CU = torch.where(valid_CU, idx_CU, idx_CU[:, :1])  # padding repeats a real index, value 0
     mean_CN = sums_CN.div_(counts_CN.clamp_(min=1))
     val_CU = torch.where(valid_CU, mean_CN.gather(1, idx_CU), 0.0).to(first.val.dtype)
+    if topk is not None and width > topk:
+        best_CK = torch.topk(val_CU.abs(), topk, dim=1, sorted=False).indices
+        idx_CU, val_CU = idx_CU.gather(1, best_CK), val_CU.gather(1, best_CK)
     return Compressed(idx=idx_CU, val=val_CU, shape=first.shape, chunk=first.chunk)
 
 
-def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False) -> Payload:
+def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None) -> Payload:
     """The round's aggregate: every tensor merged with `merge_tensor`.
 
-    A single payload is returned as it is (its own mean). All payloads must hold the same tensor
-    names in the same order; a mismatch raises ValueError (the wire layer validates peers' payloads
-    against the model before they get here).
+    A single payload is returned as it is (its own mean; `topk` is meant to be at least the peers'
+    k). `topk`: see `merge_tensor`. All payloads must hold the same tensor names in the same order;
+    a mismatch raises ValueError (the wire layer validates peers' payloads against the model first).
     """
     if not payloads:
         raise ValueError("aggregate needs at least one payload")
@@ -82,6 +88,7 @@ def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False) -> Payl
     for payload in payloads[1:]:
         if list(payload.tensors) != names:
             raise ValueError("payloads hold different tensors; validate them against the model first")
-    merged = {name: merge_tensor([p.tensors[name] for p in payloads], count_zeros=count_zeros) for name in names}
+    merged = {name: merge_tensor([p.tensors[name] for p in payloads], count_zeros=count_zeros, topk=topk)
+              for name in names}
     # Means of encoded values are no longer on the encoding's grid: the aggregate is plain floats.
     return Payload(tensors=merged, encoding="fp32")

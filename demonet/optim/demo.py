@@ -332,13 +332,29 @@ class DeMo(torch.optim.Optimizer):
         torch.div(bucket.exp_avg_BN, denom_BN, out=u_BN).div_(1.0 - beta1**step)
 
     @torch.no_grad()
-    def restore(self, payload: Payload) -> None:
-        """Add back into the momentum what `compress` took out for a payload that reached no aggregate."""
+    def restore(self, payload: Payload, kept: Payload | None = None) -> None:
+        """Add back into the momentum what `compress` took out, for entries that reached no aggregate.
+
+        Args:
+            payload: this peer's payload, as `compress` returned it.
+            kept: the aggregate that was applied, if any. Then only the payload's entries whose index
+                the aggregate does not hold (a coordinator may keep only the largest merged
+                coefficients) are restored; None restores the whole payload.
+        """
         self._check_payload(payload)
+        if kept is not None:
+            self._check_payload(kept)
         for slot in self._slots:
             c = payload.tensors[slot.name]
             m_CN = self._bucket_of[slot.name].momentum_BN[slot.start:slot.stop]
-            m_CN.scatter_add_(1, c.idx, c.val.to(m_CN.dtype) * self.alpha)
+            back_CK = c.val.to(m_CN.dtype) * self.alpha
+            if kept is not None:
+                a = kept.tensors[slot.name]
+                # Count, not assign: padding repeats a real index with value 0 and must not unset it.
+                held_CN = torch.zeros(m_CN.shape, dtype=torch.int32, device=m_CN.device)
+                held_CN.scatter_add_(1, a.idx, (a.val != 0).to(torch.int32))
+                back_CK = torch.where(held_CN.gather(1, c.idx) > 0, 0.0, back_CK)
+            m_CN.scatter_add_(1, c.idx, back_CK)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

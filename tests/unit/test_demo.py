@@ -242,3 +242,20 @@ def test_named_parameters_name_the_payload() -> None:
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     assert list(opt.compress().tensors) == ["0.weight", "0.bias", "1.weight"]
+
+
+def test_restore_only_what_the_aggregate_dropped() -> None:
+    ps = _params(10, [(32, 32)])
+    opt = DeMo(ps, lr=0.1, compression_topk=6, compression_chunk=16)
+    _set_grads(ps, 0)
+    payload = opt.compress()
+    after = opt.state[ps[0]]["momentum"].clone()
+    c = payload.tensors["0"]
+    # An aggregate that kept the first 4 of this peer's 6 entries per chunk, plus zero padding.
+    kept_idx = torch.cat([c.idx[:, :4], c.idx[:, :1]], dim=1)
+    kept_val = torch.cat([c.val[:, :4], torch.zeros(c.idx.shape[0], 1)], dim=1)
+    kept = Payload(tensors={"0": type(c)(idx=kept_idx, val=kept_val, shape=c.shape, chunk=c.chunk)})
+    opt.restore(payload, kept)
+    want = after.clone()
+    want.scatter_add_(1, c.idx[:, 4:], c.val[:, 4:])  # the two dropped entries come back
+    assert torch.equal(opt.state[ps[0]]["momentum"], want)

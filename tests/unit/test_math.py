@@ -162,3 +162,12 @@ def test_quantize_scale_is_exact(encoding: str) -> None:
         assert scale is not None and math.log2(float(scale)).is_integer()
         assert torch.equal((deq / scale).half().float(), deq / scale)
     assert (deq - val).abs().max() <= val.abs().max()  # within the chunk's range
+
+
+def test_aggregate_topk_keeps_the_largest_means() -> None:
+    a = _c([[0, 1, 2]], [[1.0, -5.0, 0.5]])
+    b = _c([[1, 3, 2]], [[-3.0, 2.0, 0.1]])
+    m = merge_tensor([a, b], topk=2)  # means: 0 -> 1, 1 -> -4, 2 -> 0.3, 3 -> 2
+    dense = torch.zeros(1, 4).scatter_add_(1, m.idx, m.val)
+    assert torch.equal(dense, torch.tensor([[0.0, -4.0, 0.0, 2.0]]))
+    assert merge_tensor([a, b], topk=10).idx.shape == (1, 4)  # never pads beyond the union

@@ -1,0 +1,86 @@
+"""The wire layer for dense named tensors: the canonical parameters a joining peer downloads.
+
+Part of the wire layer with demonet/wire.py: the only modules that touch protobuf messages of
+tensors. Imports the math layer's digest; nothing networked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from google.protobuf.message import DecodeError
+
+from ._proto import demonet_pb2 as pb
+from .digest import param_digest
+from .errors import InvalidPayload
+
+__all__ = ["MAX_PARAMETER_BYTES", "decode_parameters", "encode_parameters"]
+
+MAX_PARAMETER_BYTES = 8 * 2**30
+"""Largest serialized Parameters message accepted (protobuf itself stops at 2 GiB per message)."""
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def encode_parameters(named: Iterable[tuple[str, torch.Tensor]], *, round: int) -> bytes:
+    """Serialize named tensors (in order) as a `Parameters` message with their digest."""
+    tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in named]
+    msg = pb.Parameters(version=1, round=round, param_digest=param_digest(tensors))
+    for name, t in tensors:
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} is not one of {sorted(_DTYPES)}")
+        data = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        msg.tensors.add(name=name, shape=list(t.shape), dtype=dtype, data=data)
+    return msg.SerializeToString()
+
+
+def decode_parameters(data: bytes, *, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                      ) -> tuple[int, dict[str, torch.Tensor]]:
+    """Parse and validate a `Parameters` message against the model.
+
+    Args:
+        data: the serialized message.
+        expected: name -> (shape, dtype) of every parameter, in the model's order.
+
+    Returns:
+        (round, tensors by name in the model's order).
+
+    Raises:
+        InvalidPayload: anything wrong (size, version, names, shapes, dtypes, byte counts, non-finite
+            values, digest); nothing is returned then.
+    """
+    if len(data) > MAX_PARAMETER_BYTES:
+        raise InvalidPayload(f"parameters: {len(data)} bytes is over the cap of {MAX_PARAMETER_BYTES}")
+    msg = pb.Parameters()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as e:
+        raise InvalidPayload(f"parameters: not a Parameters message ({e})") from None
+    if msg.version != 1:
+        raise InvalidPayload(f"parameters: version {msg.version}, expected 1")
+    names = [t.name for t in msg.tensors]
+    if names != list(expected):
+        missing = sorted(set(expected) - set(names))[:3]
+        extra = sorted(set(names) - set(expected))[:3]
+        raise InvalidPayload(f"parameters: tensors do not match the model (missing {missing}, unknown {extra}, "
+                             "or out of order)")
+    out: dict[str, torch.Tensor] = {}
+    for t in msg.tensors:
+        shape, dtype = expected[t.name]
+        if tuple(t.shape) != tuple(shape) or _DTYPES.get(t.dtype) != dtype:
+            raise InvalidPayload(f"parameters: {t.name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if len(t.data) != numel * dtype.itemsize:
+            raise InvalidPayload(f"parameters: {t.name} holds {len(t.data)} bytes, expected {numel * dtype.itemsize}")
+        tensor = torch.frombuffer(bytearray(t.data), dtype=dtype).reshape(shape) if numel else torch.zeros(shape,
+                                                                                                          dtype=dtype)
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidPayload(f"parameters: {t.name} holds NaN or Inf")
+        out[t.name] = tensor
+    if param_digest(out.items()) != msg.param_digest:
+        raise InvalidPayload("parameters: digest does not match the tensors")
+    return msg.round, out
