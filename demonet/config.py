@@ -17,7 +17,7 @@ from typing import Any
 from .model import ModelConfig
 from .optim import BASES, CHUNK_POLICIES, ENCODINGS
 
-__all__ = ["Config", "OptimConfig", "TrainConfig", "load_config"]
+__all__ = ["Config", "NetConfig", "OptimConfig", "TrainConfig", "load_config"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,15 +88,49 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NetConfig:
+    """Coordinator mode: rounds and the aggregate."""
+
+    round_timeout_s: float = 30.0
+    """A round closes at most this long after it opens; stragglers are not waited on."""
+    min_peers: int = 1
+    """Payloads needed to apply a round at its deadline; fewer aborts it (peers restore theirs)."""
+    heartbeat_interval_s: float = 2.0
+    """How often a peer tells the coordinator it is alive."""
+    heartbeat_timeout_s: float = 15.0
+    """A peer not heard from for this long is dropped from the membership."""
+    aggregate_topk: int = 0
+    """Merged coefficients kept per chunk in the aggregate (0: the peers' compression_topk), so a
+    peer's download does not grow with the number of peers; peers restore what was dropped."""
+    aggregate_encoding: str = "bf16"
+    """Value encoding of the aggregate peers download: fp32, bf16 or fp16."""
+
+    def __post_init__(self) -> None:
+        _check(self.round_timeout_s > 0, "round_timeout_s should be > 0")
+        _check(self.min_peers >= 1, "min_peers should be >= 1")
+        _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s should be > 0")
+        _check(self.heartbeat_timeout_s > self.heartbeat_interval_s,
+               "heartbeat_timeout_s should be > heartbeat_interval_s")
+        _check(self.aggregate_topk >= 0, "aggregate_topk should be >= 0")
+        _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """A whole run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    net: NetConfig = field(default_factory=NetConfig)
 
     def __post_init__(self) -> None:
         _check(self.train.seq_len <= self.model.seq_len, "train.seq_len should be <= model.seq_len")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Mapping[str, Any]]) -> Config:
+        """Rebuild a config from `to_dict()` output (e.g. the JSON a coordinator hands its peers)."""
+        return load_config(None, {}, data)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -107,7 +141,7 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-_SECTIONS: dict[str, type[Any]] = {"model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
+_SECTIONS: dict[str, type[Any]] = {"model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "net": NetConfig}
 
 
 def _convert(section: str, name: str, raw: Any, kind: type[Any]) -> Any:
@@ -129,7 +163,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
     """Build a `Config`.
 
     Args:
-        path: a TOML file with [model], [optim] and [train] tables, or None.
+        path: a TOML file with [model], [optim], [train] and [net] tables, or None.
         env: environment variables (DEMONET_<SECTION>_<FIELD>); pass os.environ to use them.
         overrides: {section: {field: value}} from the command line (None values are ignored).
 

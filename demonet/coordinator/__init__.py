@@ -1,0 +1,147 @@
+"""The coordinator process: `serve()` runs the gRPC server; `main()` is `demonet coordinator`.
+
+A service module: imports grpc, the servicer, the config. See proto/demonet.proto for the protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .._proto import demonet_pb2_grpc as pb_grpc
+from ..config import Config, load_config
+from .metrics import Metrics
+from .server import CoordinatorOptions, CoordinatorServicer
+
+__all__ = ["CoordinatorOptions", "add_arguments", "main", "run", "serve"]
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "demonet.v1.Coordinator"
+_MESSAGE_BYTES = 16 * 2**20  # parts are at most 2 MiB; room for headers
+
+
+async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0.1:0", metrics_port: int = 0,
+                tls: tuple[bytes, bytes] | None = None, on_listening: Callable[[str], None] | None = None,
+                linger_s: float = 10.0) -> None:
+    """Run a coordinator until the run's last round closes, or SIGTERM/SIGINT.
+
+    Args:
+        cfg: the run.
+        opts: token, state folder, number of rounds.
+        listen: HOST:PORT; port 0 takes a free one (passed to `on_listening`).
+        metrics_port: serve Prometheus /metrics on this HTTP port (0: no).
+        tls: (certificate chain, private key) in PEM, or None for plaintext.
+        on_listening: called with "HOST:PORT" once the server accepts calls.
+        linger_s: after the last round, how long peers may still download its aggregate.
+    """
+    metrics = Metrics()
+    if metrics_port:
+        metrics.serve(metrics_port)
+    servicer = CoordinatorServicer(cfg, opts, metrics)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", _MESSAGE_BYTES)])
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    host = listen.rsplit(":", 1)[0]
+    port = (server.add_secure_port(listen, grpc.ssl_server_credentials([(tls[1], tls[0])])) if tls
+            else server.add_insecure_port(listen))
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if on_listening is not None:
+        on_listening(f"{host}:{port}")
+    ticker = asyncio.create_task(servicer.tick_forever())
+    finished = asyncio.create_task(servicer.finished.wait())
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({finished, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if servicer.finished.is_set() and not stop.is_set():
+            logger.info("[coordinator] the run's %d rounds are done; serving the last aggregate for %.0f s",
+                        opts.total_rounds, linger_s)
+            await asyncio.wait({stopped}, timeout=linger_s)
+    finally:
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for task in (ticker, finished, stopped):
+            task.cancel()
+        await server.stop(grace=3.0)
+        logger.info("[coordinator] stopped at round %d", servicer.rounds.round)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `demonet coordinator` flags."""
+    parser.add_argument("--listen", default="127.0.0.1:7450", help="HOST:PORT to serve on (port 0: any free one)")
+    parser.add_argument("--config", help="TOML file with [model], [optim], [train] and [net] tables")
+    parser.add_argument("--steps", type=int, default=0, help="rounds in the run (default: train.steps; 0: no end)")
+    parser.add_argument("--state-dir", help="persist the state here after every round, and resume from it")
+    parser.add_argument("--token-file", help="file holding the run token (default: the DEMONET_TOKEN env var)")
+    parser.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens (30)")
+    parser.add_argument("--min-peers", type=int, help="payloads needed to apply a round at its deadline (1)")
+    parser.add_argument("--seed", type=int, help="seed of the initial parameters and the peers' data (0)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)")
+    parser.add_argument("--tls-key", help="PEM private key")
+
+
+def read_token(token_file: str | None) -> str:
+    """The run token from a file, else from DEMONET_TOKEN; ValueError if neither gives one."""
+    token = Path(token_file).read_text().strip() if token_file else os.environ.get("DEMONET_TOKEN", "").strip()
+    if not token:
+        raise ValueError("a run token is required: --token-file FILE or the DEMONET_TOKEN env var")
+    return token
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `demonet coordinator` with parsed flags; returns the exit code."""
+    try:
+        token = read_token(args.token_file)
+        cfg = load_config(args.config, os.environ, {
+            "train": {"seed": args.seed},
+            "net": {"round_timeout_s": args.round_timeout_s, "min_peers": args.min_peers},
+        })
+        tls = None
+        if args.tls_cert or args.tls_key:
+            if not (args.tls_cert and args.tls_key):
+                raise ValueError("--tls-cert and --tls-key go together")
+            tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes())
+    except (ValueError, OSError) as e:
+        print(f"demonet coordinator: {e}", file=sys.stderr)
+        return 2
+    steps = args.steps if args.steps else cfg.train.steps
+    opts = CoordinatorOptions(token=token, state_dir=Path(args.state_dir) if args.state_dir else None,
+                              total_rounds=steps)
+
+    def announce(address: str) -> None:
+        print(f"listening on {address}", flush=True)
+
+    coro = serve(cfg, opts, listen=args.listen, metrics_port=args.metrics_port, tls=tls, on_listening=announce)
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:
+        asyncio.run(coro)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`coordinator.py` / `python -m demonet.coordinator`: the same as `demonet coordinator`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="demonet coordinator", description="Run a demonet coordinator.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

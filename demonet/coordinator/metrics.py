@@ -1,0 +1,74 @@
+"""The coordinator's Prometheus metrics (served over HTTP with --metrics-port) and status counters.
+
+Imports prometheus_client only; the servicer updates these, `demonet status` reads them over gRPC.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    """One registry per coordinator (tests run several in one process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.round = Gauge("demonet_round", "The open round", registry=r)
+        self.members = Gauge("demonet_members", "Members of the open round", registry=r)
+        self.submitted = Gauge("demonet_submitted", "Payloads in for the open round", registry=r)
+        self.loss = Gauge("demonet_loss", "Mean training loss of the last applied round", registry=r)
+        self._counters = {
+            name: Counter(f"demonet_{name}", doc, registry=r) for name, doc in (
+                ("rounds_closed", "Rounds closed (applied or aborted)"),
+                ("rounds_aborted", "Rounds closed without a quorum"),
+                ("rejected", "Payloads that failed validation"),
+                ("late", "Payloads for a round that had closed"),
+                ("unauthorized", "Calls with a missing or wrong token"),
+                ("bytes_up", "Payload bytes received"),
+                ("bytes_down", "Aggregate and parameter bytes sent"),
+            )
+        }
+        self.totals = dict.fromkeys(self._counters, 0)
+        """The counters' values, for `demonet status` and for persistence across restarts."""
+        self.round_time = Histogram("demonet_close_seconds", "Time to merge, apply and persist a round",
+                                    registry=r, buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10))
+        self.last_loss = float("nan")
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Expose /metrics on an HTTP port (a daemon thread)."""
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def set_round(self, round: int, members: int, submitted: int) -> None:
+        self.round.set(round)
+        self.members.set(members)
+        self.submitted.set(submitted)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        """Count something (a name from `totals`)."""
+        self.totals[name] += amount
+        self._counters[name].inc(amount)
+
+    def closed(self, aborted: bool, seconds: float, loss: float | None) -> None:
+        self.add("rounds_closed")
+        if aborted:
+            self.add("rounds_aborted")
+        self.round_time.observe(seconds)
+        if loss is not None:
+            self.last_loss = loss
+            self.loss.set(loss)
+
+    def counters(self) -> dict[str, Any]:
+        """Totals worth keeping across a restart."""
+        return {**self.totals, "last_loss": self.last_loss}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        for name, value in saved.items():
+            if name == "last_loss":
+                self.last_loss = float(value)
+            elif name in self.totals and value:
+                self.add(name, int(value))

@@ -1,0 +1,251 @@
+"""The coordinator: a grpc.aio servicer around the round state machine and the canonical state.
+
+Imports grpc and the layers below; the round logic is in demonet.rounds, the tensors in state.py.
+One asyncio loop; torch work runs in `asyncio.to_thread`. Servicer methods keep the .proto names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from .. import wire
+from .._proto import demonet_pb2 as pb
+from .._proto import demonet_pb2_grpc as pb_grpc
+from ..config import Config
+from ..errors import InvalidPayload
+from ..optim import Payload
+from ..rounds import RoundConfig, Rounds, SubmitRejected
+from .metrics import Metrics
+from .state import CanonicalState, ClosedAggregate, data_seed
+
+__all__ = ["CoordinatorOptions", "CoordinatorServicer"]
+
+logger = logging.getLogger(__name__)
+
+_PEER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_KEEP_AGGREGATES = 8  # closed rounds whose aggregate a slow peer can still download
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorOptions:
+    """How the coordinator runs (the run itself is a `Config`)."""
+
+    token: str
+    """Shared run token: every RPC must carry "authorization: Bearer <token>"."""
+    state_dir: Path | None = None
+    """Where the state is persisted after every round; None keeps it in memory only."""
+    total_rounds: int = 0
+    """The run ends after this many rounds (0: no end)."""
+    max_payload_bytes: int = 1 << 30
+    """Largest serialized payload a peer may submit."""
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Clock-synchronous rounds over gRPC; see proto/demonet.proto for the protocol."""
+
+    def __init__(self, cfg: Config, opts: CoordinatorOptions, metrics: Metrics) -> None:
+        self.cfg, self.opts, self.metrics = cfg, opts, metrics
+        self.state = CanonicalState(cfg)
+        round_cfg = RoundConfig(round_timeout_s=cfg.net.round_timeout_s, min_peers=cfg.net.min_peers,
+                                heartbeat_timeout_s=cfg.net.heartbeat_timeout_s)
+        self.rounds = Rounds(cfg=round_cfg, now=_now())
+        self.aggregates: OrderedDict[int, ClosedAggregate] = OrderedDict()
+        self.payloads: dict[str, Payload] = {}
+        self.losses: dict[str, float] = {}
+        self.cond = asyncio.Condition()
+        self.finished = asyncio.Event()
+        saved = self.state.load(opts.state_dir) if opts.state_dir is not None else None
+        if saved is not None:
+            self.rounds = Rounds.from_state(round_cfg, saved["rounds"], now=_now())
+            for item in saved.get("aggregates", []):
+                self.aggregates[item.round] = item
+            self.metrics.restore(saved.get("counters", {}))
+        self.metrics.set_round(self.rounds.round, len(self.rounds.members), 0)
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    async def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(str(given).encode(), f"Bearer {self.opts.token}".encode()):
+            self.metrics.add("unauthorized")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
+
+    async def _peer_id(self, peer_id: str, context: grpc.aio.ServicerContext[Any, Any]) -> str:
+        if not _PEER_ID.match(peer_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "peer_id should be 1-128 characters of letters, digits, '.', '_', '-'")
+        return peer_id
+
+    async def _wait(self, predicate: Any, timeout_s: float, context: grpc.aio.ServicerContext[Any, Any],
+                    what: str) -> None:
+        """Wait (holding `cond` on return) until predicate() is true; DEADLINE_EXCEEDED after timeout_s."""
+        try:
+            await asyncio.wait_for(self.cond.wait_for(predicate), timeout_s)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out waiting for {what}")
+
+    @property
+    def _wait_s(self) -> float:
+        """How long a GetParameters or GetAggregate call may wait: two round timeouts and a margin."""
+        return 2 * self.cfg.net.round_timeout_s + 30.0
+
+    # -- RPCs ----------------------------------------------------------------------------------------
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.JoinReply:
+        await self._authorize(context)
+        peer_id = await self._peer_id(request.peer_id, context)
+        async with self.cond:
+            first = self.rounds.join(peer_id, _now())
+            self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
+            self.cond.notify_all()
+        logger.info("[coordinator round=%d] %s joins at round %d", self.rounds.round, peer_id, first)
+        return pb.JoinReply(peer_id=peer_id, round=first, run_config=json.dumps(self.cfg.to_dict()),
+                            data_seed=data_seed(self.cfg.train.seed, peer_id),
+                            round_timeout_s=self.cfg.net.round_timeout_s,
+                            heartbeat_interval_s=self.cfg.net.heartbeat_interval_s,
+                            total_rounds=self.opts.total_rounds)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext[Any, Any]) -> pb.HeartbeatReply:
+        await self._authorize(context)
+        async with self.cond:
+            member = self.rounds.heartbeat(request.peer_id, _now())
+            return pb.HeartbeatReply(round=self.rounds.round, member=member)
+
+    async def GetParameters(self, request: pb.ParametersRequest,
+                            context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.PayloadPart]:
+        await self._authorize(context)
+        async with self.cond:
+            await self._wait(lambda: self.rounds.round >= request.round, self._wait_s, context,
+                             f"round {request.round} to open")
+            round_ = self.rounds.round
+            blob = await asyncio.to_thread(self.state.parameters_blob, round_)
+        self.metrics.add("bytes_down", len(blob))
+        for part in wire.split(blob):
+            msg = pb.PayloadPart()
+            msg.ParseFromString(part)
+            yield msg
+
+    async def Submit(self, request_iterator: AsyncIterator[pb.SubmitPart],
+                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.SubmitReply:
+        await self._authorize(context)
+        head: pb.SubmitPart | None = None
+        reassembler = wire.Reassembler(max_bytes=self.opts.max_payload_bytes)
+        data: bytes | None = None
+        try:
+            async for part in request_iterator:
+                if head is None:
+                    head = part
+                    await self._peer_id(part.peer_id, context)
+                elif (part.peer_id, part.round) != (head.peer_id, head.round):
+                    raise InvalidPayload("parts of one submission name different peers or rounds")
+                data = reassembler.add(part.part.SerializeToString())
+            if head is None or data is None:
+                raise InvalidPayload("the submission ended before its payload was complete")
+            step, payload = await asyncio.to_thread(wire.decode, data, expected=self.state.specs)
+            if step != head.round:
+                raise InvalidPayload(f"payload says round {step}, submission says {head.round}")
+        except InvalidPayload as e:
+            self.metrics.add("rejected")
+            logger.warning("[coordinator round=%d] rejected a payload from %s: %s", self.rounds.round,
+                           head.peer_id if head else "?", e)
+            return pb.SubmitReply(accepted=False, reason=f"invalid payload: {e}")
+        async with self.cond:
+            if head.param_digest != self.state.digest and head.round == self.rounds.round:
+                return pb.SubmitReply(accepted=False, resync=True,
+                                      reason="parameter digest differs from the canonical one")
+            try:
+                self.rounds.submit(head.peer_id, head.round, _now())
+            except SubmitRejected as e:
+                if e.stale:
+                    self.metrics.add("late")
+                return pb.SubmitReply(accepted=False, reason=e.reason)
+            self.payloads[head.peer_id] = payload
+            self.losses[head.peer_id] = head.loss
+            self.metrics.add("bytes_up", len(data))
+            self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
+            self.cond.notify_all()
+        return pb.SubmitReply(accepted=True)
+
+    async def GetAggregate(self, request: pb.AggregateRequest,
+                           context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.AggregateChunk]:
+        await self._authorize(context)
+        async with self.cond:
+            await self._wait(lambda: request.round in self.aggregates or self.rounds.round > request.round,
+                             self._wait_s, context, f"round {request.round} to close")
+            closed = self.aggregates.get(request.round)
+        if closed is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"round {request.round} is too old; download the parameters again")
+            return
+        yield pb.AggregateChunk(header=pb.AggregateHeader(round=closed.round, aborted=closed.aborted,
+                                                          contributors=list(closed.contributors),
+                                                          param_digest=closed.param_digest))
+        self.metrics.add("bytes_down", len(closed.data))
+        if closed.data:
+            for part in wire.split(closed.data):
+                msg = pb.PayloadPart()
+                msg.ParseFromString(part)
+                yield pb.AggregateChunk(part=msg)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatusReply:
+        await self._authorize(context)
+        r, t = self.rounds, self.metrics.totals
+        return pb.StatusReply(round=r.round, phase="open", members=sorted(r.members), submitted=len(r.submitted),
+                              seconds_left=r.seconds_left(_now()), param_digest=self.state.digest,
+                              bytes_up=t["bytes_up"], bytes_down=t["bytes_down"], last_loss=self.metrics.last_loss,
+                              rounds_closed=t["rounds_closed"], rounds_aborted=t["rounds_aborted"],
+                              rejected=t["rejected"])
+
+    # -- the clock -----------------------------------------------------------------------------------
+
+    async def tick_forever(self, period_s: float = 0.05) -> None:
+        """Close rounds when they are due (all in, or past the deadline). Runs until cancelled."""
+        while not self.finished.is_set():
+            async with self.cond:
+                if self.rounds.due(_now()):
+                    await self._close_round()
+            await asyncio.sleep(period_s)
+
+    async def _close_round(self) -> None:
+        """Apply the round (holding `cond`), persist, then open the next round and wake the waiters."""
+        r = self.rounds
+        started = _now()
+        contributors = tuple(sorted(r.submitted))
+        aborted = len(contributors) < r.cfg.min_peers
+        payloads = [self.payloads[p] for p in contributors]
+        closed = await asyncio.to_thread(self.state.close, r.round, payloads, contributors, aborted)
+        r.close(_now())
+        self.aggregates[closed.round] = closed
+        while len(self.aggregates) > _KEEP_AGGREGATES:
+            self.aggregates.popitem(last=False)
+        losses = [self.losses[p] for p in contributors if p in self.losses]
+        self.metrics.closed(closed.aborted, _now() - started, sum(losses) / len(losses) if losses else None)
+        self.payloads, self.losses = {}, {}
+        if self.opts.state_dir is not None:
+            extra = {"rounds": r.state_dict(), "aggregates": list(self.aggregates.values())[-1:],
+                     "counters": self.metrics.counters()}
+            await asyncio.to_thread(self.state.save, self.opts.state_dir, extra)
+        self.metrics.set_round(r.round, len(r.members), 0)
+        logger.info("[coordinator round=%d] %s with %d payloads (%s); digest %s", closed.round,
+                    "aborted" if closed.aborted else "applied", len(contributors), ", ".join(contributors),
+                    closed.param_digest[:12])
+        if self.opts.total_rounds and r.round >= self.opts.total_rounds:
+            self.finished.set()
+        self.cond.notify_all()

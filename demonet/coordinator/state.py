@@ -1,0 +1,124 @@
+"""The coordinator's canonical state: named parameters, the round's aggregate, persistence.
+
+No network and no asyncio: the gRPC servicer calls these from `asyncio.to_thread`. The model code
+is used once, to create the initial named tensors; after that the state is only tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import wire, wire_params
+from ..config import Config
+from ..digest import param_digest
+from ..model import GPT
+from ..optim import Compressed, DeMo, Payload, aggregate, quantize
+
+__all__ = ["CanonicalState", "ClosedAggregate", "data_seed"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "coordinator-state.pt"
+
+
+def data_seed(run_seed: int, peer_id: str) -> int:
+    """A peer's own data stream seed: stable across reconnects, different for every peer."""
+    return int.from_bytes(hashlib.blake2b(f"{run_seed}:{peer_id}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+@dataclass(frozen=True)
+class ClosedAggregate:
+    """A closed round as peers download it."""
+
+    round: int
+    aborted: bool
+    contributors: tuple[str, ...]
+    param_digest: str  # canonical, after applying
+    data: bytes  # the serialized aggregate Payload (empty when aborted)
+
+
+class CanonicalState:
+    """The parameters every peer must hold at the start of the open round, and how they advance."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        torch.manual_seed(cfg.train.seed)  # the same init as `demonet train` and every peer
+        model = GPT(cfg.model)
+        self.params = {name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()}
+        o = cfg.optim
+        # Only apply() is used: the coordinator has no gradients. The momentum buffers it allocates
+        # are the price of reusing DeMo's exact decode and base step (bit-identical to the peers').
+        self.opt = DeMo(list(self.params.items()), lr=o.lr, compression_decay=o.compression_decay,
+                        compression_topk=o.compression_topk, compression_chunk=o.compression_chunk,
+                        weight_decay=o.weight_decay, base=o.base, alpha=o.alpha, encoding=o.encoding,
+                        chunk_policy=o.chunk_policy)
+        self.specs = self.opt.param_specs()
+        self.topk = cfg.net.aggregate_topk or o.compression_topk
+        self.digest = param_digest(self.params.items())
+        self._blob: tuple[int, bytes] | None = None
+
+    def parameters_blob(self, round: int) -> bytes:
+        """The serialized `Parameters` at the start of `round` (cached until the next apply)."""
+        if self._blob is None or self._blob[0] != round:
+            self._blob = (round, wire_params.encode_parameters(self.params.items(), round=round))
+        return self._blob[1]
+
+    def close(self, round: int, payloads: list[Payload], contributors: tuple[str, ...],
+              aborted: bool) -> ClosedAggregate:
+        """Merge the round's payloads, round the values as peers will decode them, apply, return it."""
+        if aborted or not payloads:
+            return ClosedAggregate(round, True, contributors, self.digest, b"")
+        merged = aggregate(payloads, topk=self.topk)
+        tensors = {}
+        for name, c in merged.tensors.items():
+            val, scale = quantize(c.val.float(), self.cfg.net.aggregate_encoding)
+            tensors[name] = Compressed(idx=c.idx, val=val, shape=c.shape, chunk=c.chunk, scale=scale)
+        agg = Payload(tensors=tensors, encoding=self.cfg.net.aggregate_encoding)
+        data = wire.encode(agg, step=round, index_coding="entropy")
+        _, applied = wire.decode(data, expected=self.specs)  # apply exactly what peers will decode
+        self.opt.apply(applied)
+        self.digest = param_digest(self.params.items())
+        self._blob = None
+        return ClosedAggregate(round, False, contributors, self.digest, data)
+
+    def save(self, state_dir: Path, extra: dict[str, Any]) -> None:
+        """Write the state atomically (a temp file renamed over the old one): kill -9 leaves one or the other."""
+        state_dir.mkdir(parents=True, exist_ok=True)
+        body = {"config": self.cfg.to_dict(), "params": {n: p.detach() for n, p in self.params.items()},
+                "digest": self.digest, **extra}
+        if self.cfg.optim.base == "adamw":
+            body["optimizer"] = self.opt.state_dict()
+        tmp = state_dir / (STATE_FILE + ".tmp")
+        torch.save(body, tmp)
+        os.replace(tmp, state_dir / STATE_FILE)
+
+    def load(self, state_dir: Path) -> dict[str, Any] | None:
+        """Restore saved parameters; returns the saved extras, or None if there is no state file.
+
+        Raises:
+            ValueError: the saved run has another configuration, or the file is damaged.
+        """
+        path = state_dir / STATE_FILE
+        if not path.exists():
+            return None
+        body = torch.load(path, map_location="cpu", weights_only=False)
+        if body.get("config") != self.cfg.to_dict():
+            raise ValueError(f"{path} belongs to a run with another configuration; use another --state-dir")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(body["params"][name])
+        if "optimizer" in body:
+            self.opt.load_state_dict(body["optimizer"])
+        self.digest = param_digest(self.params.items())
+        if self.digest != body["digest"]:
+            raise ValueError(f"{path}: parameters do not match their digest")
+        self._blob = None
+        logger.info("[coordinator] resumed from %s", path)
+        return dict(body)
