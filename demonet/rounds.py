@@ -107,6 +107,12 @@ class Rounds:
         Raises:
             SubmitRejected: not a member, a stale or future round, or a second payload.
         """
+        self.check_submit(peer_id, round)
+        self.members[peer_id] = now
+        self.submitted.append(peer_id)
+
+    def check_submit(self, peer_id: str, round: int) -> None:
+        """What `submit` would reject, without changing anything (to refuse before reading a payload)."""
         if round < self.round:
             raise SubmitRejected(f"round {round} is closed; the open round is {self.round}", stale=True)
         if round > self.round:
@@ -115,8 +121,6 @@ class Rounds:
             raise SubmitRejected(f"{peer_id} is not a member of round {round}")
         if peer_id in self.submitted:
             raise SubmitRejected(f"{peer_id} already submitted for round {round}")
-        self.members[peer_id] = now
-        self.submitted.append(peer_id)
 
     def due(self, now: float) -> bool:
         """Whether the open round should close now (after dropping the peers that went silent)."""

@@ -153,6 +153,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if head is None:
                     head = part
                     await self._peer_id(part.peer_id, context)
+                    try:  # refuse before reading (and decoding) the rest of the stream
+                        self.rounds.check_submit(head.peer_id, head.round)
+                    except SubmitRejected as e:
+                        if e.stale:
+                            self.metrics.add("late")
+                        return pb.SubmitReply(accepted=False, reason=e.reason)
                 elif (part.peer_id, part.round) != (head.peer_id, head.round):
                     raise InvalidPayload("parts of one submission name different peers or rounds")
                 data = reassembler.add(part.part.SerializeToString())

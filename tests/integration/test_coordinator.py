@@ -1,0 +1,238 @@
+"""The coordinator as a real process on loopback, driven by raw gRPC clients: auth, bad input,
+stragglers, and kill -9 with a restart from the persisted state."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from demonet import wire, wire_params
+from demonet._proto import demonet_pb2 as pb
+from demonet._proto import demonet_pb2_grpc as pbg
+from demonet.config import Config
+from demonet.data import Batches, load_corpus
+from demonet.digest import param_digest
+from demonet.model import GPT
+from demonet.optim import DeMo
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "test-token"
+SMALL = """
+[model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+seq_len = 32
+[train]
+seq_len = 32
+batch_size = 2
+steps = 50
+[net]
+round_timeout_s = {timeout}
+heartbeat_timeout_s = 30.0
+"""
+
+
+class Coordinator:
+    """A `demonet coordinator` child process."""
+
+    def __init__(self, tmp: Path, timeout_s: float = 3.0) -> None:
+        self.tmp = tmp
+        (tmp / "run.toml").write_text(SMALL.format(timeout=timeout_s))
+        self.proc: subprocess.Popen[str] | None = None
+        self.address = ""
+
+    def start(self) -> str:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "demonet.coordinator", "--listen", "127.0.0.1:0", "--config",
+             str(self.tmp / "run.toml"), "--state-dir", str(self.tmp / "state")],
+            stdout=subprocess.PIPE, stderr=open(self.tmp / "coordinator.log", "a"), text=True,
+            env={**os.environ, "DEMONET_TOKEN": TOKEN})
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # blocks until the server is up (or the process died)
+        assert line.startswith("listening on "), (self.tmp / "coordinator.log").read_text()
+        self.address = line.split()[-1]
+        return self.address
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
+    c = Coordinator(tmp_path)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.kill()
+
+
+class Peer:
+    """A minimal honest peer, written against the protocol (demonet.peer is the real one)."""
+
+    def __init__(self, address: str, peer_id: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pbg.CoordinatorStub(self.channel)  # type: ignore[no-untyped-call]
+        self.peer_id = peer_id
+        self.md = (("authorization", f"Bearer {TOKEN}"),)
+
+    async def join(self) -> int:
+        reply = await self.stub.Join(pb.JoinRequest(peer_id=self.peer_id), metadata=self.md, timeout=10)
+        cfg = Config.from_dict(json.loads(reply.run_config))
+        self.model = GPT(cfg.model)
+        self.opt = DeMo(self.model.named_parameters(), lr=cfg.optim.lr)
+        self.batches = Batches(load_corpus(), batch_size=2, seq_len=32, seed=reply.data_seed)
+        await self.load_parameters(reply.round)
+        return int(reply.round)
+
+    async def load_parameters(self, round_: int) -> int:
+        parts = wire.Reassembler()
+        data = None
+        async for part in self.stub.GetParameters(pb.ParametersRequest(peer_id=self.peer_id, round=round_),
+                                                  metadata=self.md, timeout=30):
+            data = parts.add(part.SerializeToString())
+        expected = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
+        assert data is not None
+        got_round, tensors = wire_params.decode_parameters(data, expected=expected)
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                p.copy_(tensors[n])
+        return got_round
+
+    def digest(self) -> str:
+        return param_digest(self.model.named_parameters())
+
+    async def submit_bytes(self, round_: int, data: bytes, digest: str | None = None) -> pb.SubmitReply:
+        async def parts() -> AsyncIterator[pb.SubmitPart]:
+            for raw in wire.split(data):
+                part = pb.PayloadPart()
+                part.ParseFromString(raw)
+                yield pb.SubmitPart(peer_id=self.peer_id, round=round_, param_digest=digest or self.digest(),
+                                    loss=1.0, part=part)
+
+        return await self.stub.Submit(parts(), metadata=self.md, timeout=30)
+
+    async def step(self, round_: int) -> tuple[pb.SubmitReply, pb.AggregateHeader]:
+        x, y = next(self.batches)
+        _, loss = self.model(x, y)
+        assert loss is not None
+        loss.backward()
+        payload = self.opt.compress()
+        reply = await self.submit_bytes(round_, wire.encode(payload, step=round_))
+        header, agg = await self.aggregate(round_)
+        if header.aborted or agg is None:
+            self.opt.restore(payload)
+        else:
+            self.opt.restore(payload, kept=agg) if self.peer_id in header.contributors else self.opt.restore(payload)
+            self.opt.apply(agg)
+        self.opt.zero_grad()
+        return reply, header
+
+    async def aggregate(self, round_: int) -> tuple[pb.AggregateHeader, object]:
+        header, data, parts = None, None, wire.Reassembler()
+        async for chunk in self.stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round_),
+                                                  metadata=self.md, timeout=60):
+            if chunk.HasField("header"):
+                header = chunk.header
+            else:
+                data = parts.add(chunk.part.SerializeToString())
+        assert header is not None
+        agg = wire.decode(data, expected=self.opt.param_specs())[1] if data else None
+        return header, agg
+
+    async def status(self) -> pb.StatusReply:
+        return await self.stub.Status(pb.StatusRequest(), metadata=self.md, timeout=10)
+
+
+async def test_every_rpc_refuses_a_wrong_or_missing_token(coordinator: Coordinator) -> None:
+    async with grpc.aio.insecure_channel(coordinator.address) as channel:
+        stub = pbg.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        for md in ((), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):
+            for call in (lambda: stub.Join(pb.JoinRequest(peer_id="x"), metadata=md, timeout=5),
+                         lambda: stub.Heartbeat(pb.HeartbeatRequest(peer_id="x"), metadata=md, timeout=5),
+                         lambda: stub.Status(pb.StatusRequest(), metadata=md, timeout=5)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="demonet.v1.Coordinator"), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # the health check needs no token
+
+
+async def test_bad_payloads_are_rejected_and_change_nothing(coordinator: Coordinator) -> None:
+    honest, evil = Peer(coordinator.address, "honest"), Peer(coordinator.address, "evil")
+    assert await honest.join() == 0
+    assert await evil.join() == 1
+    await honest.step(0)  # round 1 opens with both as members
+    await evil.load_parameters(1)
+    before = await honest.status()
+    x, y = next(evil.batches)
+    evil.model(x, y)[1].backward()  # type: ignore[union-attr]
+    good = wire.encode(evil.opt.compress(), step=1)
+    bad = [
+        good[:-7],  # truncated
+        bytes(b ^ 0x55 for b in good),  # garbage
+        wire.encode(evil.opt.compress(), step=7),  # names another round inside
+    ]
+    for data in bad:
+        reply = await evil.submit_bytes(1, data)
+        assert not reply.accepted and "invalid payload" in reply.reason
+    reply = await evil.submit_bytes(1, good, digest="0" * 32)
+    assert not reply.accepted and reply.resync
+    reply = await evil.submit_bytes(0, wire.encode(evil.opt.compress(), step=0))
+    assert not reply.accepted and "closed" in reply.reason  # a stale round
+    after = await honest.status()
+    assert (after.round, after.submitted, after.param_digest) == (before.round, 0, before.param_digest)
+    assert after.rejected == before.rejected + len(bad)
+    reply, header = await honest.step(1)  # the honest peer carries on; "evil" straggles past the deadline
+    assert reply.accepted and list(header.contributors) == ["honest"]
+    assert honest.digest() == header.param_digest
+
+
+async def test_coordinator_killed_and_restarted_resumes(coordinator: Coordinator) -> None:
+    peer = Peer(coordinator.address, "p")
+    assert await peer.join() == 0
+    for r in range(3):
+        await peer.step(r)
+    digest = peer.digest()
+    coordinator.kill()  # SIGKILL: nothing is flushed on the way out
+    peer = Peer(coordinator.start(), "p")
+    assert await peer.join() == 3  # a member reconnecting resumes the open round
+    status = await peer.status()
+    assert status.round == 3 and status.param_digest == digest and status.rounds_closed == 3
+    assert peer.digest() == digest
+    reply, header = await peer.step(3)
+    assert reply.accepted and header.round == 3 and peer.digest() == header.param_digest
+
+
+async def test_a_run_ends_after_its_rounds(tmp_path: Path) -> None:
+    c = Coordinator(tmp_path)
+    (tmp_path / "run.toml").write_text(SMALL.format(timeout=3.0).replace("steps = 50", "steps = 2"))
+    c.start()
+    try:
+        peer = Peer(c.address, "p")
+        await peer.join()
+        for r in range(2):
+            await peer.step(r)
+        assert c.proc is not None
+        start = time.monotonic()
+        c.proc.send_signal(signal.SIGTERM)  # graceful: stops serving at once instead of lingering
+        assert c.proc.wait(timeout=20) == 0
+        assert time.monotonic() - start < 15
+    finally:
+        c.kill()
