@@ -163,11 +163,12 @@ async def test_every_rpc_refuses_a_wrong_or_missing_token(coordinator: Coordinat
     async with grpc.aio.insecure_channel(coordinator.address) as channel:
         stub = pbg.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
         for md in ((), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)):
-            for call in (lambda: stub.Join(pb.JoinRequest(peer_id="x"), metadata=md, timeout=5),
-                         lambda: stub.Heartbeat(pb.HeartbeatRequest(peer_id="x"), metadata=md, timeout=5),
-                         lambda: stub.Status(pb.StatusRequest(), metadata=md, timeout=5)):
+            calls = (stub.Join(pb.JoinRequest(peer_id="x"), metadata=md, timeout=5),
+                     stub.Heartbeat(pb.HeartbeatRequest(peer_id="x"), metadata=md, timeout=5),
+                     stub.Status(pb.StatusRequest(), metadata=md, timeout=5))
+            for call in calls:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call()
+                    await call
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         health = health_pb2_grpc.HealthStub(channel)
         reply = await health.Check(health_pb2.HealthCheckRequest(service="demonet.v1.Coordinator"), timeout=5)
