@@ -1,0 +1,343 @@
+"""The gRPC client of the coordinator: join, parameters, heartbeats, status, and the `Gatherer`.
+
+Net layer: imports grpc, the wire layer and the generated stubs; never the model, the training loop
+or torch.distributed. Every RPC carries the run token; every wait on the network has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import torch
+
+from .. import wire, wire_params
+from .._proto import demonet_pb2 as pb
+from .._proto import demonet_pb2_grpc
+from ..errors import InvalidPayload, PeerUnavailable
+from ..optim import Payload
+from . import NotMember, Rejected, Resync, RoundResult, StaleRound
+
+__all__ = ["CoordinatorStatus", "GrpcClient", "JoinInfo", "load_token"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+TOKEN_ENV = "DEMONET_TOKEN"
+_RETRY_CODES = (
+    grpc.StatusCode.UNAVAILABLE,  # not listening (yet, or restarting), connection lost
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,  # a coordinator that stops with a grace period cancels the calls still open
+)
+# A round the coordinator no longer (or not yet) holds: the peer lost track and catches up.
+_LOST_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE)
+_AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+_BACKOFF_FIRST_S = 0.2
+_BACKOFF_CAP_S = 5.0
+_MAX_MESSAGE_BYTES = 64 << 20  # parts are 2 MiB; room for a coordinator that cuts larger ones
+
+
+def load_token(token_file: str | None, env: Mapping[str, str]) -> str:
+    """The run token: the first line of `token_file`, else the DEMONET_TOKEN environment variable.
+
+    Raises:
+        ValueError: neither gives a non-empty token, or the file cannot be read.
+    """
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the token file {token_file!r}: {e.strerror}") from None
+        if not token:
+            raise ValueError(f"the token file {token_file!r} is empty")
+        return token
+    token = env.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(f"no token: pass --token-file FILE or set {TOKEN_ENV}")
+    return token
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    """What the coordinator tells a peer that joins (proto JoinReply, with run_config parsed)."""
+
+    peer_id: str
+    round: int
+    """The first round this peer is a member of."""
+    run_config: dict[str, Any]
+    """{"model": {...}, "optim": {...}, "train": {...}}: overrides for `demonet.config.load_config`."""
+    data_seed: int
+    round_timeout_s: float
+    heartbeat_interval_s: float
+    total_rounds: int
+    """The run ends after this many rounds; 0: no end."""
+
+
+@dataclass(frozen=True)
+class CoordinatorStatus:
+    """The coordinator's StatusReply, as plain values."""
+
+    round: int
+    phase: str
+    members: tuple[str, ...]
+    submitted: int
+    seconds_left: float
+    param_digest: str
+    bytes_up: int
+    bytes_down: int
+    last_loss: float
+    rounds_closed: int
+    rounds_aborted: int
+    rejected: int
+
+
+class GrpcClient:
+    """One peer's (or an operator's) connection to the coordinator; a `Gatherer`.
+
+    Timeouts, each a deadline on the gRPC call it names:
+
+    - ``call_timeout_s``: one unary call (Join, Heartbeat, Status): connecting, request and reply.
+    - ``wait_timeout_s`` (2 * round_timeout_s + 30 s, once joined): one GetParameters or
+      GetAggregate stream, which waits for a round to open or to close, then streams.
+    - ``submit_timeout_s`` (round_timeout_s + call_timeout_s): uploading one Submit stream.
+
+    A call that fails with UNAVAILABLE, DEADLINE_EXCEEDED or CANCELLED is tried again, with capped
+    exponential backoff, until ``reconnect_timeout_s`` has passed since its first failure (the
+    coordinator may be restarting); then `PeerUnavailable`.
+
+    Args:
+        address: HOST:PORT of the coordinator.
+        token: the run token (sent as "authorization: Bearer <token>").
+        peer_id: this peer's id; empty for a client that only asks for the status.
+        root_cert: PEM root certificate(s) to verify the coordinator's TLS certificate; None for
+            a plaintext channel.
+        reconnect_timeout_s: how long one call keeps retrying while the coordinator is unreachable.
+        call_timeout_s: the deadline of one unary call.
+    """
+
+    def __init__(self, address: str, *, token: str, peer_id: str = "", root_cert: bytes | None = None,
+                 reconnect_timeout_s: float = 120.0, call_timeout_s: float = 10.0) -> None:
+        if not token:
+            raise ValueError("token should be non-empty")
+        options = [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)]
+        if root_cert is None:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_cert)
+            self._channel = grpc.aio.secure_channel(address, creds, options=options)
+        # The generated stub is untyped: its callables return awaitable calls of pb messages.
+        self._stub: Any = demonet_pb2_grpc.CoordinatorStub(self._channel)  # type: ignore[no-untyped-call]
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self.address = address
+        self.peer_id = peer_id
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.round_timeout_s = 30.0
+        """Set from the JoinReply; the stream deadlines derive from it."""
+
+    @property
+    def wait_timeout_s(self) -> float:
+        return 2 * self.round_timeout_s + 30.0
+
+    @property
+    def submit_timeout_s(self) -> float:
+        return self.round_timeout_s + self.call_timeout_s
+
+    # -- retries ---------------------------------------------------------------------------------------
+
+    async def _call(self, what: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """Run `attempt` until it succeeds, retrying while the coordinator is unreachable."""
+        give_up_at: float | None = None
+        delay_s = _BACKOFF_FIRST_S
+        while True:
+            try:
+                result = await attempt()
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code in _AUTH_CODES:
+                    raise PermissionError(f"{what}: the coordinator at {self.address} refused the token "
+                                          f"({code.name}: {e.details()})") from None
+                if code not in _RETRY_CODES:
+                    raise
+                now = time.monotonic()
+                if give_up_at is None:
+                    give_up_at = now + self.reconnect_timeout_s
+                    logger.warning("[%s] %s: %s (%s); retrying for up to %.0f s", self.peer_id, what, code.name,
+                                   e.details(), self.reconnect_timeout_s)
+                if now >= give_up_at:
+                    raise PeerUnavailable(f"{what}: the coordinator at {self.address} was unreachable for "
+                                          f"{self.reconnect_timeout_s:.0f} s (last: {code.name} {e.details()})"
+                                          ) from None
+                await asyncio.sleep(min(delay_s, give_up_at - now))
+                delay_s = min(2 * delay_s, _BACKOFF_CAP_S)
+                continue
+            if give_up_at is not None:
+                logger.info("[%s] %s: the coordinator answers again", self.peer_id, what)
+            return result
+
+    async def _lost(self, round: int, reason: str) -> Rejected:
+        """What a refusal for `round` means for this peer, asked of the coordinator with a heartbeat."""
+        open_round, member = await self.heartbeat(round)
+        if not member or "not a member" in reason:  # a joiner is no member yet either
+            return NotMember(f"round {round}: {reason}")
+        if open_round != round:
+            return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
+        raise RuntimeError(f"the coordinator refused this peer's payload for its open round {round}: {reason}")
+
+    # -- unary calls -----------------------------------------------------------------------------------
+
+    async def join(self) -> JoinInfo:
+        """Join the run (again: a reconnect returns the round to resume at)."""
+        request = pb.JoinRequest(peer_id=self.peer_id)
+        reply = await self._call("Join", lambda: self._stub.Join(request, metadata=self._metadata,
+                                                                 timeout=self.call_timeout_s))
+        try:
+            run_config = json.loads(reply.run_config)
+        except json.JSONDecodeError as e:
+            raise InvalidPayload(f"Join: run_config is not JSON: {e}") from None
+        if not isinstance(run_config, dict):
+            raise InvalidPayload("Join: run_config should be a JSON object")
+        self.round_timeout_s = reply.round_timeout_s
+        return JoinInfo(peer_id=reply.peer_id or self.peer_id, round=int(reply.round), run_config=run_config,
+                        data_seed=int(reply.data_seed), round_timeout_s=float(reply.round_timeout_s),
+                        heartbeat_interval_s=float(reply.heartbeat_interval_s), total_rounds=int(reply.total_rounds))
+
+    async def heartbeat(self, round: int) -> tuple[int, bool]:
+        """Tell the coordinator this peer works on `round`.
+
+        Returns:
+            (the coordinator's open round, whether this peer is still a member or an admitted joiner).
+        """
+        request = pb.HeartbeatRequest(peer_id=self.peer_id, round=round)
+        reply = await self._call("Heartbeat", lambda: self._stub.Heartbeat(request, metadata=self._metadata,
+                                                                           timeout=self.call_timeout_s))
+        return int(reply.round), bool(reply.member)
+
+    async def status(self) -> CoordinatorStatus:
+        """The coordinator's open round, members and counters."""
+        reply = await self._call("Status", lambda: self._stub.Status(pb.StatusRequest(), metadata=self._metadata,
+                                                                     timeout=self.call_timeout_s))
+        return CoordinatorStatus(
+            round=int(reply.round), phase=reply.phase, members=tuple(reply.members), submitted=int(reply.submitted),
+            seconds_left=float(reply.seconds_left), param_digest=reply.param_digest, bytes_up=int(reply.bytes_up),
+            bytes_down=int(reply.bytes_down), last_loss=float(reply.last_loss),
+            rounds_closed=int(reply.rounds_closed), rounds_aborted=int(reply.rounds_aborted),
+            rejected=int(reply.rejected))
+
+    # -- streams ---------------------------------------------------------------------------------------
+
+    async def get_parameters(self, round: int, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                             ) -> tuple[int, dict[str, torch.Tensor], int]:
+        """Download the canonical parameters at the start of `round` (waits until it has opened).
+
+        Args:
+            round: the round to start.
+            expected: name -> (shape, dtype) of the model's parameters, in order.
+
+        Returns:
+            (the round they belong to, which may be later than asked, tensors by name, bytes received).
+
+        Raises:
+            StaleRound, NotMember: the coordinator no longer serves that round.
+            InvalidPayload: the parameters do not fit the model or fail their digest.
+        """
+        request = pb.ParametersRequest(peer_id=self.peer_id, round=round)
+
+        async def attempt() -> bytes:
+            parts = wire.Reassembler(max_bytes=wire_params.MAX_PARAMETER_BYTES)
+            data = None
+            call = self._stub.GetParameters(request, metadata=self._metadata, timeout=self.wait_timeout_s)
+            async for part in call:
+                data = parts.add(part.SerializeToString())
+            if data is None:
+                raise InvalidPayload(f"GetParameters({round}): the stream ended before the parameters were whole")
+            return data
+
+        try:
+            data = await self._call(f"GetParameters({round})", attempt)
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in _LOST_CODES:
+                raise
+            raise await self._lost(round, e.details() or e.code().name) from None
+        got, tensors = await asyncio.to_thread(wire_params.decode_parameters, data, expected=expected)
+        if got < round:
+            raise InvalidPayload(f"GetParameters({round}): got the parameters of round {got}")
+        return got, tensors, len(data)
+
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
+        """Submit this peer's payload for `round`, then wait for the round's aggregate.
+
+        See `demonet.transport.Gatherer.gather`. The aggregate is validated against the payload's
+        own tensors (names, shapes, chunks), which are the model's.
+        """
+        data = await asyncio.to_thread(wire.encode, payload, step=round)
+        await self._submit(round, data, loss=loss, param_digest=param_digest)
+        try:
+            header, agg_data = await self._call(f"GetAggregate({round})", lambda: self._aggregate(round))
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in _LOST_CODES:
+                raise
+            raise await self._lost(round, e.details() or e.code().name) from None
+        aggregate = None
+        if not header.aborted:
+            assert agg_data is not None  # _aggregate checked
+            expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
+            step, aggregate = await asyncio.to_thread(wire.decode, agg_data, expected=expected)
+            if step != round:
+                raise InvalidPayload(f"GetAggregate({round}): the aggregate is for round {step}")
+        return RoundResult(round=round, aggregate=aggregate, contributors=tuple(header.contributors),
+                           param_digest=header.param_digest, aborted=bool(header.aborted), bytes_up=len(data),
+                           bytes_down=len(agg_data or b""))
+
+    async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: str) -> None:
+        parts = [pb.PayloadPart.FromString(p) for p in wire.split(data)]
+
+        def requests() -> Iterator[Any]:
+            for part in parts:
+                yield pb.SubmitPart(peer_id=self.peer_id, round=round, param_digest=param_digest, loss=loss,
+                                    part=part)
+
+        reply = await self._call(f"Submit({round})", lambda: self._stub.Submit(
+            requests(), metadata=self._metadata, timeout=self.submit_timeout_s))
+        if reply.accepted:
+            return
+        if reply.resync:
+            raise Resync(f"round {round}: {reply.reason or 'parameter digest differs from the canonical one'}")
+        if "already submitted" in reply.reason:  # a retry whose first attempt got through, its reply lost
+            return
+        raise await self._lost(round, reply.reason)
+
+    async def _aggregate(self, round: int) -> tuple[Any, bytes | None]:
+        """One GetAggregate stream: the header, then the parts of the aggregate (none if aborted)."""
+        header = None
+        parts = wire.Reassembler()
+        data = None
+        call = self._stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round),
+                                       metadata=self._metadata, timeout=self.wait_timeout_s)
+        async for chunk in call:
+            kind = chunk.WhichOneof("kind")
+            if kind == "header" and header is None:
+                header = chunk.header
+            elif kind == "part" and header is not None and not header.aborted:
+                data = parts.add(chunk.part.SerializeToString())
+            else:
+                raise InvalidPayload(f"GetAggregate({round}): unexpected {kind} in the stream")
+        if header is None or (not header.aborted and data is None):
+            raise InvalidPayload(f"GetAggregate({round}): the stream ended before the aggregate was whole")
+        if header.round != round:
+            raise InvalidPayload(f"GetAggregate({round}): the header is for round {header.round}")
+        return header, data
+
+    async def close(self) -> None:
+        """Close the channel; calls still open are cancelled."""
+        await self._channel.close()
