@@ -1,0 +1,273 @@
+"""The peer's and `demonet up`'s pure pieces: run folder, CLI flags, token, settle, client error mapping.
+
+No sockets: the gRPC client's stub is replaced by a fake that answers like the coordinator.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+
+from demonet import cli, wire
+from demonet._proto import demonet_pb2 as pb
+from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.optim import DeMo, Payload, aggregate
+from demonet.peer import settle
+from demonet.transport import NotMember, Resync, RoundResult, StaleRound
+from demonet.transport import grpc as transport_grpc
+from demonet.transport.grpc import GrpcClient, load_token
+
+# -- run folder ------------------------------------------------------------------------------------------
+
+
+def _row(round: int, peer: str, loss: float, digest: str = "d", up: int = 100, down: int = 120) -> dict[str, Any]:
+    return {"round": round, "peer": peer, "loss": loss, "bytes_up": up, "bytes_down": down,
+            "param_digest": f"{digest}{round}", "round_time_s": 0.1}
+
+
+def _write(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_merge_metrics_sorts_by_round_then_peer(tmp_path: Path) -> None:
+    _write(tmp_path / "metrics-b.jsonl", [_row(0, "b", 5.0), _row(1, "b", 4.0)])
+    _write(tmp_path / "metrics-a.jsonl", [_row(1, "a", 4.5), _row(2, "a", 3.0)])
+    (tmp_path / "other.jsonl").write_text("not metrics\n")
+    rows = cli.merge_metrics(tmp_path)
+    assert [(r["round"], r["peer"]) for r in rows] == [(0, "b"), (1, "a"), (1, "b"), (2, "a")]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == rows
+
+
+def test_summary_losses_bytes_and_digest_agreement() -> None:
+    rows = [_row(r, p, 5.0 - r + (0.5 if p == "b" else 0.0), up=100 + (p == "b"), down=200)
+            for r in range(8) for p in ("a", "b")]
+    s = cli.summarize_run(rows)
+    assert (s["rounds"], s["peers"]) == (8, 2)
+    assert s["first_loss"] == pytest.approx(4.75)  # mean over peers 5.25 - round, first 2 rounds (8 // 4)
+    assert s["last_loss"] == pytest.approx(-1.25)
+    assert s["per_peer"]["b"]["bytes_up_per_round"] == 101 and s["per_peer"]["a"]["bytes_down_per_round"] == 200
+    assert s["digests_agree"] and s["disagreeing_rounds"] == []
+    rows[5]["param_digest"] = "other"
+    s = cli.summarize_run(rows)
+    assert not s["digests_agree"] and s["disagreeing_rounds"] == [2]
+    assert cli.summarize_run([])["digests_agree"] is False
+
+
+def test_plot_is_a_png(tmp_path: Path) -> None:
+    rows = [_row(r, p, 5.0 - 0.1 * r) for r in range(5) for p in ("a", "b")]
+    cli.plot_loss(rows, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- flags and token -------------------------------------------------------------------------------------
+
+
+def test_new_subcommands_parse() -> None:
+    parser = cli._parser()
+    args, rest = parser.parse_known_args(["peer", "--coordinator", "h:1", "--peer-id", "p0", "--accumulate", "4",
+                                          "--threads", "2", "--out", "o"])
+    assert (args.command, args.coordinator, args.peer_id, args.accumulate, args.threads, rest) == \
+        ("peer", "h:1", "p0", 4, 2, [])
+    args, _ = parser.parse_known_args(["status", "--coordinator", "h:2", "--token-file", "t"])
+    assert (args.command, args.coordinator, args.token_file) == ("status", "h:2", "t")
+    args, _ = parser.parse_known_args(["up", "--peers", "3", "--steps", "5", "--out", "r", "--round-timeout-s", "2"])
+    assert (args.peers, args.steps, args.out, args.round_timeout_s, args.threads_per_peer) == (3, 5, "r", 2.0, 1)
+    args, rest = parser.parse_known_args(["coordinator", "--listen", "127.0.0.1:0", "--steps", "3", "--help"])
+    assert args.command == "coordinator" and rest == ["--listen", "127.0.0.1:0", "--steps", "3", "--help"]
+    with pytest.raises(SystemExit):
+        cli.main(["status", "--coordinator", "h:1", "--bogus"])
+
+
+def test_token_from_file_then_env(tmp_path: Path) -> None:
+    (tmp_path / "t").write_text("  secret\n")
+    assert load_token(str(tmp_path / "t"), {"DEMONET_TOKEN": "env"}) == "secret"
+    assert load_token(None, {"DEMONET_TOKEN": "env"}) == "env"
+    with pytest.raises(ValueError, match="no token: pass --token-file FILE or set DEMONET_TOKEN"):
+        load_token(None, {"DEMONET_TOKEN": " "})
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_token(str(tmp_path / "empty"), {})
+    with pytest.raises(ValueError, match="cannot read the token file"):
+        load_token(str(tmp_path / "missing"), {})
+
+
+@pytest.mark.parametrize("command", [["peer", "--coordinator", "127.0.0.1:1"],
+                                     ["status", "--coordinator", "127.0.0.1:1"]])
+def test_missing_token_is_a_clear_error(command: list[str], monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("DEMONET_TOKEN", raising=False)
+    assert cli.main(command) == 2
+    assert "no token: pass --token-file FILE or set DEMONET_TOKEN" in capsys.readouterr().err
+
+
+# -- settle ----------------------------------------------------------------------------------------------
+
+
+def _replica() -> tuple[torch.nn.Linear, DeMo, Payload]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    opt = DeMo(model.named_parameters(), lr=0.01, compression_topk=4, compression_chunk=4)
+    model(torch.randn(3, 16)).square().sum().backward()
+    return model, opt, opt.compress()
+
+
+def _state(model: torch.nn.Module, opt: DeMo) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()] + \
+        [opt.state[p]["momentum"].clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case", ["aborted", "contributor", "missed"])
+def test_settle_restores_and_applies_by_outcome(case: str) -> None:
+    model, opt, payload = _replica()
+    _, other_opt, other = _replica()
+    agg = aggregate([payload, other], topk=2)  # top-k-limited: some of this peer's entries are dropped
+    result = RoundResult(round=0, aggregate=None if case == "aborted" else agg,
+                         contributors=("me", "x") if case == "contributor" else ("x",), param_digest="",
+                         aborted=case == "aborted", bytes_up=1, bytes_down=1)
+    want_model, want_opt = copy.deepcopy((model, opt))
+    if case == "aborted":
+        want_opt.restore(payload)
+    else:
+        want_opt.restore(payload, kept=agg if case == "contributor" else None)
+        want_opt.apply(agg)
+    before = _state(model, opt)
+    settle(opt, payload, result, "me")
+    for got, want in zip(_state(model, opt), _state(want_model, want_opt), strict=True):
+        assert torch.equal(got, want)
+    changed = [not torch.equal(a, b) for a, b in zip(_state(model, opt), before, strict=True)]
+    assert any(changed[:2]) == (case != "aborted")  # parameters move only when an aggregate is applied
+
+
+# -- the client against a fake coordinator ---------------------------------------------------------------
+
+
+def _rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _FakeStub:
+    """Answers Submit, Heartbeat and GetAggregate as the coordinator would, from canned replies."""
+
+    def __init__(self, submit: Any, open_round: int = 3, member: bool = True,
+                 aggregate: list[Any] | grpc.aio.AioRpcError | None = None) -> None:
+        self.submit, self.open_round, self.member, self.aggregate = submit, open_round, member, aggregate
+        self.submitted: list[Any] = []
+        self.metadata: Any = None
+
+    async def Submit(self, requests: Iterable[Any], metadata: Any, timeout: float) -> Any:
+        self.submitted += list(requests)
+        self.metadata = metadata
+        if isinstance(self.submit, Exception):
+            raise self.submit
+        return self.submit
+
+    async def Heartbeat(self, request: Any, metadata: Any, timeout: float) -> Any:
+        return pb.HeartbeatReply(round=self.open_round, member=self.member)
+
+    async def GetAggregate(self, request: Any, metadata: Any, timeout: float) -> AsyncIterator[Any]:
+        if isinstance(self.aggregate, grpc.aio.AioRpcError):
+            raise self.aggregate
+        for chunk in self.aggregate or []:
+            yield chunk
+
+
+def _client(stub: _FakeStub) -> GrpcClient:
+    client = GrpcClient("127.0.0.1:1", token="tok", peer_id="me", reconnect_timeout_s=0.05)
+    client._stub = stub
+    return client
+
+
+def _chunks(round: int, agg: Payload | None, contributors: tuple[str, ...]) -> list[Any]:
+    header = pb.AggregateChunk(header=pb.AggregateHeader(round=round, aborted=agg is None,
+                                                         contributors=list(contributors), param_digest="abc"))
+    if agg is None:
+        return [header]
+    return [header] + [pb.AggregateChunk(part=pb.PayloadPart.FromString(p))
+                       for p in wire.split(wire.encode(agg, step=round), part_bytes=300)]
+
+
+async def test_gather_submits_parts_and_returns_the_aggregate() -> None:
+    _, _, payload = _replica()
+    agg = aggregate([payload])
+    stub = _FakeStub(pb.SubmitReply(accepted=True), aggregate=_chunks(3, agg, ("me",)))
+    client = _client(stub)
+    result = await client.gather(3, payload, loss=1.5, param_digest="pd")
+    await client.close()
+    assert {(p.peer_id, p.round, p.param_digest, p.loss) for p in stub.submitted} == {("me", 3, "pd", 1.5)}
+    assert dict(stub.metadata)["authorization"] == "Bearer tok"
+    assert (result.round, result.contributors, result.param_digest, result.aborted) == (3, ("me",), "abc", False)
+    assert result.bytes_up == len(wire.encode(payload, step=3)) and result.bytes_down == len(wire.encode(agg, step=3))
+    assert result.aggregate is not None
+    for name, c in agg.tensors.items():
+        assert torch.equal(result.aggregate.tensors[name].val, c.val)
+
+
+async def test_gather_of_an_aborted_round_has_no_aggregate() -> None:
+    _, _, payload = _replica()
+    client = _client(_FakeStub(pb.SubmitReply(accepted=True), aggregate=_chunks(3, None, ())))
+    result = await client.gather(3, payload, loss=1.0, param_digest="pd")
+    await client.close()
+    assert result.aborted and result.aggregate is None and result.bytes_down == 0
+
+
+@pytest.mark.parametrize(("stub", "error"), [
+    (_FakeStub(pb.SubmitReply(accepted=False, resync=True, reason="digest")), Resync),
+    (_FakeStub(pb.SubmitReply(accepted=False, reason="round 3 is closed; the open round is 4"), open_round=4),
+     StaleRound),
+    (_FakeStub(pb.SubmitReply(accepted=False, reason="me is not a member of round 3"), member=False), NotMember),
+    (_FakeStub(pb.SubmitReply(accepted=False, reason="me is not a member of round 3")), NotMember),  # a joiner
+    (_FakeStub(pb.SubmitReply(accepted=True), aggregate=_rpc_error(grpc.StatusCode.NOT_FOUND, "too old"),
+               open_round=9), StaleRound),
+    (_FakeStub(pb.SubmitReply(accepted=True), aggregate=[]), InvalidPayload),
+    (_FakeStub(_rpc_error(grpc.StatusCode.UNAVAILABLE, "down")), PeerUnavailable),
+    (_FakeStub(_rpc_error(grpc.StatusCode.UNAUTHENTICATED, "bad token")), PermissionError),
+    (_FakeStub(pb.SubmitReply(accepted=False, reason="invalid payload: bad")), RuntimeError),  # our bug: crash
+])
+async def test_gather_maps_refusals_to_what_the_peer_does(stub: _FakeStub, error: type[Exception]) -> None:
+    _, _, payload = _replica()
+    client = _client(stub)
+    with pytest.raises(error) as info:
+        await client.gather(3, payload, loss=1.0, param_digest="pd")
+    await client.close()
+    if isinstance(info.value, StaleRound):
+        assert info.value.open_round == stub.open_round
+
+
+async def test_a_resubmission_already_taken_counts_as_accepted() -> None:
+    _, _, payload = _replica()
+    stub = _FakeStub(pb.SubmitReply(accepted=False, reason="me already submitted for round 3"),
+                     aggregate=_chunks(3, aggregate([payload]), ("me",)))
+    client = _client(stub)
+    assert (await client.gather(3, payload, loss=1.0, param_digest="pd")).contributors == ("me",)
+    await client.close()
+
+
+async def test_unavailable_is_retried_with_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport_grpc, "_BACKOFF_FIRST_S", 0.001)
+    client = GrpcClient("127.0.0.1:1", token="tok", reconnect_timeout_s=5.0)
+    calls = []
+
+    async def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 4:
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE if len(calls) % 2 else grpc.StatusCode.DEADLINE_EXCEEDED)
+        return "ok"
+
+    assert await client._call("Flaky", flaky) == "ok"
+    assert len(calls) == 4
+    with pytest.raises(grpc.aio.AioRpcError):  # anything else is not retried
+        await client._call("Bug", lambda: _raise(_rpc_error(grpc.StatusCode.INTERNAL)))
+    await client.close()
+
+
+async def _raise(error: Exception) -> None:
+    raise error
