@@ -239,6 +239,14 @@ class _Peer:
                 self._log(logging.WARNING, "heartbeat: %s", e)
 
 
+def _warm_up() -> None:
+    """Pay torch's one-time costs before joining: the optimizer's lazy import of torch._dynamo and the
+    first backward take seconds, and a peer admitted at once must train within the round timeout."""
+    p = torch.zeros(2, requires_grad=True)
+    torch.optim.SGD([p], lr=0.1)
+    (p * 2).sum().backward()
+
+
 async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, device: str = "cpu",
                    threads: int | None = None, accumulate: int = 1, checkpoint_every: int = 10,
                    root_cert: bytes | None = None, reconnect_timeout_s: float = 120.0,
@@ -272,11 +280,15 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        await asyncio.to_thread(_warm_up)
         info = await client.join()
         cfg = load_config(None, {}, overrides=info.run_config)
         peer = _Peer(client, info, cfg, out, torch.device(device), accumulate, checkpoint_every, stop=stop)
         peer._log(logging.INFO, "joined %s: %d parameters, %d rounds in the run", coordinator,
                   peer.model.num_params(), info.total_rounds)
+        if info.total_rounds and info.round >= info.total_rounds:
+            peer._log(logging.INFO, "the run is over")
+            return 0
         await peer.load_parameters(info.round)
         await asyncio.to_thread(peer.resume)
         return await _rounds(peer)

@@ -1,0 +1,180 @@
+"""Real rounds over gRPC on loopback: a `demonet coordinator` process and `demonet.peer` processes.
+
+Every peer must end every round with the coordinator's parameters, losses must be finite, and the
+aggregate a peer downloads must stay about the size of what it uploads. `demonet up` end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "grpc-round-test-token"
+TINY = """
+[model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+seq_len = 32
+[train]
+seq_len = 32
+batch_size = 2
+[net]
+round_timeout_s = {timeout_s}
+"""
+PROCESS_TIMEOUT_S = 180.0
+
+
+def _peer_main(argv: list[str]) -> None:
+    """A peer process (spawned: a fresh interpreter, as on another machine)."""
+    os.environ["DEMONET_TOKEN"] = TOKEN
+    from demonet.peer import main
+
+    raise SystemExit(main(argv))
+
+
+class _Coordinator:
+    """A `demonet coordinator` child process; `address` once it listens."""
+
+    def __init__(self, tmp: Path, steps: int, timeout_s: float = 5.0) -> None:
+        (tmp / "tiny.toml").write_text(TINY.format(timeout_s=timeout_s))
+        self.log = open(tmp / "coordinator.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "demonet.cli", "coordinator", "--listen", "127.0.0.1:0", "--steps", str(steps),
+             "--config", str(tmp / "tiny.toml"), "--state-dir", str(tmp / "state")],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, "DEMONET_TOKEN": TOKEN})
+        lines: queue.Queue[str] = queue.Queue()
+        assert self.proc.stdout is not None
+        threading.Thread(target=lambda: lines.put(self.proc.stdout.readline() if self.proc.stdout else ""),
+                         daemon=True).start()
+        line = lines.get(timeout=60)  # bounded: a coordinator that hangs fails the test, not the suite
+        assert line.startswith("listening on "), (tmp / "coordinator.log").read_text()
+        self.address = line.split()[-1]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Any]:
+    """Start peer processes with the spawn context; every one still alive at the end is killed."""
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+
+    def start(argv: list[str]) -> Any:
+        proc = ctx.Process(target=_peer_main, args=(argv,))
+        proc.start()
+        procs.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+
+
+def _metrics(out: Path) -> list[dict[str, Any]]:
+    rows = []
+    for path in out.glob("metrics-*.jsonl"):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    return rows
+
+
+def _check_rounds(rows: list[dict[str, Any]], peers: set[str], steps: int) -> None:
+    """Digests agree in every round; once every peer is in, each one is in every round to the last."""
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_round.setdefault(r["round"], []).append(r)
+        assert math.isfinite(r["loss"])
+        assert r["bytes_down"] <= 1.5 * r["bytes_up"], r  # the coordinator bounds the aggregate
+    for round_, rs in by_round.items():
+        assert len({r["param_digest"] for r in rs}) == 1, f"round {round_}: {rs}"
+    assert max(by_round) == steps - 1
+    all_in = max(min(r["round"] for r in rows if r["peer"] == p) for p in peers)  # joiners enter at boundaries
+    for round_ in range(all_in, steps):
+        assert {r["peer"] for r in by_round[round_]} == peers, f"round {round_}"
+
+
+def test_three_peer_processes_agree_every_round(tmp_path: Path, spawn: Any) -> None:
+    steps, out = 60, tmp_path / "out"  # tiny rounds take ~0.1 s: time for every peer to start and join
+    coordinator = _Coordinator(tmp_path, steps)
+    try:
+        peers = [spawn(["--coordinator", coordinator.address, "--peer-id", f"p{i}", "--out", str(out),
+                        "--threads", "1"]) for i in range(3)]
+        deadline = time.monotonic() + PROCESS_TIMEOUT_S
+        for proc in peers:
+            proc.join(timeout=max(1.0, deadline - time.monotonic()))
+        assert [p.exitcode for p in peers] == [0, 0, 0], (tmp_path / "coordinator.log").read_text()
+    finally:
+        coordinator.stop()
+    _check_rounds(_metrics(out), {"p0", "p1", "p2"}, steps)
+    assert all((out / f"peer-p{i}.pt").exists() for i in range(3))
+
+
+def test_a_peer_stopped_by_sigterm_saves_and_resumes(tmp_path: Path, spawn: Any) -> None:
+    out = tmp_path / "out"
+    coordinator = _Coordinator(tmp_path, steps=40, timeout_s=5.0)
+    argv = ["--coordinator", coordinator.address, "--out", str(out), "--threads", "1", "--checkpoint-every", "0"]
+    try:
+        stays = spawn([*argv, "--peer-id", "stays"])
+        leaves = spawn([*argv, "--peer-id", "leaves"])
+        deadline = time.monotonic() + PROCESS_TIMEOUT_S
+        log = out / "metrics-leaves.jsonl"
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(leaves.pid, signal.SIGTERM)
+        leaves.join(timeout=30)
+        assert leaves.exitcode == 0
+        assert (out / "peer-leaves.pt").exists()
+        back = spawn([*argv, "--peer-id", "leaves"])
+        for proc in (stays, back):
+            proc.join(timeout=max(1.0, deadline - time.monotonic()))
+        assert (stays.exitcode, back.exitcode) == (0, 0), (tmp_path / "coordinator.log").read_text()
+    finally:
+        coordinator.stop()
+    _check_rounds(_metrics(out), {"stays", "leaves"}, 40)
+
+
+def test_demonet_up_writes_the_run_folder(tmp_path: Path) -> None:
+    (tmp_path / "tiny.toml").write_text(TINY.format(timeout_s=5.0))
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "demonet.cli", "up", "--peers", "2", "--steps", "3", "--out", str(out),
+         "--config", str(tmp_path / "tiny.toml"), "--no-progress"],
+        capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S, env={**os.environ, "DEMONET_TOKEN": ""})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout)
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert (summary["rounds"], summary["peers"], summary["digests_agree"]) == (3, 2, True)
+    assert summary["failed"] == {} and summary["unfinished"] == []
+    assert math.isfinite(summary["first_loss"]) and math.isfinite(summary["last_loss"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == sorted(rows, key=lambda r: (r["round"], r["peer"]))
+    _check_rounds(rows, {"peer-0", "peer-1"}, 3)
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert {p.name for p in (out / "logs").iterdir()} == {"coordinator.log", "peer-0.log", "peer-1.log"}
