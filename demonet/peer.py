@@ -244,7 +244,7 @@ def _warm_up() -> None:
     first backward take seconds, and a peer admitted at once must train within the round timeout."""
     p = torch.zeros(2, requires_grad=True)
     torch.optim.SGD([p], lr=0.1)
-    (p * 2).sum().backward()
+    torch.autograd.backward((p * 2).sum())
 
 
 async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, device: str = "cpu",
