@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -152,7 +153,7 @@ def _status(args: argparse.Namespace) -> int:
     except (DemonetError, PermissionError) as e:
         print(f"demonet status: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(status, indent=2))
+    print(_json(status))
     return 0
 
 
@@ -275,11 +276,26 @@ def _up(args: argparse.Namespace) -> int:
     summary.update(failed=failed, unfinished=unfinished, interrupted=interrupted)
     if rows:
         plot_loss(rows, out / "loss.png")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps(summary, indent=2))
+    (out / "summary.json").write_text(_json(summary) + "\n")
+    print(_json(summary))
     if interrupted:
         return 130
     return 1 if failed or unfinished or not rows else 0
+
+
+def _json(obj: Any) -> str:
+    """Indented JSON with null for NaN and infinities (which JSON does not have)."""
+
+    def finite(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(obj), indent=2, allow_nan=False)
 
 
 # -- the run folder ------------------------------------------------------------------------------------

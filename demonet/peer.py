@@ -229,7 +229,7 @@ class _Peer:
     async def heartbeats(self) -> None:
         """Tell the coordinator this peer is alive every heartbeat_interval_s; join again if dropped."""
         while True:
-            await asyncio.sleep(self.info.heartbeat_interval_s)
+            await asyncio.sleep(max(self.info.heartbeat_interval_s, 0.1))
             try:
                 _, member = await self.client.heartbeat(self.round)
                 if not member:

@@ -147,10 +147,14 @@ class GrpcClient:
 
     @property
     def wait_timeout_s(self) -> float:
+        """Deadline of one GetParameters or GetAggregate stream: waiting for a round to open or close
+        (at most round_timeout_s after it opened, once more if the coordinator restarted), then streaming."""
         return 2 * self.round_timeout_s + 30.0
 
     @property
     def submit_timeout_s(self) -> float:
+        """Deadline of one Submit stream: uploading the payload and the reply; later than the round's
+        deadline it would be refused anyway."""
         return self.round_timeout_s + self.call_timeout_s
 
     # -- retries ---------------------------------------------------------------------------------------

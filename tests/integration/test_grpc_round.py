@@ -125,7 +125,7 @@ def test_three_peer_processes_agree_every_round(tmp_path: Path, spawn: Any) -> N
     coordinator = _Coordinator(tmp_path, steps)
     try:
         peers = [spawn(["--coordinator", coordinator.address, "--peer-id", f"p{i}", "--out", str(out),
-                        "--threads", "1"]) for i in range(3)]
+                        "--threads", "1", "--accumulate", str(i + 1)]) for i in range(3)]
         deadline = time.monotonic() + PROCESS_TIMEOUT_S
         for proc in peers:
             proc.join(timeout=max(1.0, deadline - time.monotonic()))

@@ -59,7 +59,8 @@ def test_summary_losses_bytes_and_digest_agreement() -> None:
     rows[5]["param_digest"] = "other"
     s = cli.summarize_run(rows)
     assert not s["digests_agree"] and s["disagreeing_rounds"] == [2]
-    assert cli.summarize_run([])["digests_agree"] is False
+    empty = json.loads(cli._json(cli.summarize_run([])))  # strict JSON: no NaN
+    assert empty["digests_agree"] is False and empty["first_loss"] is None
 
 
 def test_plot_is_a_png(tmp_path: Path) -> None:
