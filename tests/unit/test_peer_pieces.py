@@ -23,7 +23,7 @@ from demonet.optim import DeMo, Payload, aggregate
 from demonet.peer import settle
 from demonet.transport import NotMember, Resync, RoundResult, StaleRound
 from demonet.transport import grpc as transport_grpc
-from demonet.transport.grpc import GrpcClient, load_token
+from demonet.transport.grpc import GrpcClient, JoinInfo, load_token
 
 # -- run folder ------------------------------------------------------------------------------------------
 
@@ -272,3 +272,85 @@ async def test_unavailable_is_retried_with_backoff(monkeypatch: pytest.MonkeyPat
 
 async def _raise(error: Exception) -> None:
     raise error
+
+
+# -- the peer's round loop against a fake client ---------------------------------------------------------
+
+
+class _FakeClient:
+    """The coordinator's side of a few rounds: canned outcomes for gather, parameters for any round."""
+
+    peer_id = "me"
+
+    def __init__(self, outcomes: list[Any], params: dict[str, torch.Tensor]) -> None:
+        self.outcomes, self.params = outcomes, params
+        self.asked: list[int] = []
+        self.joins = 0
+
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return RoundResult(round=round, aggregate=aggregate([payload]), contributors=("me",), param_digest=outcome,
+                           aborted=False, bytes_up=10, bytes_down=12)
+
+    async def get_parameters(self, round: int, expected: Any) -> tuple[int, dict[str, torch.Tensor], int]:
+        self.asked.append(round)
+        return round, {name: t + 0.01 * round for name, t in self.params.items()}, 1
+
+    async def join(self) -> JoinInfo:
+        self.joins += 1
+        return _info(round=9)
+
+
+def _info(round: int) -> JoinInfo:
+    run = {"model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16},
+           "train": {"seq_len": 16, "batch_size": 2}, "optim": {"compression_topk": 4, "compression_chunk": 8}}
+    return JoinInfo(peer_id="me", round=round, run_config=run, data_seed=7, round_timeout_s=5.0,
+                    heartbeat_interval_s=1.0, total_rounds=0)
+
+
+def _peer(outcomes: list[Any], tmp_path: Path) -> tuple[Any, _FakeClient]:
+    from demonet.config import load_config
+    from demonet.model import GPT
+    from demonet.peer import _Peer
+
+    cfg = load_config(None, {}, _info(0).run_config)
+    params = {name: p.detach().clone() for name, p in GPT(cfg.model).named_parameters()}
+    client = _FakeClient(outcomes, params)
+    peer = _Peer(client, _info(3), cfg, tmp_path, torch.device("cpu"), 1, 0)  # type: ignore[arg-type]
+    return peer, client
+
+
+async def test_peer_catches_up_after_each_kind_of_refusal(tmp_path: Path) -> None:
+    import io
+
+    peer, client = _peer([Resync("digest"), StaleRound("late", open_round=7), NotMember("dropped")], tmp_path)
+    await peer.load_parameters(3)
+    metrics = io.StringIO()
+    for _ in range(3):
+        assert await peer.run_round(metrics)
+    assert client.asked == [3, 3, 7, 9] and client.joins == 1 and peer.round == 9
+    assert metrics.getvalue() == ""  # no round completed
+
+
+async def test_peer_resyncs_when_its_digest_differs_after_applying(tmp_path: Path) -> None:
+    import io
+
+    from demonet.digest import param_digest
+
+    peer, client = _peer([], tmp_path)
+    await peer.load_parameters(3)
+    momentum_before = [m.clone() for m in (peer.opt.state[p]["momentum"] for p in peer.model.parameters())]
+    client.outcomes = ["not-the-digest-after-applying"]
+    metrics = io.StringIO()
+    assert await peer.run_round(metrics)
+    line = json.loads(metrics.getvalue())
+    assert (line["round"], line["resynced"], peer.round, client.asked) == (3, True, 4, [3, 4])
+    assert line["param_digest"] == peer.digest == param_digest(peer.model.named_parameters())
+    moved = [not torch.equal(a, peer.opt.state[p]["momentum"]) for a, p in zip(momentum_before, peer.model.parameters(),
+                                                                                   strict=True)]
+    assert any(moved)  # the round's gradient went into the momentum
+    peer.save_checkpoint()
+    saved = torch.load(peer.checkpoint_path, weights_only=True)
+    assert saved["round"] == 4 and saved["param_digest"] == peer.digest
