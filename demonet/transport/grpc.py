@@ -176,7 +176,7 @@ class GrpcClient:
                 now = time.monotonic()
                 if give_up_at is None:
                     give_up_at = now + self.reconnect_timeout_s
-                    logger.warning("[%s] %s: %s (%s); retrying for up to %.0f s", self.peer_id, what, code.name,
+                    logger.warning("[%s] %s: %s (%s); retrying for up to %.0f s", self.peer_id or "-", what, code.name,
                                    e.details(), self.reconnect_timeout_s)
                 if now >= give_up_at:
                     raise PeerUnavailable(f"{what}: the coordinator at {self.address} was unreachable for "
@@ -186,7 +186,7 @@ class GrpcClient:
                 delay_s = min(2 * delay_s, _BACKOFF_CAP_S)
                 continue
             if give_up_at is not None:
-                logger.info("[%s] %s: the coordinator answers again", self.peer_id, what)
+                logger.info("[%s] %s: the coordinator answers again", self.peer_id or "-", what)
             return result
 
     async def _lost(self, round: int, reason: str) -> Rejected:
