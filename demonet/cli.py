@@ -245,7 +245,7 @@ def _up(args: argparse.Namespace) -> int:
     token = secrets.token_urlsafe(24)
     env = {**os.environ, TOKEN_ENV: token}  # never on a command line, where `ps` shows it
     argv = ["coordinator", "--listen", "127.0.0.1:0", "--steps", str(args.steps),
-            "--state-dir", str(out / "coordinator")]
+            "--state-dir", str(out / "coordinator"), "--start-peers", str(args.peers)]
     if args.config:
         argv += ["--config", args.config]
     if args.round_timeout_s:

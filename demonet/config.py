@@ -95,6 +95,8 @@ class NetConfig:
     """A round closes at most this long after it opens; stragglers are not waited on."""
     min_peers: int = 1
     """Payloads needed to apply a round at its deadline; fewer aborts it (peers restore theirs)."""
+    start_peers: int = 1
+    """The first round opens once this many peers have joined."""
     heartbeat_interval_s: float = 2.0
     """How often a peer tells the coordinator it is alive."""
     heartbeat_timeout_s: float = 15.0
@@ -108,6 +110,7 @@ class NetConfig:
     def __post_init__(self) -> None:
         _check(self.round_timeout_s > 0, "round_timeout_s should be > 0")
         _check(self.min_peers >= 1, "min_peers should be >= 1")
+        _check(self.start_peers >= 1, "start_peers should be >= 1")
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s should be > 0")
         _check(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                "heartbeat_timeout_s should be > heartbeat_interval_s")

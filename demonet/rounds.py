@@ -25,8 +25,12 @@ class RoundConfig:
     """Payloads needed to apply a round at its deadline; fewer aborts it (peers restore theirs)."""
     heartbeat_timeout_s: float = 15.0
     """A member or joiner not heard from for this long is dropped."""
+    start_peers: int = 1
+    """The first round opens once this many peers have joined (all of them are its members)."""
 
     def __post_init__(self) -> None:
+        if self.start_peers < 1:
+            raise ValueError("start_peers should be >= 1")
         if self.round_timeout_s <= 0:
             raise ValueError("round_timeout_s should be > 0")
         if self.min_peers < 1:
@@ -45,12 +49,19 @@ class ClosedRound:
 
 
 class SubmitRejected(Exception):
-    """A submission that does not belong to the open round (not an error of the coordinator)."""
+    """A submission that does not belong to the open round (not an error of the coordinator).
 
-    def __init__(self, reason: str, *, stale: bool = False) -> None:
+    `kind` is one of "stale", "future", "not_member", "duplicate".
+    """
+
+    def __init__(self, reason: str, kind: str) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.stale = stale
+        self.kind = kind
+
+    @property
+    def stale(self) -> bool:
+        return self.kind == "stale"
 
 
 @dataclass
@@ -69,6 +80,7 @@ class Rounds:
     joiners: dict[str, float] = field(default_factory=dict)
     submitted: list[str] = field(default_factory=list)  # in arrival order
     opened_at: float = 0.0
+    started: bool = False  # the first round has opened
 
     def __post_init__(self) -> None:
         self.opened_at = self.now
@@ -85,10 +97,13 @@ class Rounds:
         if peer_id in self.members:
             self.members[peer_id] = now
             return self.round
-        if not self.members and not self.submitted:  # idle run: start the round with this peer
+        if not self.started or (not self.members and not self.submitted):  # idle: this round waits for it
             self.members[peer_id] = now
-            self.opened_at = now
-            logger.info("[coordinator round=%d] %s joined an idle run; round opens now", self.round, peer_id)
+            if len(self.members) >= (1 if self.started else self.cfg.start_peers):
+                self.started = True
+                self.opened_at = now
+                logger.info("[coordinator round=%d] %s joined; the round opens now with %d members", self.round,
+                            peer_id, len(self.members))
             return self.round
         self.joiners[peer_id] = now
         return self.round + 1
@@ -114,17 +129,19 @@ class Rounds:
     def check_submit(self, peer_id: str, round: int) -> None:
         """What `submit` would reject, without changing anything (to refuse before reading a payload)."""
         if round < self.round:
-            raise SubmitRejected(f"round {round} is closed; the open round is {self.round}", stale=True)
+            raise SubmitRejected(f"round {round} is closed; the open round is {self.round}", "stale")
         if round > self.round:
-            raise SubmitRejected(f"round {round} has not opened; the open round is {self.round}")
+            raise SubmitRejected(f"round {round} has not opened; the open round is {self.round}", "future")
         if peer_id not in self.members:
-            raise SubmitRejected(f"{peer_id} is not a member of round {round}")
+            raise SubmitRejected(f"{peer_id} is not a member of round {round}", "not_member")
         if peer_id in self.submitted:
-            raise SubmitRejected(f"{peer_id} already submitted for round {round}")
+            raise SubmitRejected(f"{peer_id} already submitted for round {round}", "duplicate")
 
     def due(self, now: float) -> bool:
         """Whether the open round should close now (after dropping the peers that went silent)."""
         self._drop_silent(now)
+        if not self.started:
+            return False
         if self.members and all(p in self.submitted for p in self.members):
             return True
         if now < self.deadline:
@@ -163,7 +180,7 @@ class Rounds:
     @classmethod
     def from_state(cls, cfg: RoundConfig, state: dict[str, Any], now: float) -> Rounds:
         """Resume: the open round restarts with its full timeout; members get one timeout to come back."""
-        rounds = cls(cfg=cfg, now=now, round=int(state["round"]))
+        rounds = cls(cfg=cfg, now=now, round=int(state["round"]), started=True)
         rounds.members = dict.fromkeys(state["members"], now)
         rounds.joiners = dict.fromkeys(state.get("joiners", ()), now)
         return rounds

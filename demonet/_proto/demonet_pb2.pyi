@@ -21,6 +21,16 @@ class ValueEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VALUE_ENCODING_FP16: _ClassVar[ValueEncoding]
     VALUE_ENCODING_INT8: _ClassVar[ValueEncoding]
     VALUE_ENCODING_SIGN: _ClassVar[ValueEncoding]
+
+class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_NONE: _ClassVar[Refusal]
+    REFUSAL_STALE: _ClassVar[Refusal]
+    REFUSAL_FUTURE: _ClassVar[Refusal]
+    REFUSAL_NOT_MEMBER: _ClassVar[Refusal]
+    REFUSAL_DUPLICATE: _ClassVar[Refusal]
+    REFUSAL_INVALID: _ClassVar[Refusal]
+    REFUSAL_RESYNC: _ClassVar[Refusal]
 INDEX_CODING_UNSPECIFIED: IndexCoding
 INDEX_CODING_PACKED: IndexCoding
 INDEX_CODING_ELIAS_FANO: IndexCoding
@@ -31,6 +41,13 @@ VALUE_ENCODING_BF16: ValueEncoding
 VALUE_ENCODING_FP16: ValueEncoding
 VALUE_ENCODING_INT8: ValueEncoding
 VALUE_ENCODING_SIGN: ValueEncoding
+REFUSAL_NONE: Refusal
+REFUSAL_STALE: Refusal
+REFUSAL_FUTURE: Refusal
+REFUSAL_NOT_MEMBER: Refusal
+REFUSAL_DUPLICATE: Refusal
+REFUSAL_INVALID: Refusal
+REFUSAL_RESYNC: Refusal
 
 class SparseTensor(_message.Message):
     __slots__ = ("name", "shape", "chunk_h", "chunk_w", "k", "index_coding", "indices", "value_encoding", "values", "scales")
@@ -171,14 +188,18 @@ class SubmitPart(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
-    __slots__ = ("accepted", "reason", "resync")
+    __slots__ = ("accepted", "reason", "resync", "refusal", "open_round")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     resync: bool
-    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., resync: bool = ...) -> None: ...
+    refusal: Refusal
+    open_round: int
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., resync: bool = ..., refusal: _Optional[_Union[Refusal, str]] = ..., open_round: _Optional[int] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
     __slots__ = ("peer_id", "round")

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .._proto import demonet_pb2_grpc as pb_grpc
 from ..config import Config, load_config
+from ..transport.grpc import load_token
 from .metrics import Metrics
 from .server import CoordinatorOptions, CoordinatorServicer
 
@@ -92,28 +93,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", help="file holding the run token (default: the DEMONET_TOKEN env var)")
     parser.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens (30)")
     parser.add_argument("--min-peers", type=int, help="payloads needed to apply a round at its deadline (1)")
+    parser.add_argument("--start-peers", type=int, help="the first round opens once this many peers joined (1)")
     parser.add_argument("--seed", type=int, help="seed of the initial parameters and the peers' data (0)")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
     parser.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)")
     parser.add_argument("--tls-key", help="PEM private key")
 
 
-def read_token(token_file: str | None) -> str:
-    """The run token from a file, else from DEMONET_TOKEN; ValueError if neither gives one."""
-    token = Path(token_file).read_text().strip() if token_file else os.environ.get("DEMONET_TOKEN", "").strip()
-    if not token:
-        raise ValueError("a run token is required: --token-file FILE or the DEMONET_TOKEN env var")
-    return token
-
-
 def run(args: argparse.Namespace) -> int:
     """Run `demonet coordinator` with parsed flags; returns the exit code."""
     try:
-        token = read_token(args.token_file)
+        token = load_token(args.token_file, os.environ)
         cfg = load_config(args.config, os.environ, {
             "train": {"seed": args.seed},
-            "net": {"round_timeout_s": args.round_timeout_s, "min_peers": args.min_peers},
+            "net": {"round_timeout_s": args.round_timeout_s, "min_peers": args.min_peers,
+                    "start_peers": args.start_peers},
         })
+        if cfg.optim.base == "adamw":
+            # Adam's moments are canonical (they follow from the applied aggregates alone), but the
+            # coordinator does not hand them to joiners yet: a late joiner would drift. Refuse.
+            raise ValueError("coordinator mode supports optim.base sign or sgd; adamw joiners would not get "
+                             "the Adam moments")
         tls = None
         if args.tls_cert or args.tls_key:
             if not (args.tls_cert and args.tls_key):

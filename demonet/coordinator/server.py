@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 _PEER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _KEEP_AGGREGATES = 8  # closed rounds whose aggregate a slow peer can still download
+_REFUSALS = {"stale": pb.REFUSAL_STALE, "future": pb.REFUSAL_FUTURE, "not_member": pb.REFUSAL_NOT_MEMBER,
+             "duplicate": pb.REFUSAL_DUPLICATE}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +65,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.cfg, self.opts, self.metrics = cfg, opts, metrics
         self.state = CanonicalState(cfg)
         round_cfg = RoundConfig(round_timeout_s=cfg.net.round_timeout_s, min_peers=cfg.net.min_peers,
-                                heartbeat_timeout_s=cfg.net.heartbeat_timeout_s)
+                                heartbeat_timeout_s=cfg.net.heartbeat_timeout_s, start_peers=cfg.net.start_peers)
         self.rounds = Rounds(cfg=round_cfg, now=_now())
         self.aggregates: OrderedDict[int, ClosedAggregate] = OrderedDict()
         self.payloads: dict[str, Payload] = {}
@@ -96,7 +98,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     what: str) -> None:
         """Wait (holding `cond` on return) until predicate() is true; DEADLINE_EXCEEDED after timeout_s."""
         try:
-            await asyncio.wait_for(self.cond.wait_for(predicate), timeout_s)
+            # asyncio.timeout, not wait_for: wait_for wraps the wait in a task, and a cancellation
+            # (shutdown) there can leave the condition's lock released under the caller (3.11).
+            async with asyncio.timeout(timeout_s):
+                await self.cond.wait_for(predicate)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out waiting for {what}")
 
@@ -156,9 +161,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     try:  # refuse before reading (and decoding) the rest of the stream
                         self.rounds.check_submit(head.peer_id, head.round)
                     except SubmitRejected as e:
-                        if e.stale:
-                            self.metrics.add("late")
-                        return pb.SubmitReply(accepted=False, reason=e.reason)
+                        return self._refused(e)
                 elif (part.peer_id, part.round) != (head.peer_id, head.round):
                     raise InvalidPayload("parts of one submission name different peers or rounds")
                 data = reassembler.add(part.part.SerializeToString())
@@ -171,23 +174,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.metrics.add("rejected")
             logger.warning("[coordinator round=%d] rejected a payload from %s: %s", self.rounds.round,
                            head.peer_id if head else "?", e)
-            return pb.SubmitReply(accepted=False, reason=f"invalid payload: {e}")
+            return pb.SubmitReply(accepted=False, reason=f"invalid payload: {e}", refusal=pb.REFUSAL_INVALID,
+                                  open_round=self.rounds.round)
         async with self.cond:
             if head.param_digest != self.state.digest and head.round == self.rounds.round:
-                return pb.SubmitReply(accepted=False, resync=True,
-                                      reason="parameter digest differs from the canonical one")
+                return pb.SubmitReply(accepted=False, resync=True, refusal=pb.REFUSAL_RESYNC,
+                                      reason="parameter digest differs from the canonical one",
+                                      open_round=self.rounds.round)
             try:
                 self.rounds.submit(head.peer_id, head.round, _now())
             except SubmitRejected as e:
-                if e.stale:
-                    self.metrics.add("late")
-                return pb.SubmitReply(accepted=False, reason=e.reason)
+                return self._refused(e)
             self.payloads[head.peer_id] = payload
             self.losses[head.peer_id] = head.loss
             self.metrics.add("bytes_up", len(data))
             self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
             self.cond.notify_all()
-        return pb.SubmitReply(accepted=True)
+        return pb.SubmitReply(accepted=True, open_round=self.rounds.round)
+
+    def _refused(self, e: SubmitRejected) -> pb.SubmitReply:
+        if e.stale:
+            self.metrics.add("late")
+        return pb.SubmitReply(accepted=False, reason=e.reason, refusal=_REFUSALS[e.kind], open_round=self.rounds.round)
 
     async def GetAggregate(self, request: pb.AggregateRequest,
                            context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.AggregateChunk]:

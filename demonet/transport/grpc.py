@@ -189,15 +189,6 @@ class GrpcClient:
                 logger.info("[%s] %s: the coordinator answers again", self.peer_id or "-", what)
             return result
 
-    async def _lost(self, round: int, reason: str) -> Rejected:
-        """What a refusal for `round` means for this peer, asked of the coordinator with a heartbeat."""
-        open_round, member = await self.heartbeat(round)
-        if not member or "not a member" in reason:  # a joiner is no member yet either
-            return NotMember(f"round {round}: {reason}")
-        if open_round != round:
-            return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
-        raise RuntimeError(f"the coordinator refused this peer's payload for its open round {round}: {reason}")
-
     # -- unary calls -----------------------------------------------------------------------------------
 
     async def join(self) -> JoinInfo:
@@ -303,6 +294,13 @@ class GrpcClient:
                            param_digest=header.param_digest, aborted=bool(header.aborted), bytes_up=len(data),
                            bytes_down=len(agg_data or b""))
 
+    async def _lost(self, round: int, reason: str) -> Rejected:
+        """What a lost round (its aggregate is gone) means for this peer, asked with a heartbeat."""
+        open_round, member = await self.heartbeat(round)
+        if not member:
+            return NotMember(f"round {round}: {reason}")
+        return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
+
     async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: str) -> None:
         parts = [pb.PayloadPart.FromString(p) for p in wire.split(data)]
 
@@ -315,11 +313,15 @@ class GrpcClient:
             requests(), metadata=self._metadata, timeout=self.submit_timeout_s))
         if reply.accepted:
             return
-        if reply.resync:
+        if reply.refusal == pb.REFUSAL_RESYNC or reply.resync:
             raise Resync(f"round {round}: {reply.reason or 'parameter digest differs from the canonical one'}")
-        if "already submitted" in reply.reason:  # a retry whose first attempt got through, its reply lost
+        if reply.refusal == pb.REFUSAL_DUPLICATE:  # a retry whose first attempt got through, its reply lost
             return
-        raise await self._lost(round, reply.reason)
+        if reply.refusal == pb.REFUSAL_NOT_MEMBER:
+            raise NotMember(f"round {round}: {reply.reason}")
+        if reply.refusal == pb.REFUSAL_STALE:
+            raise StaleRound(f"round {round}: {reply.reason}", open_round=int(reply.open_round))
+        raise RuntimeError(f"the coordinator refused this peer's payload for round {round}: {reply.reason}")
 
     async def _aggregate(self, round: int) -> tuple[Any, bytes | None]:
         """One GetAggregate stream: the header, then the parts of the aggregate (none if aborted)."""

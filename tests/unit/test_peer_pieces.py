@@ -221,17 +221,18 @@ async def test_gather_of_an_aborted_round_has_no_aggregate() -> None:
 
 
 @pytest.mark.parametrize(("stub", "error"), [
-    (_FakeStub(pb.SubmitReply(accepted=False, resync=True, reason="digest")), Resync),
-    (_FakeStub(pb.SubmitReply(accepted=False, reason="round 3 is closed; the open round is 4"), open_round=4),
-     StaleRound),
-    (_FakeStub(pb.SubmitReply(accepted=False, reason="me is not a member of round 3"), member=False), NotMember),
-    (_FakeStub(pb.SubmitReply(accepted=False, reason="me is not a member of round 3")), NotMember),  # a joiner
+    (_FakeStub(pb.SubmitReply(accepted=False, resync=True, refusal=pb.REFUSAL_RESYNC, reason="digest")), Resync),
+    (_FakeStub(pb.SubmitReply(accepted=False, refusal=pb.REFUSAL_STALE, open_round=4,
+                              reason="round 3 is closed; the open round is 4"), open_round=4), StaleRound),
+    (_FakeStub(pb.SubmitReply(accepted=False, refusal=pb.REFUSAL_NOT_MEMBER, reason="me is not a member of round 3"),
+               member=False), NotMember),
     (_FakeStub(pb.SubmitReply(accepted=True), aggregate=_rpc_error(grpc.StatusCode.NOT_FOUND, "too old"),
                open_round=9), StaleRound),
     (_FakeStub(pb.SubmitReply(accepted=True), aggregate=[]), InvalidPayload),
     (_FakeStub(_rpc_error(grpc.StatusCode.UNAVAILABLE, "down")), PeerUnavailable),
     (_FakeStub(_rpc_error(grpc.StatusCode.UNAUTHENTICATED, "bad token")), PermissionError),
-    (_FakeStub(pb.SubmitReply(accepted=False, reason="invalid payload: bad")), RuntimeError),  # our bug: crash
+    (_FakeStub(pb.SubmitReply(accepted=False, refusal=pb.REFUSAL_INVALID, reason="invalid payload: bad")),
+     RuntimeError),  # our bug: crash
 ])
 async def test_gather_maps_refusals_to_what_the_peer_does(stub: _FakeStub, error: type[Exception]) -> None:
     _, _, payload = _replica()
@@ -245,7 +246,7 @@ async def test_gather_maps_refusals_to_what_the_peer_does(stub: _FakeStub, error
 
 async def test_a_resubmission_already_taken_counts_as_accepted() -> None:
     _, _, payload = _replica()
-    stub = _FakeStub(pb.SubmitReply(accepted=False, reason="me already submitted for round 3"),
+    stub = _FakeStub(pb.SubmitReply(accepted=False, refusal=pb.REFUSAL_DUPLICATE, reason="me already submitted"),
                      aggregate=_chunks(3, aggregate([payload]), ("me",)))
     client = _client(stub)
     assert (await client.gather(3, payload, loss=1.0, param_digest="pd")).contributors == ("me",)

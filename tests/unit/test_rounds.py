@@ -88,3 +88,15 @@ def test_bad_config() -> None:
         RoundConfig(min_peers=0)
     with pytest.raises(ValueError, match="round_timeout_s"):
         RoundConfig(round_timeout_s=0)
+
+
+def test_the_first_round_waits_for_start_peers() -> None:
+    r = Rounds(cfg=RoundConfig(round_timeout_s=10.0, start_peers=3), now=0.0)
+    assert r.join("a", 0.0) == 0
+    assert r.join("b", 5.0) == 0
+    r.heartbeat("a", 99.0)
+    r.heartbeat("b", 99.0)
+    assert not r.due(100.0)  # not started: no deadline runs, nothing closes
+    assert r.join("c", 101.0) == 0  # the third peer opens round 0 with all three as members
+    assert set(r.members) == {"a", "b", "c"} and r.deadline == 111.0
+    assert r.join("d", 102.0) == 1  # after the start, joiners wait for the boundary
