@@ -1,0 +1,70 @@
+"""TLS between a coordinator and a peer, with a self-signed certificate made by openssl for the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from demonet._proto import demonet_pb2 as pb
+from demonet._proto import demonet_pb2_grpc as pbg
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")]
+
+CONFIG = """
+[model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+seq_len = 32
+[train]
+seq_len = 32
+batch_size = 2
+steps = 3
+[net]
+round_timeout_s = 5.0
+"""
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def test_a_run_over_tls(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    (tmp_path / "run.toml").write_text(CONFIG)
+    env = {**os.environ, "DEMONET_TOKEN": "tls-token"}
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "demonet.coordinator", "--listen", "localhost:0", "--config", str(tmp_path / "run.toml"),
+         "--tls-cert", str(cert), "--tls-key", str(key)],
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "coordinator.log", "w"), text=True, env=env)
+    peer = None
+    try:
+        assert coordinator.stdout is not None
+        address = coordinator.stdout.readline().split()[-1]
+        port = address.rsplit(":", 1)[1]
+        # A plaintext client cannot talk to it.
+        with grpc.insecure_channel(f"localhost:{port}") as channel:
+            with pytest.raises(grpc.RpcError):
+                pbg.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=5)  # type: ignore[no-untyped-call]
+        peer = subprocess.run(
+            [sys.executable, "-m", "demonet.cli", "peer", "--coordinator", f"localhost:{port}", "--peer-id", "p",
+             "--out", str(tmp_path / "peer"), "--threads", "1", "--tls-root-cert", str(cert)],
+            capture_output=True, text=True, env=env, timeout=120)
+        assert peer.returncode == 0, peer.stderr[-2000:]
+        lines = [json.loads(x) for x in (tmp_path / "peer" / "metrics-p.jsonl").read_text().splitlines()]
+        assert [x["round"] for x in lines] == [0, 1, 2]
+    finally:
+        coordinator.kill()
+        coordinator.wait(timeout=10)
