@@ -175,6 +175,7 @@ class _Peer:
         """Train, submit, apply one round; False when the peer should stop (SIGTERM)."""
         t0 = time.perf_counter()
         loss, payload = await asyncio.to_thread(self.train_step)
+        compute_s = time.perf_counter() - t0  # the blocking torch work: train_step, then finish_round
         try:
             result = await self.gather_or_stop(payload, loss)
         except DemonetError as e:  # the payload reached no aggregate this peer will apply
@@ -188,11 +189,13 @@ class _Peer:
             await asyncio.to_thread(self.opt.restore, payload)
             self._log(logging.INFO, "abandoned the round")
             return False
+        t1 = time.perf_counter()
         await asyncio.to_thread(self.finish_round, payload, result)
+        compute_s += time.perf_counter() - t1
         line = {"round": self.round, "peer": self.peer_id, "loss": loss, "bytes_up": result.bytes_up,
                 "bytes_down": result.bytes_down, "param_digest": self.digest,
-                "round_time_s": time.perf_counter() - t0, "contributors": len(result.contributors),
-                "aborted": result.aborted}
+                "round_time_s": time.perf_counter() - t0, "compute_s": compute_s,
+                "contributors": len(result.contributors), "aborted": result.aborted}
         if self.digest != result.param_digest:
             self._log(logging.WARNING, "digest %s after applying, the coordinator has %s: downloading parameters",
                       self.digest[:12], result.param_digest[:12])
