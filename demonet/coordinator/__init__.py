@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-peers", type=int, help="payloads needed to apply a round at its deadline (1)")
     parser.add_argument("--start-peers", type=int, help="the first round opens once this many peers joined (1)")
     parser.add_argument("--seed", type=int, help="seed of the initial parameters and the peers' data (0)")
-    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve Prometheus /metrics on this port (all interfaces)")
     parser.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)")
     parser.add_argument("--tls-key", help="PEM private key")
 

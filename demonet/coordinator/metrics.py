@@ -21,6 +21,7 @@ class Metrics:
         self.round = Gauge("demonet_round", "The open round", registry=r)
         self.members = Gauge("demonet_members", "Members of the open round", registry=r)
         self.submitted = Gauge("demonet_submitted", "Payloads in for the open round", registry=r)
+        self.phase = Gauge("demonet_phase", "0: the round is open; 1: closing (merge, apply, persist)", registry=r)
         self.loss = Gauge("demonet_loss", "Mean training loss of the last applied round", registry=r)
         self._counters = {
             name: Counter(f"demonet_{name}", doc, registry=r) for name, doc in (

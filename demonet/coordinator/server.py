@@ -241,6 +241,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Apply the round (holding `cond`), persist, then open the next round and wake the waiters."""
         r = self.rounds
         started = _now()
+        self.metrics.phase.set(1)
         contributors = tuple(sorted(r.submitted))
         aborted = len(contributors) < r.cfg.min_peers
         payloads = [self.payloads[p] for p in contributors]
@@ -257,6 +258,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                      "counters": self.metrics.counters()}
             await asyncio.to_thread(self.state.save, self.opts.state_dir, extra)
         self.metrics.set_round(r.round, len(r.members), 0)
+        self.metrics.phase.set(0)
         logger.info("[coordinator round=%d] %s with %d payloads (%s); digest %s", closed.round,
                     "aborted" if closed.aborted else "applied", len(contributors), ", ".join(contributors),
                     closed.param_digest[:12])

@@ -48,8 +48,9 @@ heartbeat_timeout_s = 30.0
 class Coordinator:
     """A `demonet coordinator` child process."""
 
-    def __init__(self, tmp: Path, timeout_s: float = 3.0) -> None:
+    def __init__(self, tmp: Path, timeout_s: float = 3.0, extra: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
+        self.extra = extra
         (tmp / "run.toml").write_text(SMALL.format(timeout=timeout_s))
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
@@ -57,7 +58,7 @@ class Coordinator:
     def start(self) -> str:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "demonet.coordinator", "--listen", "127.0.0.1:0", "--config",
-             str(self.tmp / "run.toml"), "--state-dir", str(self.tmp / "state")],
+             str(self.tmp / "run.toml"), "--state-dir", str(self.tmp / "state"), *self.extra],
             stdout=subprocess.PIPE, stderr=open(self.tmp / "coordinator.log", "a"), text=True,
             env={**os.environ, "DEMONET_TOKEN": TOKEN})
         assert self.proc.stdout is not None
@@ -235,5 +236,30 @@ async def test_a_run_ends_after_its_rounds(tmp_path: Path) -> None:
         c.proc.send_signal(signal.SIGTERM)  # graceful: stops serving at once instead of lingering
         assert c.proc.wait(timeout=20) == 0
         assert time.monotonic() - start < 15
+    finally:
+        c.kill()
+
+
+async def test_prometheus_metrics(tmp_path: Path) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = Coordinator(tmp_path, extra=("--metrics-port", str(port)))
+    c.start()
+    try:
+        peer = Peer(c.address, "p")
+        await peer.join()
+        await peer.step(0)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith("demonet_") and " " in line}
+        assert values["demonet_round"] == 1 and values["demonet_members"] == 1 and values["demonet_phase"] == 0
+        assert values["demonet_rounds_closed_total"] == 1 and values["demonet_bytes_up_total"] > 0
+        for name in ("demonet_loss", "demonet_rejected_total", "demonet_late_total", "demonet_bytes_down_total",
+                     "demonet_close_seconds_count", "demonet_submitted", "demonet_unauthorized_total"):
+            assert name in values
     finally:
         c.kill()
