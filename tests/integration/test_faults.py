@@ -1,0 +1,323 @@
+"""Faults with real processes over real sockets on loopback: a peer killed with SIGKILL and restarted,
+a late joiner, and the coordinator killed with SIGKILL and restarted on its port from its state.
+
+Every test starts a `demonet coordinator` process and `demonet peer` processes on a tiny model
+(rounds take about 0.1 s), bounds every wait, and kills every process it started (by pid) at the
+end, also when it fails. The assertions are about progress, digests and losses, not timings.
+
+A peer process spends seconds importing torch, while the tiny rounds take a tenth of a second. So a
+peer that must enter the run at a chosen moment (the late joiner, the restart of the killed peer) is
+started early and held at a gate: it imports demonet and warms torch up, says "gate: ready" in its
+log, and runs `demonet peer` (demonet.cli.main) only once the test writes a line to its stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "faults-test-token"
+ROUND_TIMEOUT_S = 2.0
+CONFIG = f"""
+[model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+seq_len = 32
+[train]
+seq_len = 32
+batch_size = 2
+[net]
+round_timeout_s = {ROUND_TIMEOUT_S}
+heartbeat_interval_s = 0.5
+heartbeat_timeout_s = 4.0
+"""
+LISTEN_TIMEOUT_S = 60.0
+WAIT_S = 60.0
+"""Bound of every wait for progress in the run (the whole run takes seconds)."""
+GATE = """
+import sys
+from demonet.cli import main
+from demonet.peer import _warm_up
+_warm_up()
+print("gate: ready", file=sys.stderr, flush=True)
+sys.stdin.readline()
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Run:
+    """The processes of one test: coordinators and peers, each logging into tmp; `close` kills them."""
+
+    def __init__(self, tmp: Path, steps: int, start_peers: int) -> None:
+        self.tmp, self.steps, self.start_peers = tmp, steps, start_peers
+        self.out = tmp / "out"
+        (tmp / "run.toml").write_text(CONFIG)
+        self.env = {**os.environ, "DEMONET_TOKEN": TOKEN}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.files: list[IO[bytes]] = []
+        self.names: dict[int, str] = {}  # pid -> log name
+        self.coordinators = 0
+        self.address = ""
+
+    def _log(self, name: str) -> IO[bytes]:
+        f = open(self.tmp / f"{name}.log", "ab")
+        self.files.append(f)
+        return f
+
+    def log(self, name: str) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def coordinator(self, listen: str = "127.0.0.1:0") -> subprocess.Popen[bytes]:
+        """Start a coordinator (log coordinator-<n>.log) and wait for its `listening on` line."""
+        self.coordinators += 1
+        name = f"coordinator-{self.coordinators}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "demonet.coordinator", "--listen", listen, "--config", str(self.tmp / "run.toml"),
+             "--steps", str(self.steps), "--start-peers", str(self.start_peers),
+             "--state-dir", str(self.tmp / "state")],
+            stdout=subprocess.PIPE, stderr=self._log(name), stdin=subprocess.DEVNULL, env=self.env)
+        self.procs.append(proc)
+        lines: queue.Queue[bytes] = queue.Queue()
+        assert proc.stdout is not None
+        stdout = proc.stdout
+        threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+        try:
+            line = lines.get(timeout=LISTEN_TIMEOUT_S).decode()
+        except queue.Empty:
+            line = ""
+        assert line.startswith("listening on "), self.log(name)
+        self.address = line.split()[-1]
+        return proc
+
+    def peer(self, peer_id: str, *extra: str, gated: bool = False) -> subprocess.Popen[bytes]:
+        """Start `demonet peer` (log <peer_id>[-<n>].log); a gated one waits for `release`."""
+        argv = ["peer", "--coordinator", self.address, "--peer-id", peer_id, "--out", str(self.out),
+                "--threads", "1", "--reconnect-timeout-s", "60", *extra]
+        name = peer_id if not (self.tmp / f"{peer_id}.log").exists() else f"{peer_id}-{len(self.procs)}"
+        cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet.cli", *argv]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
+                                stdout=self._log(name), stderr=subprocess.STDOUT, env=self.env)
+        self.names[proc.pid] = name
+        self.procs.append(proc)
+        return proc
+
+    def peer_log(self, proc: subprocess.Popen[bytes]) -> str:
+        return self.log(self.names[proc.pid])
+
+    def release(self, proc: subprocess.Popen[bytes]) -> None:
+        """Let a gated peer run `demonet peer`, once it is ready."""
+        wait_for(lambda: "gate: ready" in self.peer_log(proc), WAIT_S, f"{self.names[proc.pid]} to warm up", self)
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+
+    def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL after timeout_s (the coordinator lingers after the last round)."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for f in self.files:
+            f.close()
+
+    def logs(self) -> str:
+        """Every log's tail, for failure messages."""
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                         for p in sorted(self.tmp.glob("*.log")))
+
+    def rows(self, peer_id: str) -> list[dict[str, Any]]:
+        path = self.out / f"metrics-{peer_id}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def last_round(self, peer_id: str) -> int:
+        rows = self.rows(peer_id)
+        return int(rows[-1]["round"]) if rows else -1
+
+    def wait_exit(self, procs: list[subprocess.Popen[bytes]], timeout_s: float = WAIT_S) -> list[int | None]:
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [proc.poll() for proc in procs]
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, run: _Run) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{run.logs()}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def run_factory(tmp_path: Path) -> Iterator[Callable[[int, int], _Run]]:
+    runs: list[_Run] = []
+
+    def make(steps: int, start_peers: int) -> _Run:
+        runs.append(_Run(tmp_path, steps, start_peers))
+        return runs[-1]
+
+    try:
+        yield make
+    finally:
+        for r in runs:
+            r.close()
+
+
+def _by_round(run: _Run, peers: list[str]) -> dict[int, dict[str, dict[str, Any]]]:
+    """round -> peer -> row; checks what holds in every test: one row per peer and round, finite
+    losses, no resync, and one parameter digest per round across the peers that completed it."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for p in peers:
+        for row in run.rows(p):
+            assert math.isfinite(row["loss"]), row
+            assert not row.get("resynced"), row
+            assert p not in by_round.setdefault(row["round"], {}), f"two rows of {p} for round {row['round']}"
+            by_round[row["round"]][p] = row
+    for round_, rows in sorted(by_round.items()):
+        digests = {p: r["param_digest"] for p, r in rows.items()}
+        assert len(set(digests.values())) == 1, f"round {round_}: digests differ: {digests}"
+    return by_round
+
+
+def _check_end(run: _Run, by_round: dict[int, dict[str, dict[str, Any]]], peers: list[str]) -> None:
+    """Every peer ran to the run's last round, with one final digest; the loss fell."""
+    last = run.steps - 1
+    assert set(by_round[last]) == set(peers), f"round {last}: {sorted(by_round[last])}"
+    rounds = sorted(by_round)
+    mean = [sum(r["loss"] for r in by_round[n].values()) / len(by_round[n]) for n in rounds]
+    assert sum(mean[-5:]) / 5 < sum(mean[:5]) / 5 - 0.3, mean
+
+
+def test_a_peer_killed_mid_run_is_waited_for_until_the_deadline_then_rejoins(run_factory: Any) -> None:
+    run = run_factory(50, 3)
+    coordinator = run.coordinator()
+    a, b, c = (run.peer(p, *(["--checkpoint-every", "2"] if p == "c" else [])) for p in ("a", "b", "c"))
+    c_again = run.peer("c", gated=True)  # the restart: same --peer-id and --out, held until c is dead
+    wait_for(lambda: len(run.rows("c")) >= 5, WAIT_S, "c's first 5 rounds", run)
+    os.kill(c.pid, signal.SIGKILL)
+    c.wait(timeout=10)
+    killed = run.last_round("c") + 1  # the round c was in when it died
+    assert 0 < killed < run.steps - 10, killed
+    wait_for(lambda: min(run.last_round("a"), run.last_round("b")) >= killed + 2, WAIT_S,
+             "a and b to carry on without c", run)
+    assert run.last_round("c") == killed - 1  # nothing more from c while it is dead
+    run.release(c_again)
+    codes = run.wait_exit([a, b, c_again])
+    assert codes == [0, 0, 0], f"exit codes {codes}\n{run.logs()}"
+    run.stop(coordinator)
+
+    by_round = _by_round(run, ["a", "b", "c"])
+    assert [r["round"] for r in run.rows("a")] == list(range(run.steps))
+    assert [r["round"] for r in run.rows("b")] == list(range(run.steps))
+    c_rounds = [r["round"] for r in run.rows("c")]
+    back = next(n for n in c_rounds if n >= killed)  # c's first round after the restart
+    assert c_rounds == [*range(killed), *range(back, run.steps)], c_rounds
+    assert back < run.steps - 5, back
+    # The rounds c missed went on without its payload; while c was still a member, a round closed
+    # at its deadline (it closes early only when every member is in).
+    for n in range(killed + 1, back):
+        assert by_round[n]["a"]["contributors"] <= 2, by_round[n]["a"]
+    closed_without = [(int(m[1]), m[2].split(", ")) for m in
+                      re.finditer(r"round=(\d+)\] closed without ([\w., -]+)", run.log("coordinator-1"))]
+    assert any(killed <= n < back and "c" in who for n, who in closed_without), closed_without
+    # Back in the run: c contributes to every round from its first one on, with the others' digest.
+    for n in range(back, run.steps):
+        assert by_round[n]["a"]["contributors"] == 3, by_round[n]["a"]
+    log = run.peer_log(c_again)
+    assert "joined" in log and "starting with zero momentum" in log, log  # its checkpoint is from before
+    _check_end(run, by_round, ["a", "b", "c"])
+
+
+def test_a_late_joiner_downloads_the_parameters_and_agrees_from_its_first_round(run_factory: Any) -> None:
+    run = run_factory(60, 2)
+    coordinator = run.coordinator()
+    late = run.peer("c", gated=True)
+    a, b = run.peer("a"), run.peer("b")
+    wait_for(lambda: min(run.last_round("a"), run.last_round("b")) >= 5, WAIT_S, "a and b's first rounds", run)
+    assert not (run.out / "peer-c.pt").exists()  # no checkpoint to take a momentum from: it starts at zero
+    run.release(late)
+    codes = run.wait_exit([a, b, late])
+    assert codes == [0, 0, 0], f"exit codes {codes}\n{run.logs()}"
+    run.stop(coordinator)
+
+    by_round = _by_round(run, ["a", "b", "c"])
+    for p in ("a", "b"):
+        assert [r["round"] for r in run.rows(p)] == list(range(run.steps))
+    c_rounds = [r["round"] for r in run.rows("c")]
+    first = c_rounds[0]
+    assert 5 < first < run.steps - 10, c_rounds
+    assert c_rounds == list(range(first, run.steps)), c_rounds  # in every round from its first on
+    log = run.peer_log(late)
+    assert f"parameters of round {first} loaded" in log, log
+    assert "resumed the momentum" not in log, log
+    for n in range(first, run.steps):
+        assert set(by_round[n]) == {"a", "b", "c"} and by_round[n]["a"]["contributors"] == 3, by_round[n]
+    _check_end(run, by_round, ["a", "b", "c"])
+
+
+def test_the_coordinator_killed_mid_run_restarts_on_its_port_and_training_resumes(run_factory: Any) -> None:
+    run = run_factory(40, 2)
+    listen = f"127.0.0.1:{_free_port()}"
+    coordinator = run.coordinator(listen)
+    a, b = run.peer("a"), run.peer("b")
+    wait_for(lambda: min(run.last_round("a"), run.last_round("b")) >= 5, WAIT_S, "the first rounds", run)
+    os.kill(coordinator.pid, signal.SIGKILL)  # nothing is flushed on the way out
+    coordinator.wait(timeout=10)
+    killed = max(run.last_round("a"), run.last_round("b")) + 1
+    assert killed < run.steps - 10, killed
+    coordinator = run.coordinator(listen)  # same port, same --state-dir
+    codes = run.wait_exit([a, b])
+    assert codes == [0, 0], f"exit codes {codes}\n{run.logs()}"
+    run.stop(coordinator)
+
+    assert "resumed from" in run.log("coordinator-2")
+    by_round = _by_round(run, ["a", "b"])  # no peer diverged: one digest per round, no resync
+    for p in ("a", "b"):
+        assert [r["round"] for r in run.rows(p)] == list(range(run.steps)), p  # past the kill point, no gap
+        log = run.log(p)
+        assert "retrying" in log and "answers again" in log, log  # it lived through the outage
+    aborted = [n for n, rows in by_round.items() if rows["a"]["aborted"]]
+    assert all(killed - 1 <= n <= killed + 1 for n in aborted), aborted  # at most the round of the kill is lost
+    _check_end(run, by_round, ["a", "b"])
