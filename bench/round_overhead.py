@@ -1,0 +1,116 @@
+"""Benchmark: round overhead and bytes of coordinator mode, with `demonet up` on loopback.
+
+For N in --peers-list (2, 4, 8) it runs `demonet up --peers N --steps S --out <tmp> --no-progress`
+(a coordinator and N peer processes over gRPC; the default embedded model unless --config), reads
+`<tmp>/metrics.jsonl` and prints per N:
+- the median round time (a peer's round_time_s: train, submit, wait for the aggregate, apply) and the
+  median compute time (compute_s: the blocking torch work of the round, train_step + finish_round),
+  and their ratio, the round overhead;
+- bytes up and down per peer per round (means) and their ratio;
+- whether every round's parameter digests agreed across the peers.
+Round 0 is left out of the medians (first-call costs). Then the goals, met or not:
+- round time <= 1.15x compute at 4 peers;
+- bytes down <= 1.5x bytes up at 2, 4 and 8 peers.
+Run from the repo root: `python bench/round_overhead.py`. Prints a table; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+GOAL_OVERHEAD = 1.15
+GOAL_OVERHEAD_PEERS = 4
+GOAL_BYTES = 1.5
+
+
+def run_up(peers: int, steps: int, config: str | None, out: Path) -> tuple[int, float, str]:
+    """`demonet up` with N peers; returns (exit code, wall seconds, the tail of its stderr)."""
+    cmd = [sys.executable, "-m", "demonet.cli", "up", "--peers", str(peers), "--steps", str(steps), "--out",
+           str(out), "--no-progress"]
+    if config:
+        cmd += ["--config", config]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]
+
+
+def measure(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of round and compute time (round 0 left out), bytes per peer per round, digests."""
+    timed = [r for r in rows if r["round"] > 0] or rows
+    by_round: dict[int, set[str]] = {}
+    for r in rows:
+        by_round.setdefault(int(r["round"]), set()).add(str(r["param_digest"]))
+    round_s = statistics.median(float(r["round_time_s"]) for r in timed)
+    compute_s = statistics.median(float(r["compute_s"]) for r in timed)
+    up = statistics.fmean(float(r["bytes_up"]) for r in rows)
+    down = statistics.fmean(float(r["bytes_down"]) for r in rows)
+    return {"rounds": len(by_round), "round_s": round_s, "compute_s": compute_s, "overhead": round_s / compute_s,
+            "up": up, "down": down, "down_up": down / up, "agree": all(len(d) == 1 for d in by_round.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers-list", default="2,4,8", help="peer counts, comma-separated (2,4,8)")
+    parser.add_argument("--steps", type=int, default=30, help="rounds per run (30)")
+    parser.add_argument("--config", help="TOML run config (default: the embedded default model)")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
+
+    import torch
+
+    cores = os.cpu_count()
+    print(f"# demonet round overhead: `demonet up`, {args.steps} rounds, "
+          f"{'config ' + args.config if args.config else 'the embedded default model'} (torch {torch.__version__})")
+    print(f"# All N peers and the coordinator share this machine's {cores} cores, one torch thread per peer,")
+    print("# so compute_s itself grows with N once N exceeds the cores; round 0 is left out of the medians.")
+    print()
+    print("| peers | rounds | round s (median) | compute s (median) | round / compute | up B/peer/round "
+          "| down B/peer/round | down / up | digests agree | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    results: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="round_overhead-") as tmp:
+        for n in counts:
+            out = Path(tmp) / f"peers-{n}"
+            code, wall, err = run_up(n, args.steps, args.config, out)
+            metrics = out / "metrics.jsonl"
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+            if code != 0 or not rows:
+                print(f"| {n} | demonet up exited with {code}, {len(rows)} metrics rows | | | | | | | | {wall:.0f} |")
+                print(err, file=sys.stderr)
+                continue
+            m = results[n] = measure(rows)
+            print(f"| {n} | {m['rounds']} | {m['round_s']:.3f} | {m['compute_s']:.3f} | {m['overhead']:.2f}x "
+                  f"| {m['up']:,.0f} | {m['down']:,.0f} | {m['down_up']:.2f}x | {'yes' if m['agree'] else 'NO'} "
+                  f"| {wall:.0f} |")
+
+    print()
+    print("## goals")
+    if GOAL_OVERHEAD_PEERS in results:
+        ratio = results[GOAL_OVERHEAD_PEERS]["overhead"]
+        verdict = "met" if ratio <= GOAL_OVERHEAD else "NOT met"
+        print(f"round time <= {GOAL_OVERHEAD}x compute at {GOAL_OVERHEAD_PEERS} peers: {verdict} ({ratio:.2f}x)")
+    else:
+        print(f"round time <= {GOAL_OVERHEAD}x compute at {GOAL_OVERHEAD_PEERS} peers: NOT met (not measured)")
+    want = [2, 4, 8]
+    ratios = {n: results[n]["down_up"] for n in want if n in results}
+    missing = [n for n in want if n not in results]
+    met = not missing and all(r <= GOAL_BYTES for r in ratios.values())
+    detail = ", ".join(f"{n}: {r:.2f}x" for n, r in ratios.items())
+    if missing:
+        detail += f"; not measured at {', '.join(map(str, missing))}"
+    print(f"bytes down <= {GOAL_BYTES}x bytes up at 2, 4, 8 peers: {'met' if met else 'NOT met'} ({detail})")
+    if not all(m["agree"] for m in results.values()):
+        print("digests: some round's peers disagreed (see the table)")
+
+
+if __name__ == "__main__":
+    main()
