@@ -130,10 +130,10 @@ class Rounds:
         """What `submit` would reject, without changing anything (to refuse before reading a payload)."""
         if round < self.round:
             raise SubmitRejected(f"round {round} is closed; the open round is {self.round}", "stale")
+        if peer_id not in self.members:
+            raise SubmitRejected(f"{peer_id} is not a member of round {self.round}", "not_member")
         if round > self.round:
             raise SubmitRejected(f"round {round} has not opened; the open round is {self.round}", "future")
-        if peer_id not in self.members:
-            raise SubmitRejected(f"{peer_id} is not a member of round {round}", "not_member")
         if peer_id in self.submitted:
             raise SubmitRejected(f"{peer_id} already submitted for round {round}", "duplicate")
 

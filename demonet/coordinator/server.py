@@ -201,6 +201,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                            context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.AggregateChunk]:
         await self._authorize(context)
         async with self.cond:
+            r = self.rounds
+            if request.round == r.round and request.peer_id in r.members and request.peer_id not in r.submitted:
+                # After a restart the payload this member sent is gone; it still holds it.
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"no payload from {request.peer_id} for round {r.round}: submit it again")
             await self._wait(lambda: request.round in self.aggregates or self.rounds.round > request.round,
                              self._wait_s, context, f"round {request.round} to close")
             closed = self.aggregates.get(request.round)
@@ -229,13 +234,24 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     # -- the clock -----------------------------------------------------------------------------------
 
-    async def tick_forever(self, period_s: float = 0.05) -> None:
-        """Close rounds when they are due (all in, or past the deadline). Runs until cancelled."""
+    async def tick_forever(self, max_sleep_s: float = 1.0) -> None:
+        """Close rounds when they are due. Runs until cancelled.
+
+        It sleeps on the condition until the deadline (at most `max_sleep_s`, so silent peers are
+        dropped in time); a submission notifies it, so a round whose members are all in closes at
+        once instead of at the next poll.
+        """
         while not self.finished.is_set():
             async with self.cond:
                 if self.rounds.due(_now()):
                     await self._close_round()
-            await asyncio.sleep(period_s)
+                    continue
+                sleep_s = min(max_sleep_s, self.rounds.seconds_left(_now()) if self.rounds.started else max_sleep_s)
+                try:
+                    async with asyncio.timeout(max(sleep_s, 0.001)):
+                        await self.cond.wait()
+                except TimeoutError:
+                    pass
 
     async def _close_round(self) -> None:
         """Apply the round (holding `cond`), persist, then open the next round and wake the waiters."""

@@ -39,6 +39,7 @@ _RETRY_CODES = (
     grpc.StatusCode.CANCELLED,  # a coordinator that stops with a grace period cancels the calls still open
 )
 # A round the coordinator no longer (or not yet) holds: the peer lost track and catches up.
+_RESUBMITS = 2  # times a payload is sent again when a restarted coordinator asks for it
 _LOST_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE)
 _AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _BACKOFF_FIRST_S = 0.2
@@ -277,12 +278,19 @@ class GrpcClient:
         """
         data = await asyncio.to_thread(wire.encode, payload, step=round)
         await self._submit(round, data, loss=loss, param_digest=param_digest)
-        try:
-            header, agg_data = await self._call(f"GetAggregate({round})", lambda: self._aggregate(round))
-        except grpc.aio.AioRpcError as e:
-            if e.code() not in _LOST_CODES:
-                raise
-            raise await self._lost(round, e.details() or e.code().name) from None
+        for attempt in range(_RESUBMITS + 1):
+            try:
+                header, agg_data = await self._call(f"GetAggregate({round})", lambda: self._aggregate(round))
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt < _RESUBMITS:
+                    # A restarted coordinator lost this payload: send it again rather than lose the round.
+                    logger.info("[%s] GetAggregate(%d): %s; submitting again", self.peer_id, round, e.details())
+                    await self._submit(round, data, loss=loss, param_digest=param_digest)
+                    continue
+                if e.code() not in _LOST_CODES:
+                    raise
+                raise await self._lost(round, e.details() or e.code().name) from None
         aggregate = None
         if not header.aborted:
             assert agg_data is not None  # _aggregate checked
@@ -317,7 +325,7 @@ class GrpcClient:
             raise Resync(f"round {round}: {reply.reason or 'parameter digest differs from the canonical one'}")
         if reply.refusal == pb.REFUSAL_DUPLICATE:  # a retry whose first attempt got through, its reply lost
             return
-        if reply.refusal == pb.REFUSAL_NOT_MEMBER:
+        if reply.refusal in (pb.REFUSAL_NOT_MEMBER, pb.REFUSAL_FUTURE):  # future: a coordinator that lost its state
             raise NotMember(f"round {round}: {reply.reason}")
         if reply.refusal == pb.REFUSAL_STALE:
             raise StaleRound(f"round {round}: {reply.reason}", open_round=int(reply.open_round))
