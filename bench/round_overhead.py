@@ -51,9 +51,16 @@ def measure(rows: list[dict[str, Any]]) -> dict[str, Any]:
         by_round.setdefault(int(r["round"]), set()).add(str(r["param_digest"]))
     round_s = statistics.median(float(r["round_time_s"]) for r in timed)
     compute_s = statistics.median(float(r["compute_s"]) for r in timed)
+    # A synchronous round cannot end before its slowest peer has computed: that is the round's
+    # compute-only time. The ratio to the median peer's compute also counts waiting for the slowest.
+    slowest: dict[int, float] = {}
+    for r in timed:
+        slowest[int(r["round"])] = max(slowest.get(int(r["round"]), 0.0), float(r["compute_s"]))
+    slowest_s = statistics.median(slowest.values())
     up = statistics.fmean(float(r["bytes_up"]) for r in rows)
     down = statistics.fmean(float(r["bytes_down"]) for r in rows)
     return {"rounds": len(by_round), "round_s": round_s, "compute_s": compute_s, "overhead": round_s / compute_s,
+            "slowest_s": slowest_s, "overhead_slowest": round_s / slowest_s,
             "up": up, "down": down, "down_up": down / up, "agree": all(len(d) == 1 for d in by_round.values())}
 
 
@@ -73,9 +80,10 @@ def main() -> None:
     print(f"# All N peers and the coordinator share this machine's {cores} cores, one torch thread per peer,")
     print("# so compute_s itself grows with N once N exceeds the cores; round 0 is left out of the medians.")
     print()
-    print("| peers | rounds | round s (median) | compute s (median) | round / compute | up B/peer/round "
+    print("| peers | rounds | round s (median) | compute s (median) | round / compute | slowest peer's compute s "
+          "| round / slowest compute | up B/peer/round "
           "| down B/peer/round | down / up | digests agree | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     results: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="round_overhead-") as tmp:
         for n in counts:
@@ -89,15 +97,18 @@ def main() -> None:
                 continue
             m = results[n] = measure(rows)
             print(f"| {n} | {m['rounds']} | {m['round_s']:.3f} | {m['compute_s']:.3f} | {m['overhead']:.2f}x "
+                  f"| {m['slowest_s']:.3f} | {m['overhead_slowest']:.2f}x "
                   f"| {m['up']:,.0f} | {m['down']:,.0f} | {m['down_up']:.2f}x | {'yes' if m['agree'] else 'NO'} "
                   f"| {wall:.0f} |")
 
     print()
     print("## goals")
     if GOAL_OVERHEAD_PEERS in results:
-        ratio = results[GOAL_OVERHEAD_PEERS]["overhead"]
-        verdict = "met" if ratio <= GOAL_OVERHEAD else "NOT met"
-        print(f"round time <= {GOAL_OVERHEAD}x compute at {GOAL_OVERHEAD_PEERS} peers: {verdict} ({ratio:.2f}x)")
+        for key, what in (("overhead_slowest", "the slowest peer's compute (the round's compute-only time)"),
+                          ("overhead", "the median peer's compute")):
+            ratio = results[GOAL_OVERHEAD_PEERS][key]
+            verdict = "met" if ratio <= GOAL_OVERHEAD else "NOT met"
+            print(f"round time <= {GOAL_OVERHEAD}x {what} at {GOAL_OVERHEAD_PEERS} peers: {verdict} ({ratio:.2f}x)")
     else:
         print(f"round time <= {GOAL_OVERHEAD}x compute at {GOAL_OVERHEAD_PEERS} peers: NOT met (not measured)")
     want = [2, 4, 8]
