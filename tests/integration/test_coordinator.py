@@ -25,24 +25,11 @@ from demonet.data import Batches, load_corpus
 from demonet.digest import param_digest
 from demonet.model import GPT
 from demonet.optim import DeMo
+from tests.integration.common import tiny_config
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "test-token"
-SMALL = """
-[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-seq_len = 32
-[train]
-seq_len = 32
-batch_size = 2
-steps = 50
-[net]
-round_timeout_s = {timeout}
-heartbeat_timeout_s = 30.0
-"""
 
 
 class Coordinator:
@@ -51,7 +38,7 @@ class Coordinator:
     def __init__(self, tmp: Path, timeout_s: float = 3.0, extra: tuple[str, ...] = ()) -> None:
         self.tmp = tmp
         self.extra = extra
-        (tmp / "run.toml").write_text(SMALL.format(timeout=timeout_s))
+        (tmp / "run.toml").write_text(tiny_config(round_timeout_s=timeout_s, steps=50, heartbeat_timeout_s=30.0))
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
 
@@ -224,7 +211,7 @@ async def test_coordinator_killed_and_restarted_resumes(coordinator: Coordinator
 
 async def test_a_run_ends_after_its_rounds(tmp_path: Path) -> None:
     c = Coordinator(tmp_path)
-    (tmp_path / "run.toml").write_text(SMALL.format(timeout=3.0).replace("steps = 50", "steps = 2"))
+    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=3.0, steps=2, heartbeat_timeout_s=30.0))
     c.start()
     try:
         peer = Peer(c.address, "p")

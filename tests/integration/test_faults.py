@@ -30,24 +30,12 @@ from typing import IO, Any
 
 import pytest
 
+from tests.integration.common import tiny_config
+
 pytestmark = pytest.mark.slow
 
 TOKEN = "faults-test-token"
 ROUND_TIMEOUT_S = 2.0
-CONFIG = f"""
-[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-seq_len = 32
-[train]
-seq_len = 32
-batch_size = 2
-[net]
-round_timeout_s = {ROUND_TIMEOUT_S}
-heartbeat_interval_s = 0.5
-heartbeat_timeout_s = 4.0
-"""
 LISTEN_TIMEOUT_S = 60.0
 WAIT_S = 60.0
 """Bound of every wait for progress in the run (the whole run takes seconds)."""
@@ -74,7 +62,8 @@ class _Run:
     def __init__(self, tmp: Path, steps: int, start_peers: int) -> None:
         self.tmp, self.steps, self.start_peers = tmp, steps, start_peers
         self.out = tmp / "out"
-        (tmp / "run.toml").write_text(CONFIG)
+        (tmp / "run.toml").write_text(
+            tiny_config(round_timeout_s=ROUND_TIMEOUT_S, heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0))
         self.env = {**os.environ, "DEMONET_TOKEN": TOKEN}
         self.procs: list[subprocess.Popen[bytes]] = []
         self.files: list[IO[bytes]] = []

@@ -22,21 +22,11 @@ from typing import Any
 
 import pytest
 
+from tests.integration.common import tiny_config
+
 pytestmark = pytest.mark.slow
 
 TOKEN = "grpc-round-test-token"
-TINY = """
-[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-seq_len = 32
-[train]
-seq_len = 32
-batch_size = 2
-[net]
-round_timeout_s = {timeout_s}
-"""
 PROCESS_TIMEOUT_S = 180.0
 
 
@@ -52,7 +42,7 @@ class _Coordinator:
     """A `demonet coordinator` child process; `address` once it listens."""
 
     def __init__(self, tmp: Path, steps: int, timeout_s: float = 5.0) -> None:
-        (tmp / "tiny.toml").write_text(TINY.format(timeout_s=timeout_s))
+        (tmp / "tiny.toml").write_text(tiny_config(round_timeout_s=timeout_s))
         self.log = open(tmp / "coordinator.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "demonet.cli", "coordinator", "--listen", "127.0.0.1:0", "--steps", str(steps),
@@ -161,7 +151,7 @@ def test_a_peer_stopped_by_sigterm_saves_and_resumes(tmp_path: Path, spawn: Any)
 
 
 def test_demonet_up_writes_the_run_folder(tmp_path: Path) -> None:
-    (tmp_path / "tiny.toml").write_text(TINY.format(timeout_s=5.0))
+    (tmp_path / "tiny.toml").write_text(tiny_config(round_timeout_s=5.0))
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "demonet.cli", "up", "--peers", "2", "--steps", "3", "--out", str(out),

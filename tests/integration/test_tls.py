@@ -14,23 +14,11 @@ import pytest
 
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pbg
+from tests.integration.common import tiny_config
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")]
 
-CONFIG = """
-[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-seq_len = 32
-[train]
-seq_len = 32
-batch_size = 2
-steps = 3
-[net]
-round_timeout_s = 5.0
-"""
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
@@ -43,7 +31,7 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
 
 def test_a_run_over_tls(tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
-    (tmp_path / "run.toml").write_text(CONFIG)
+    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=5.0, steps=3))
     env = {**os.environ, "DEMONET_TOKEN": "tls-token"}
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "demonet.coordinator", "--listen", "localhost:0", "--config", str(tmp_path / "run.toml"),
