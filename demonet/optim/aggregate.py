@@ -16,6 +16,8 @@ from .payload import Compressed, Payload
 
 __all__ = ["aggregate", "merge_tensor"]
 
+_BLOCK_COEFFICIENTS = 2**20  # dense coefficients per merged block (4 MiB per fp32 work buffer)
+
 
 def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False, topk: int | None = None) -> Compressed:
     """Merge one tensor's entries from several peers: union of indices, mean over contributors.
@@ -41,18 +43,29 @@ def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False, topk
         if part.shape != first.shape or part.chunk != first.chunk or part.idx.shape[0] != first.idx.shape[0]:
             raise ValueError(
                 f"cannot merge tensors of shape {part.shape} chunk {part.chunk} and {first.shape} {first.chunk}")
-    num_chunks, n = first.idx.shape[0], first.totalk
-    dtype = torch.promote_types(first.val.dtype, torch.float32)
-    sums_CN = torch.zeros(num_chunks, n, dtype=dtype, device=first.val.device)
-    counts_CN = torch.zeros(num_chunks, n, dtype=dtype, device=first.val.device)
-    for part in parts:
-        val_CK = part.val.to(dtype)
-        sums_CN.scatter_add_(1, part.idx, val_CK)
+    idx_CU, val_CU = _merge_rows([p.idx for p in parts], [p.val for p in parts], first.totalk,
+                                 count_zeros=count_zeros, topk=topk)
+    return Compressed(idx=idx_CU, val=val_CU, shape=first.shape, chunk=first.chunk)
+
+
+def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tensor], n: int, *, count_zeros: bool,
+                topk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_tensor` on bare (C, K_peer) rows of coefficient indices < n. Every op is row-wise, so
+    rows of several tensors can be merged in one call and split afterwards."""
+    num_chunks = idx_list[0].shape[0]
+    out_dtype = val_list[0].dtype
+    dtype = torch.promote_types(out_dtype, torch.float32)
+    device = val_list[0].device
+    sums_CN = torch.zeros(num_chunks, n, dtype=dtype, device=device)
+    counts_CN = torch.zeros(num_chunks, n, dtype=dtype, device=device)
+    for idx_CK, val in zip(idx_list, val_list, strict=True):
+        val_CK = val.to(dtype)
+        sums_CN.scatter_add_(1, idx_CK, val_CK)
         weight_CK = torch.ones_like(val_CK) if count_zeros else (val_CK != 0).to(dtype)
-        counts_CN.scatter_add_(1, part.idx, weight_CK)
+        counts_CN.scatter_add_(1, idx_CK, weight_CK)
 
     # Union per row: sort all sent indices, keep the first of each run that somebody counted.
-    sorted_CK, _ = torch.sort(torch.cat([p.idx for p in parts], dim=1), dim=1)
+    sorted_CK, _ = torch.sort(torch.cat(list(idx_list), dim=1), dim=1)
     keep_CK = torch.ones_like(sorted_CK, dtype=torch.bool)
     keep_CK[:, 1:] = sorted_CK[:, 1:] != sorted_CK[:, :-1]
     keep_CK &= counts_CN.gather(1, sorted_CK) > 0
@@ -66,11 +79,11 @@ def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False, topk
     valid_CU = torch.arange(width, device=idx_CU.device)[None, :] < num_kept_C[:, None]
     idx_CU = torch.where(valid_CU, idx_CU, idx_CU[:, :1])  # padding repeats a real index, value 0
     mean_CN = sums_CN.div_(counts_CN.clamp_(min=1))
-    val_CU = torch.where(valid_CU, mean_CN.gather(1, idx_CU), 0.0).to(first.val.dtype)
+    val_CU = torch.where(valid_CU, mean_CN.gather(1, idx_CU), 0.0).to(out_dtype)
     if topk is not None and width > topk:
         best_CK = torch.topk(val_CU.abs(), topk, dim=1, sorted=False).indices
         idx_CU, val_CU = idx_CU.gather(1, best_CK), val_CU.gather(1, best_CK)
-    return Compressed(idx=idx_CU, val=val_CU, shape=first.shape, chunk=first.chunk)
+    return idx_CU, val_CU
 
 
 def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None) -> Payload:
@@ -88,7 +101,35 @@ def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: i
     for payload in payloads[1:]:
         if list(payload.tensors) != names:
             raise ValueError("payloads hold different tensors; validate them against the model first")
-    merged = {name: merge_tensor([p.tensors[name] for p in payloads], count_zeros=count_zeros, topk=topk)
-              for name in names}
+    # Tensors that share a chunk shape and every peer's k are merged as one block of rows: the same
+    # result as one merge per tensor (every op is row-wise), with far fewer small torch calls. A
+    # block holds at most _BLOCK_COEFFICIENTS dense coefficients, so its work buffers stay in cache.
+    blocks: list[tuple[tuple[int, int], list[str]]] = []
+    open_blocks: dict[tuple[object, ...], tuple[tuple[int, int], list[str], int]] = {}
+    for name in names:
+        parts = [p.tensors[name] for p in payloads]
+        first = parts[0]
+        for part in parts[1:]:
+            if part.shape != first.shape or part.chunk != first.chunk:
+                raise ValueError(f"cannot merge {name}: shape {part.shape} chunk {part.chunk} and "
+                                 f"{first.shape} {first.chunk}")
+        key = (first.chunk, first.val.dtype, first.val.device, tuple(tuple(p.idx.shape[1:]) for p in parts))
+        size = first.idx.shape[0] * first.totalk
+        current = open_blocks.get(key)
+        if current is None or current[2] + size > _BLOCK_COEFFICIENTS:
+            current = (first.chunk, [], 0)
+            blocks.append((current[0], current[1]))
+        current[1].append(name)
+        open_blocks[key] = (current[0], current[1], current[2] + size)
+    merged: dict[str, Compressed] = {}
+    for chunk, group in blocks:
+        rows = [payloads[0].tensors[name].idx.shape[0] for name in group]
+        idx_CU, val_CU = _merge_rows(
+            [torch.cat([p.tensors[name].idx for name in group]) for p in payloads],
+            [torch.cat([p.tensors[name].val for name in group]) for p in payloads],
+            chunk[0] * chunk[1], count_zeros=count_zeros, topk=topk)
+        for name, idx_part, val_part in zip(group, torch.split(idx_CU, rows), torch.split(val_CU, rows),
+                                            strict=True):
+            merged[name] = Compressed(idx=idx_part, val=val_part, shape=payloads[0].tensors[name].shape, chunk=chunk)
     # Means of encoded values are no longer on the encoding's grid: the aggregate is plain floats.
-    return Payload(tensors=merged, encoding="fp32")
+    return Payload(tensors={name: merged[name] for name in names}, encoding="fp32")

@@ -171,3 +171,25 @@ def test_aggregate_topk_keeps_the_largest_means() -> None:
     dense = torch.zeros(1, 4).scatter_add_(1, m.idx, m.val)
     assert torch.equal(dense, torch.tensor([[0.0, -4.0, 0.0, 2.0]]))
     assert merge_tensor([a, b], topk=10).idx.shape == (1, 4)  # never pads beyond the union
+
+
+@pytest.mark.parametrize("topk", [None, 3])
+def test_aggregate_batches_tensors_exactly_like_one_merge_each(topk: int | None) -> None:
+    g = torch.Generator().manual_seed(1)
+
+    def payload(k: int) -> Payload:
+        tensors = {}
+        for name, rows, chunk in (("a", 5, (4, 4)), ("b", 3, (4, 4)), ("c", 4, (1, 8)), ("d", 2, (4, 4))):
+            n = chunk[0] * chunk[1]
+            idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(rows)])
+            tensors[name] = Compressed(idx=idx, val=torch.randn(rows, k, generator=g), shape=(rows * n,), chunk=chunk)
+        return Payload(tensors=tensors)
+
+    payloads = [payload(4) for _ in range(3)]
+    agg = aggregate(payloads, topk=topk)
+    assert list(agg.tensors) == ["a", "b", "c", "d"]
+    for name in agg.tensors:
+        one = merge_tensor([p.tensors[name] for p in payloads], topk=topk)
+        n = one.totalk
+        dense = lambda c: torch.zeros(c.idx.shape[0], n).scatter_add_(1, c.idx, c.val)  # noqa: E731
+        assert torch.equal(dense(agg.tensors[name]), dense(one)), name
