@@ -190,6 +190,5 @@ def test_aggregate_batches_tensors_exactly_like_one_merge_each(topk: int | None)
     assert list(agg.tensors) == ["a", "b", "c", "d"]
     for name in agg.tensors:
         one = merge_tensor([p.tensors[name] for p in payloads], topk=topk)
-        n = one.totalk
-        dense = lambda c: torch.zeros(c.idx.shape[0], n).scatter_add_(1, c.idx, c.val)  # noqa: E731
+        dense = lambda c: torch.zeros(c.idx.shape[0], c.totalk).scatter_add_(1, c.idx, c.val)  # noqa: E731
         assert torch.equal(dense(agg.tensors[name]), dense(one)), name
