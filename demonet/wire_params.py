@@ -23,10 +23,13 @@ MAX_PARAMETER_BYTES = 8 * 2**30
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
-def encode_parameters(named: Iterable[tuple[str, torch.Tensor]], *, round: int) -> bytes:
-    """Serialize named tensors (in order) as a `Parameters` message with their digest."""
+def encode_parameters(named: Iterable[tuple[str, torch.Tensor]], *, round: int, digest: str | None = None) -> bytes:
+    """Serialize named tensors (in order) as a `Parameters` message with their digest.
+
+    `digest`: their `param_digest`, if the caller already has it (it is computed otherwise).
+    """
     tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in named]
-    msg = pb.Parameters(version=1, round=round, param_digest=param_digest(tensors))
+    msg = pb.Parameters(version=1, round=round, param_digest=digest or param_digest(tensors))
     for name, t in tensors:
         dtype = str(t.dtype).removeprefix("torch.")
         if dtype not in _DTYPES:

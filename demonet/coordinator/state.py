@@ -69,7 +69,7 @@ class CanonicalState:
     def parameters_blob(self, round: int) -> bytes:
         """The serialized `Parameters` at the start of `round` (cached until the next apply)."""
         if self._blob is None or self._blob[0] != round:
-            self._blob = (round, wire_params.encode_parameters(self.params.items(), round=round))
+            self._blob = (round, wire_params.encode_parameters(self.params.items(), round=round, digest=self.digest))
         return self._blob[1]
 
     def close(self, round: int, payloads: list[Payload], contributors: tuple[str, ...],
