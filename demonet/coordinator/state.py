@@ -7,7 +7,6 @@ is used once, to create the initial named tensors; after that the state is only 
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ import torch
 from .. import wire, wire_params
 from ..config import Config
 from ..digest import param_digest
-from ..errors import InvalidPayload
 from ..model import GPT
 from ..optim import Compressed, DeMo, Payload, aggregate, quantize
 
@@ -91,25 +89,14 @@ class CanonicalState:
         return ClosedAggregate(round, False, contributors, self.digest, data)
 
     def save(self, state_dir: Path, extra: dict[str, Any]) -> None:
-        """Write the state atomically (a temp file renamed over the old one): kill -9 leaves one or the other.
-
-        The file is a length-prefixed torch.save header (config, digest, round state, counters) and
-        then the parameters as the serialized `Parameters` message joiners download: the bytes are
-        made once per round for both, and skipping pickle for the tensors halves the time to save.
-        """
+        """Write the state atomically (a temp file renamed over the old one): kill -9 leaves one or the other."""
         state_dir.mkdir(parents=True, exist_ok=True)
-        round_ = int(extra["rounds"]["round"])
-        blob = self.parameters_blob(round_)
-        head = {"config": self.cfg.to_dict(), "digest": self.digest, **extra}
+        body = {"config": self.cfg.to_dict(), "params": {n: p.detach() for n, p in self.params.items()},
+                "digest": self.digest, **extra}
         if self.cfg.optim.base == "adamw":
-            head["optimizer"] = self.opt.state_dict()
-        buf = io.BytesIO()
-        torch.save(head, buf)
+            body["optimizer"] = self.opt.state_dict()
         tmp = state_dir / (STATE_FILE + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(len(buf.getbuffer()).to_bytes(8, "little"))
-            f.write(buf.getbuffer())
-            f.write(blob)
+        torch.save(body, tmp)
         os.replace(tmp, state_dir / STATE_FILE)
 
     def load(self, state_dir: Path) -> dict[str, Any] | None:
@@ -121,24 +108,17 @@ class CanonicalState:
         path = state_dir / STATE_FILE
         if not path.exists():
             return None
-        data = path.read_bytes()
-        size = int.from_bytes(data[:8], "little")
-        try:
-            head = torch.load(io.BytesIO(data[8:8 + size]), map_location="cpu", weights_only=False)
-            expected = {name: (tuple(p.shape), p.dtype) for name, p in self.params.items()}
-            round_, tensors = wire_params.decode_parameters(data[8 + size:], expected=expected)
-        except (InvalidPayload, RuntimeError, EOFError) as e:
-            raise ValueError(f"{path} is damaged: {e}") from None
-        if head.get("config") != self.cfg.to_dict():
+        body = torch.load(path, map_location="cpu", weights_only=False)
+        if body.get("config") != self.cfg.to_dict():
             raise ValueError(f"{path} belongs to a run with another configuration; use another --state-dir")
         with torch.no_grad():
             for name, p in self.params.items():
-                p.copy_(tensors[name])
-        if "optimizer" in head:
-            self.opt.load_state_dict(head["optimizer"])
+                p.copy_(body["params"][name])
+        if "optimizer" in body:
+            self.opt.load_state_dict(body["optimizer"])
         self.digest = param_digest(self.params.items())
-        if self.digest != head["digest"]:
+        if self.digest != body["digest"]:
             raise ValueError(f"{path}: parameters do not match their digest")
-        self._blob = (round_, data[8 + size:])
+        self._blob = None
         logger.info("[coordinator] resumed from %s", path)
-        return dict(head)
+        return dict(body)
