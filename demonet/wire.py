@@ -487,24 +487,8 @@ def _entropy_coding(c: Compressed) -> Any:
 
 
 def payload_bytes(payload: Payload, *, index_coding: str = "packed", step: int = 0) -> int:
-    """Bytes `encode(payload, step=step, index_coding=index_coding)` writes, without encoding values."""
-    msg = pb.Payload(version=VERSION, step=step, encoding=_ENCODING_TO_PB[payload.encoding])
-    for name, c in payload.tensors.items():
-        coding = _PACKED if index_coding == "packed" else _entropy_coding(c)
-        layout = _layout(coding, payload.encoding, c.shape, c.chunk, c.k)
-        msg.tensors.add(
-            name=name,
-            shape=c.shape,
-            chunk_h=c.chunk[0],
-            chunk_w=c.chunk[1],
-            k=c.k,
-            index_coding=coding,
-            indices=bytes(layout.index_bytes),
-            value_encoding=_ENCODING_TO_PB[payload.encoding],
-            values=bytes(layout.value_bytes),
-            scales=bytes(layout.scale_bytes),
-        )
-    return msg.ByteSize() + len(_TRAILER_HEAD) + _DIGEST_BYTES
+    """Bytes on the wire: exactly ``len(encode(payload, step=step, index_coding=index_coding))``."""
+    return len(encode(payload, step=step, index_coding=index_coding))
 
 
 def _over(bits: float, floor: float) -> float:
