@@ -28,6 +28,7 @@ from tqdm import tqdm
 from . import peer
 from .config import load_config
 from .errors import DemonetError
+from .log import setup_logging
 from .transport.grpc import TOKEN_ENV, GrpcClient, load_token
 
 __all__ = ["main", "merge_metrics", "plot_loss", "summarize_run"]
@@ -85,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `demonet` command; returns the process exit code."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "coordinator":

@@ -27,6 +27,7 @@ from .config import Config, load_config
 from .data import Batches, load_corpus, split
 from .digest import param_digest
 from .errors import DemonetError, PeerUnavailable
+from .log import setup_logging
 from .model import GPT
 from .optim import DeMo, Payload
 from .transport import NotMember, Resync, RoundResult, StaleRound
@@ -364,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`peer.py` / `demonet-peer`: the same as `demonet peer`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     parser = argparse.ArgumentParser(prog="demonet peer", description="Train as one peer of a coordinator's run.")
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .._proto import demonet_pb2_grpc as pb_grpc
 from ..config import Config, load_config
+from ..log import setup_logging
 from ..transport.grpc import load_token
 from .metrics import Metrics
 from .server import CoordinatorOptions, CoordinatorServicer
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`coordinator.py` / `python -m demonet.coordinator`: the same as `demonet coordinator`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     parser = argparse.ArgumentParser(prog="demonet coordinator", description="Run a demonet coordinator.")
     add_arguments(parser)
     return run(parser.parse_args(argv))
