@@ -179,8 +179,13 @@ class Rounds:
 
     @classmethod
     def from_state(cls, cfg: RoundConfig, state: dict[str, Any], now: float) -> Rounds:
-        """Resume: the open round restarts with its full timeout; members get one timeout to come back."""
+        """Resume: the open round restarts, and its members get max(round, heartbeat) timeout to come back.
+
+        A restart is when peers are reconnecting with backoff; a short round timeout alone could
+        close the resumed round before they resubmit the payloads the restart lost.
+        """
         rounds = cls(cfg=cfg, now=now, round=int(state["round"]), started=True)
+        rounds.opened_at = now + max(0.0, cfg.heartbeat_timeout_s - cfg.round_timeout_s)  # deadline: now + grace
         rounds.members = dict.fromkeys(state["members"], now)
         rounds.joiners = dict.fromkeys(state.get("joiners", ()), now)
         return rounds

@@ -7,6 +7,7 @@ or torch.distributed. Every RPC carries the run token; every wait on the network
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -183,7 +184,11 @@ class GrpcClient:
                     raise PeerUnavailable(f"{what}: the coordinator at {self.address} was unreachable for "
                                           f"{self.reconnect_timeout_s:.0f} s (last: {code.name} {e.details()})"
                                           ) from None
-                await asyncio.sleep(min(delay_s, give_up_at - now))
+                # Back off, but wake as soon as the channel reconnects: a restarted coordinator gives
+                # its members only a round's grace to come back, so a long sleep could miss it.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(delay_s, give_up_at - now)):
+                        await self._channel.channel_ready()
                 delay_s = min(2 * delay_s, _BACKOFF_CAP_S)
                 continue
             if give_up_at is not None:

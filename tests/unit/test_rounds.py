@@ -81,6 +81,13 @@ def test_restart_resumes_the_open_round_with_its_members() -> None:
     back = Rounds.from_state(CFG, r.state_dict(), now=50.0)
     assert back.round == 1 and set(back.members) == {"a", "b"} and back.deadline == 60.0
     assert back.join("a", 51.0) == 1  # a member reconnecting resumes the open round
+    slow = RoundConfig(round_timeout_s=2.0, heartbeat_timeout_s=6.0)
+    back = Rounds.from_state(slow, r.state_dict(), now=50.0)
+    assert back.deadline == 56.0  # reconnecting peers get a heartbeat timeout, not just a round
+    back.submit("a", 1, 51.0)
+    assert not back.due(55.0)
+    back.submit("b", 1, 55.5)
+    assert back.due(55.5)  # still closes early once everyone is back
 
 
 def test_bad_config() -> None:
