@@ -188,3 +188,26 @@ def test_gpu_override_reserves_gpus_for_cuda_peers() -> None:
 def test_the_token_file_is_not_committed() -> None:
     ignored = (DEPLOY / ".gitignore").read_text().split()
     assert "token" in ignored
+
+
+def test_tls_override_serves_and_verifies_tls() -> None:
+    tls = load_compose(DEPLOY / "compose.tls.yaml")
+    secrets = {**COMPOSE["secrets"], **tls["secrets"]}
+    merged = {**COMPOSE, "secrets": secrets}
+    coord, peer = tls["services"]["coordinator"], tls["services"]["peer"]
+    _, cargs = parse_command(_argv(coord))
+    _, pargs = parse_command(_argv(peer))
+    for path, svc in ((cargs.tls_cert, coord), (cargs.tls_key, coord), (cargs.token_file, coord),
+                      (pargs.tls_root_cert, peer), (pargs.token_file, peer)):
+        p = PurePosixPath(path)
+        assert p.parent == PurePosixPath(SECRETS_DIR) and p.name in svc["secrets"] and p.name in merged["secrets"]
+    assert pargs.tls_root_cert == cargs.tls_cert
+    assert "demonet_tls_key" not in peer["secrets"], "peers never get the private key"
+    _, ch = parse_command(healthcheck_argv(coord["healthcheck"]["test"]))
+    _, ph = parse_command(healthcheck_argv(peer["healthcheck"]["test"]))
+    assert ch.tls_root_cert == cargs.tls_cert and ch.tls_server_name == "coordinator"
+    assert ph.tls_root_cert == pargs.tls_root_cert and ph.coordinator == pargs.coordinator
+    # Apart from TLS, the same commands as the plain compose file.
+    plain_c = vars(parse_command(_argv(SERVICES["coordinator"]))[1])
+    assert {k: v for k, v in vars(cargs).items() if not k.startswith("tls_")} == {
+        k: v for k, v in plain_c.items() if not k.startswith("tls_")}
