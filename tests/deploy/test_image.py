@@ -6,6 +6,7 @@
 
 DEMONET_BUILDAH_ARGS adds `buildah bud` arguments (a folder of wheels, a pip mirror); STORAGE_DRIVER picks
 buildah's storage (vfs where overlay mounts are not allowed). deploy/README.md shows how to make a base.
+The image is built in Docker's format: the OCI format has no HEALTHCHECK.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _buildah(*args: str, timeout: float = 120, check: bool = True) -> subprocess
 def image() -> Iterator[str]:
     if _buildah("images", "--quiet", BASE, check=False).returncode != 0:
         pytest.skip(f"no local image {BASE}")
-    _buildah("bud", "--isolation", "chroot", "--layers", "-f", str(DEPLOY / "Dockerfile"), "-t", TAG,
-             "--build-arg", f"BASE_IMAGE={BASE}", *shlex.split(os.environ.get("DEMONET_BUILDAH_ARGS", "")),
+    _buildah("bud", "--isolation", "chroot", "--layers", "--format", "docker", "-f", str(DEPLOY / "Dockerfile"),
+             "-t", TAG, "--build-arg", f"BASE_IMAGE={BASE}", *shlex.split(os.environ.get("DEMONET_BUILDAH_ARGS", "")),
              str(ROOT), timeout=1800)
     try:
         yield TAG
