@@ -46,7 +46,7 @@ def _buildah(*args: str, timeout: float = 120, check: bool = True) -> subprocess
 def image() -> Iterator[str]:
     if _buildah("images", "--quiet", BASE, check=False).returncode != 0:
         pytest.skip(f"no local image {BASE}")
-    _buildah("bud", "--isolation", "chroot", "--layers", "--format", "docker", "-f", str(DEPLOY / "Dockerfile"),
+    _buildah("bud", "--isolation", "chroot", "--format", "docker", "-f", str(DEPLOY / "Dockerfile"),
              "-t", TAG, "--build-arg", f"BASE_IMAGE={BASE}", *shlex.split(os.environ.get("DEMONET_BUILDAH_ARGS", "")),
              str(ROOT), timeout=1800)
     try:
