@@ -32,8 +32,8 @@ def check(address: str, *, timeout_s: float = 5.0, service: str = "", root_cert:
     channel = (grpc.secure_channel(address, grpc.ssl_channel_credentials(root_cert), options=options)
                if root_cert is not None else grpc.insecure_channel(address))
     try:
-        stub = health_pb2_grpc.HealthStub(channel)  # type: ignore[no-untyped-call]
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)  # type: ignore[attr-defined]
     except grpc.RpcError as e:
         code = e.code() if isinstance(e, grpc.Call) else None
         if code == grpc.StatusCode.NOT_FOUND:
