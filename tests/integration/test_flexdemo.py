@@ -8,7 +8,11 @@ coordinator process on loopback.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -149,3 +153,75 @@ def test_checkpoint_resumes_identically(hybrid_run: list[dict[str, Any]]) -> Non
     for r in hybrid_run:
         assert r["loaded_at"] == SAVE_AT
         assert r["resumed"] == r["digest"]
+
+
+ROUNDS = 4
+TOKEN = "flex-token"
+COORDINATOR_TOML = """[model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+seq_len = 32
+[optim]
+compression_chunk = 16
+compression_topk = 8
+[train]
+seq_len = 32
+batch_size = 2
+[net]
+round_timeout_s = 60.0
+start_peers = 2
+heartbeat_timeout_s = 60.0
+"""
+
+
+def _stop(proc: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path) -> None:
+    """A real coordinator process and two torchrun nodes of 2 gloo ranks each, on loopback."""
+    (tmp_path / "run.toml").write_text(COORDINATOR_TOML)
+    env = {**os.environ, "DEMONET_TOKEN": TOKEN}
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "demonet.coordinator", "--listen", "127.0.0.1:0", "--config",
+         str(tmp_path / "run.toml"), "--steps", str(ROUNDS), "--state-dir", str(tmp_path / "state")],
+        stdout=subprocess.PIPE, stderr=open(tmp_path / "coordinator.log", "w"), text=True, env=env)
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        assert coordinator.stdout is not None
+        line = coordinator.stdout.readline()
+        assert line.startswith("listening on "), (tmp_path / "coordinator.log").read_text()
+        address = line.split()[-1]
+        for name in ("nodeA", "nodeB"):
+            nodes.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+                 "-m", "demonet.flex", "--coordinator", address, "--peer-id", name, "--out",
+                 str(tmp_path / name), "--threads", "1"],
+                stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "w"), env=env))
+        deadline = time.monotonic() + 150
+        for node, name in zip(nodes, ("nodeA", "nodeB"), strict=True):
+            left = max(1.0, deadline - time.monotonic())
+            assert node.wait(timeout=left) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for proc in [*nodes, coordinator]:
+            _stop(proc)
+    lines = {name: [json.loads(x) for x in (tmp_path / name / f"metrics-{name}.jsonl").read_text().splitlines()]
+             for name in ("nodeA", "nodeB")}
+    for rows in lines.values():
+        assert [r["round"] for r in rows] == list(range(ROUNDS))
+        assert all(r["contributors"] == 2 and r["ranks"] == RANKS and not r.get("resynced") for r in rows)
+        assert all(r["param_digest"] == r["canonical_digest"] for r in rows)
+    final = {name: rows[-1]["param_digest"] for name, rows in lines.items()}
+    assert final["nodeA"] == final["nodeB"]
+    assert lines["nodeA"][0]["param_digest"] != lines["nodeA"][-1]["param_digest"]  # it trained
+    state = torch.load(tmp_path / "state" / "coordinator-state.pt", weights_only=False)
+    assert param_digest(state["params"].items()) == final["nodeA"]
+    for name in ("nodeA", "nodeB"):  # each node wrote its sharded checkpoint at the end
+        assert json.loads((tmp_path / name / f"node-{name}" / "round.json").read_text()) == {"round": ROUNDS}
