@@ -167,13 +167,12 @@ class _Node:
             return True
         result: RoundResult = outcome["result"]
         await self.run(self.settle, payload, result, outcome["contributed"])
-        full = await self.run(trainer.full_params)
-        self.digest = param_digest(full.items())
+        self.digest = await self.run(trainer.digest)
         line = {"round": self.round, "peer": self.opts.peer_id, "loss": outcome["loss"], "ranks": trainer.ranks,
                 "bytes_up": result.bytes_up, "bytes_down": result.bytes_down, "param_digest": self.digest,
                 "canonical_digest": result.param_digest, "contributors": len(result.contributors),
                 "aborted": result.aborted}
-        if self.digest != result.param_digest:
+        if await self.bcast(value=self.digest != result.param_digest):  # every rank takes the same branch
             self._log(logging.WARNING, "digest %s after applying, the coordinator has %s: downloading parameters",
                       self.digest[:12], result.param_digest[:12])
             await self.load_parameters(lambda: self.download(self.round + 1))

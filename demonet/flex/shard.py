@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+import shutil
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..config import Config
 from ..data import Batches, load_corpus, split
+from ..digest import param_digest
 from ..model import GPT
 from ..optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
 from ..optim.payload import num_chunks
@@ -88,7 +92,8 @@ def join_shards(shards: list[Payload], full_shapes: Mapping[str, tuple[int, ...]
     tensors = {}
     for name, shape in full_shapes.items():
         parts = [s.tensors[name] for s in shards]
-        scale = torch.cat([p.scale for p in parts]) if parts[0].scale is not None else None
+        scales = [p.scale for p in parts if p.scale is not None]
+        scale = torch.cat(scales) if scales else None
         tensors[name] = Compressed(idx=torch.cat([p.idx for p in parts]), val=torch.cat([p.val for p in parts]),
                                    shape=shape, chunk=parts[0].chunk, scale=scale)
     return Payload(tensors=tensors, encoding=encoding)
@@ -96,6 +101,9 @@ def join_shards(shards: list[Payload], full_shapes: Mapping[str, tuple[int, ...]
 
 def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """This rank's parameter and optimizer-state bytes (local shards only)."""
+    reshard = getattr(model, "reshard", None)
+    if reshard is not None:  # an FSDP module: count the shards, not whole tensors it swapped in
+        reshard()
     params = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     state = 0
     for entries in opt.state.values():
@@ -159,20 +167,48 @@ class FlexTrainer:
         return Payload(tensors={name: local_rows(c, self.rank, self.ranks, self.local_shapes[name])
                                 for name, c in aggregate.tensors.items()}, encoding=aggregate.encoding)
 
+    def sharded_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, DTensor) pairs. FSDP swaps in whole tensors while a module is unsharded (the root
+        stays so after a forward without backward, e.g. an evaluation): reshard first."""
+        self.model.reshard()  # type: ignore[operator]
+        return list(self.model.named_parameters())
+
     def full_params(self) -> dict[str, torch.Tensor]:
         """The whole parameters on every rank of the node (an all_gather of the shards, in name order)."""
         out = {}
-        for name, p in self.model.named_parameters():
+        for name, p in self.sharded_params():
             local = _local(p.detach()).contiguous()
             parts = [torch.empty_like(local) for _ in range(self.ranks)]
             dist.all_gather(parts, local, group=self.group)
             out[name] = torch.cat(parts).cpu()
         return out
 
+    def digest(self) -> str:
+        """`demonet.digest.param_digest` of the whole parameters, on local rank 0 ("" elsewhere).
+
+        The shards are gathered to rank 0 one parameter at a time, so only one whole tensor is
+        ever held there (every rank calls this).
+        """
+        dst = dist.get_global_rank(self.group, 0)
+
+        def whole() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, p in self.sharded_params():
+                local = _local(p.detach()).contiguous()
+                parts = [torch.empty_like(local) for _ in range(self.ranks)] if self.rank == 0 else None
+                dist.gather(local, parts, dst=dst, group=self.group)
+                if parts is not None:
+                    yield name, torch.cat(parts)
+
+        if self.rank == 0:
+            return param_digest(whole())
+        for _ in whole():
+            pass
+        return ""
+
     def load_full(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Set the parameters from whole tensors every rank holds (e.g. downloaded, then broadcast)."""
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in self.sharded_params():
                 full = tensors[name]
                 if tuple(full.shape) != self.full_shapes[name]:
                     raise ValueError(f"{name}: shape {tuple(full.shape)}, expected {self.full_shapes[name]}")
@@ -188,7 +224,7 @@ class FlexTrainer:
         range of the blocks, so the momentum of the whole node is a DTensor sharded on dim 0.
         """
         optim: dict[str, Any] = {}
-        for name, p in self.model.named_parameters():
+        for name, p in self.sharded_params():
             entries = self.opt.state[p]
             for key in _STATE_KEYS:
                 if key in entries:
@@ -200,17 +236,32 @@ class FlexTrainer:
                 f"data{self.rank}": self.batches.state_dict(), "step": torch.tensor(self.step)}
 
     def save(self, folder: Path) -> None:
-        """Write this node's checkpoint (every rank of the node calls it)."""
+        """Write this node's checkpoint (every rank of the node calls it).
+
+        The ranks write a fresh folder next to it, which then replaces the old one: a crash midway
+        leaves the previous checkpoint whole.
+        """
         state = self._dcp_state()
-        dcp.save(state, checkpoint_id=os.fspath(folder), process_group=self.group)
+        tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier(group=self.group)
+        dcp_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
+        if self.rank == 0:  # dcp.save returns on rank 0 once every rank's files and the metadata are written
+            shutil.rmtree(old, ignore_errors=True)
+            if folder.exists():
+                os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier(group=self.group)
 
     def load(self, folder: Path) -> None:
         """Resume from `save`'s folder: parameters, momentum (and Adam moments), data stream, step."""
         state = self._dcp_state()
-        dcp.load(state, checkpoint_id=os.fspath(folder), process_group=self.group)
+        dcp_load(state, checkpoint_id=os.fspath(folder), process_group=self.group)
         set_model_state_dict(self.model, state["model"])
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in self.sharded_params():
                 entries = self.opt.state[p]
                 for key in _STATE_KEYS:
                     if key in entries:
