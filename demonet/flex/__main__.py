@@ -82,8 +82,17 @@ def run_hybrid(cfg: Config, *, steps: int, out: Path, device: torch.device, rank
                           device=device)
     replicate = mesh["replicate"].get_group()
     ckpt = out / f"node-{node}"
-    if resume and (ckpt / ".metadata").exists():
+    if resume:
+        found = torch.tensor([int((ckpt / ".metadata").exists())])
+        dist.all_reduce(found, op=dist.ReduceOp.MIN)
+        if not found.item():
+            raise ValueError(f"--resume: some node has no checkpoint under {out} (node-<i>/)")
         trainer.load(ckpt)
+        steps_at = torch.tensor([trainer.step, -trainer.step])
+        dist.all_reduce(steps_at, op=dist.ReduceOp.MAX)
+        if steps_at[0] != -steps_at[1]:
+            raise ValueError(f"--resume: the nodes' checkpoints are from different steps ({-int(steps_at[1])} to "
+                             f"{int(steps_at[0])})")
     out.mkdir(parents=True, exist_ok=True)
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
     try:
