@@ -82,7 +82,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from demonet.flex.replicate import hybrid_mesh, replicated_step
     from demonet.flex.shard import FlexTrainer
 
-    t0 = time.monotonic()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NODES * RANKS)
     try:
@@ -96,21 +95,18 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                                data_world=NODES * RANKS, device=torch.device("cpu"))
 
         first = trainer()
-        t_build = time.monotonic() - t0
         for step in range(STEPS):
             replicated_step(first, replicate)
             if step + 1 == SAVE_AT:
                 first.save(out / f"ckpt-node{node}")
         full = first.full_params()
-        t_train = time.monotonic() - t0
         resumed = trainer()
         resumed.load(out / f"ckpt-node{node}")
         loaded_at = resumed.step
         while resumed.step < STEPS:
             replicated_step(resumed, replicate)
         result: dict[str, Any] = {"digest": param_digest(full.items()), "loaded_at": loaded_at,
-                                  "resumed": param_digest(resumed.full_params().items()),
-                                  "times": [t_build, t_train, time.monotonic() - t0]}
+                                  "resumed": param_digest(resumed.full_params().items())}
         if rank == 0:
             from demonet.model import GPT
 
