@@ -38,7 +38,7 @@ def _config(args: argparse.Namespace, lr: float) -> Any:
     from demonet.config import load_config
 
     return load_config(None, {}, {
-        "optim": {"lr": lr, "compression_topk": args.topk, "compression_chunk": 64},
+        "optim": {"lr": lr, "compression_topk": args.topk, "compression_chunk": 64, "base": args.demo_base},
         "train": {"batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps}})
 
 
@@ -147,7 +147,7 @@ def _unsharded_demo_bytes(args: argparse.Namespace) -> dict[str, int]:
     model = GPT(cfg.model)
     o = cfg.optim
     opt = DeMo(model.named_parameters(), lr=o.lr, compression_topk=o.compression_topk,
-               compression_chunk=o.compression_chunk, chunk_policy=o.chunk_policy)
+               compression_chunk=o.compression_chunk, chunk_policy=o.chunk_policy, base=o.base)
     return state_bytes(model, opt)
 
 
@@ -157,12 +157,13 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--topk", type=int, default=32, help="DeMo coefficients kept per 64x64 chunk")
+    parser.add_argument("--demo-base", default="sign", help="DeMo's base optimizer: sign, sgd or adamw (sign)")
     parser.add_argument("--demo-lr", type=float, nargs="+", default=[1e-3, 3e-3])
     parser.add_argument("--adamw-lr", type=float, nargs="+", default=[1e-3, 3e-3])
     parser.add_argument("--json", help="also write all results here")
     args = parser.parse_args()
     print(f"2 nodes x 2 ranks (gloo, CPU), TINY_MODEL, {args.steps} steps, batch {args.batch_size} x "
-          f"{args.seq_len} per rank, DeMo sign base topk {args.topk} chunk 64", flush=True)
+          f"{args.seq_len} per rank, DeMo {args.demo_base} base topk {args.topk} chunk 64", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         runs = [_run("flexdemo", lr, args, Path(tmp)) for lr in args.demo_lr]
         runs += [_run("adamw", lr, args, Path(tmp)) for lr in args.adamw_lr]
