@@ -25,7 +25,7 @@ from typing import IO, Any
 import torch
 from tqdm import tqdm
 
-from . import peer
+from . import peer, peer_dht
 from .config import load_config
 from .errors import DemonetError
 from .log import setup_logging
@@ -65,8 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     # The coordinator parses its own flags (demonet.coordinator.add_arguments), imported only when run.
     sub.add_parser("coordinator", add_help=False, help="serve a run's rounds over gRPC (--help for its flags)")
-    peer.add_arguments(sub.add_parser("peer", help="train as one peer of a coordinator's run",
-                                      description="Join a coordinator, download its parameters, train its rounds."))
+    peer_parser = sub.add_parser("peer", help="train as one peer of a coordinator's run (or of a DHT run: --dht)",
+                                 description="Join a coordinator, download its parameters, train its rounds; or, "
+                                             "with --dht, meet the other peers on a hivemind DHT.")
+    peer.add_arguments(peer_parser)
+    peer_dht.add_arguments(peer_parser)
     status = sub.add_parser("status", help="print a coordinator's status as JSON")
     status.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     status.add_argument("--token-file", help=f"file holding the run token (default: the {TOKEN_ENV} env var)")
@@ -81,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens")
     up.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer (1)")
     up.add_argument("--no-progress", action="store_true", help="no progress bar")
+    up.add_argument("--dht", action="store_true", help="no coordinator: the peers meet on a hivemind DHT on loopback")
     return parser
 
 
@@ -96,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         return _train(args)
     if args.command == "peer":
-        return peer.run(args)
+        return peer_dht.run(args) if args.dht else peer.run(args)
     if args.command == "status":
         return _status(args)
     if args.command == "up":
@@ -177,17 +181,18 @@ def _spawn(name: str, argv: list[str], logs: Path, env: dict[str, str]) -> _Chil
     return _Child(name, proc, log)
 
 
-def _wait_listening(child: _Child, log_path: Path, timeout_s: float) -> str:
-    """The HOST:PORT from the coordinator's `listening on HOST:PORT` line in its log."""
+def _wait_listening(child: _Child, log_path: Path, timeout_s: float, prefix: str = "listening on ") -> str:
+    """The address from the first line of the child's log that starts with `prefix` (the coordinator's
+    `listening on HOST:PORT`, a DHT peer's `dht listening on MADDR`)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in log_path.read_text(errors="replace").splitlines():
-            if line.startswith("listening on "):
-                return line.removeprefix("listening on ").strip()
+            if line.startswith(prefix):
+                return line.removeprefix(prefix).strip()
         if child.proc.poll() is not None:
-            raise RuntimeError(f"the coordinator exited with code {child.proc.returncode}; see {log_path}")
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; see {log_path}")
         time.sleep(0.1)
-    raise RuntimeError(f"the coordinator did not say where it listens within {timeout_s:.0f} s; see {log_path}")
+    raise RuntimeError(f"{child.name} did not say where it listens within {timeout_s:.0f} s; see {log_path}")
 
 
 def _stop(children: list[_Child], grace_s: float) -> None:
@@ -245,6 +250,8 @@ def _up(args: argparse.Namespace) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(24)
     env = {**os.environ, TOKEN_ENV: token}  # never on a command line, where `ps` shows it
+    if args.dht:
+        return _up_dht(args, out, env)
     argv = ["coordinator", "--listen", "127.0.0.1:0", "--steps", str(args.steps),
             "--state-dir", str(out / "coordinator"), "--start-peers", str(args.peers)]
     if args.config:
@@ -269,7 +276,12 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         _stop(peers, STOP_GRACE_S)
         _stop([coordinator], STOP_GRACE_S)
-    failed = {c.name: c.proc.returncode for c in (coordinator, *peers)
+    return _finish_run(out, [coordinator], peers, interrupted)
+
+
+def _finish_run(out: Path, services: list[_Child], peers: list[_Child], interrupted: bool) -> int:
+    """Write the run folder's metrics.jsonl, loss.png and summary.json; returns `demonet up`'s exit code."""
+    failed = {c.name: c.proc.returncode for c in (*services, *peers)
               if c.proc.returncode != 0 and not (c.stopped and c.proc.returncode in (-signal.SIGTERM, 0))}
     unfinished = [c.name for c in peers if c.stopped]
     rows = merge_metrics(out)
@@ -282,6 +294,40 @@ def _up(args: argparse.Namespace) -> int:
     if interrupted:
         return 130
     return 1 if failed or unfinished or not rows else 0
+
+
+def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
+    """`demonet up --dht`: N peers on a DHT over loopback; peer-0 starts it, the others bootstrap from it."""
+    logs = out / "logs"
+    argv = ["peer", "--dht", "--run", "up", "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--steps", str(args.steps),
+            "--start-peers", str(args.peers), "--out", str(out), "--threads", str(args.threads_per_peer)]
+    if args.config:
+        argv += ["--config", args.config]
+    if args.round_timeout_s:
+        argv += ["--round-timeout-s", str(args.round_timeout_s)]
+    peers = [_spawn("peer-0", [*argv, "--peer-id", "peer-0"], logs, env)]
+    interrupted = False
+    bar = tqdm(total=args.steps, disable=args.no_progress or not sys.stderr.isatty(), desc="up --dht", unit="round")
+    try:
+        maddr = _wait_listening(peers[0], logs / "peer-0.log", LISTEN_TIMEOUT_S, prefix="dht listening on ")
+        logger.info("peer-0's DHT node is at %s; starting %d more peers; logs in %s", maddr, args.peers - 1, logs)
+        for i in range(1, args.peers):
+            peers.append(_spawn(f"peer-{i}", [*argv, "--peer-id", f"peer-{i}", "--initial-peers", maddr], logs, env))
+        while True:
+            codes = [c.proc.poll() for c in peers]
+            if any(code not in (None, 0) for code in codes) or all(code == 0 for code in codes):
+                break
+            done = max((len(p.read_text().splitlines()) for p in out.glob("metrics-*.jsonl")), default=0)
+            bar.update(min(done, args.steps) - bar.n)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        interrupted = True
+    except RuntimeError as e:
+        print(f"demonet up: {e}", file=sys.stderr)
+    finally:
+        bar.close()
+        _stop(peers, STOP_GRACE_S)
+    return _finish_run(out, [], peers, interrupted)
 
 
 def _json(obj: Any) -> str:
