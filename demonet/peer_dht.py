@@ -125,6 +125,7 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
         gatherer = await DhtGatherer.create(opts, peer_id, {})
         if on_ready is not None:
             on_ready(gatherer.visible_maddrs())
+        await gatherer.check_initial_peers()
         info = JoinInfo(peer_id=peer_id, round=0, run_config=cfg.to_dict(),
                         data_seed=data_seed(cfg.train.seed, peer_id), round_timeout_s=opts.window_s,
                         heartbeat_interval_s=1.0, total_rounds=total_rounds)
@@ -147,6 +148,9 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
     except PeerUnavailable as e:
         logger.error("[%s] %s", peer_id, e)
         return 1
+    except PermissionError as e:
+        logger.error("[%s] %s", peer_id, e)
+        return 2
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -14,15 +14,11 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import hivemind
 import torch
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.utils import get_dht_time
 
 from .. import dht_rounds, wire, wire_params
 from .._proto import demonet_pb2 as pb
@@ -30,111 +26,19 @@ from ..digest import param_digest
 from ..errors import InvalidPayload, PeerUnavailable
 from ..optim import Compressed, Payload, aggregate, quantize
 from . import NotMember, Resync, RoundResult
+from .dht_streams import HANDLER, DhtOptions, HmacValidator, _Round, _Streams
+from .dht_streams import now as _now
 
 __all__ = ["DhtGatherer", "DhtOptions", "HmacValidator"]
 
 logger = logging.getLogger(__name__)
 
-_HANDLER = "demonet.dht.v1"
-_PART_BYTES = 1 << 20
-_MAC_BYTES = 32
-_KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
 _MAX_DONORS = 4
-_REPLAY_S = 600.0  # messages sent longer ago than this (by the sender's clock) are refused
 _POLL_S = 0.05
 _START_TIMEOUT_S = 600.0  # how long the first round waits for its start_peers
 
 
-class HmacValidator(RecordValidatorBase):  # type: ignore[misc]
-    """Signs every DHT record this node stores with an HMAC of the run token and refuses records without it.
-
-    hivemind calls `validate` when another node asks this one to store a record and when a record
-    comes back from a search, so a node without the token can neither place records on this
-    node nor have its records read by this node's peer.
-    """
-
-    def __init__(self, token: bytes) -> None:
-        self._token = token
-
-    @staticmethod
-    def _body(record: DHTRecord, value: bytes) -> bytes:
-        return b"|".join([record.key, record.subkey, value, repr(float(record.expiration_time)).encode()])
-
-    def sign_value(self, record: DHTRecord) -> bytes:
-        return bytes(record.value) + dht_rounds.sign(self._token, self._body(record, record.value))
-
-    def validate(self, record: DHTRecord) -> bool:
-        value = bytes(record.value)
-        if len(value) <= _MAC_BYTES:
-            return False
-        return dht_rounds.verify(self._token, self._body(record, value[:-_MAC_BYTES]), value[-_MAC_BYTES:])
-
-    def strip_value(self, record: DHTRecord) -> bytes:
-        return bytes(record.value)[:-_MAC_BYTES]
-
-
-@dataclass(frozen=True, kw_only=True)
-class DhtOptions:
-    """How a peer joins the DHT and runs rounds on it."""
-
-    run: str
-    """The run's DHT prefix: peers with the same prefix (and token) train together."""
-    token: str
-    """The run token: records and messages carry an HMAC keyed by it; it never travels."""
-    initial_peers: tuple[str, ...] = ()
-    """Multiaddrs of peers already in the DHT (none: this peer starts a new DHT)."""
-    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
-    """Where this peer listens (TCP port 0: any free one)."""
-    announce_maddrs: tuple[str, ...] = ()
-    """Public multiaddrs to advertise instead of the listening ones (port forwarding)."""
-    client_mode: bool = False
-    """Behind NAT: only dial out. Such a peer trains and sends, but owns no slice and donates nothing."""
-    window_s: float = 30.0
-    """A round freezes at most this long after its first announcement, without the peers not in by then."""
-    exchange_timeout_s: float = 10.0
-    """Each of the two exchange phases (parts to owners, merged slices back) ends this long after the previous."""
-    settle_s: float = 0.2
-    """Store latency allowed: a freeze at the deadline is read again this long after it."""
-    start_peers: int = 1
-    """The first round freezes once this many peers announced."""
-    aggregate_topk: int = 32
-    """Merged coefficients kept per chunk."""
-    aggregate_encoding: str = "bf16"
-    """Value encoding of the merged slices."""
-
-    def __post_init__(self) -> None:
-        if not self.token:
-            raise ValueError("token should be non-empty")
-        if not self.run or "/" in self.run:
-            raise ValueError("run should be a non-empty name without '/'")
-        if self.window_s <= 0 or self.exchange_timeout_s <= 0 or self.settle_s < 0:
-            raise ValueError("window_s and exchange_timeout_s should be > 0, settle_s >= 0")
-        if self.start_peers < 1 or self.aggregate_topk < 1:
-            raise ValueError("start_peers and aggregate_topk should be >= 1")
-
-
-@dataclass(eq=False)
-class _Round:
-    """What this peer knows of one round: its plan once frozen, parts in, merged slices held."""
-
-    plan: dht_rounds.SlicePlan | None = None
-    owners: list[str] = field(default_factory=list)
-    members: list[str] = field(default_factory=list)  # the effective members (majority digest)
-    mdigest: str = ""
-    rs_deadline: float = 0.0
-    ag_deadline: float = 0.0
-    parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
-    merged: dict[int, tuple[tuple[str, ...], bytes, Payload]] = field(default_factory=dict)
-    fetched: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers that fetched it from here
-    bytes_up: int = 0
-    bytes_down: int = 0
-
-
-def _now() -> float:
-    return float(get_dht_time())
-
-
-class DhtGatherer:
+class DhtGatherer(_Streams):
     """One peer's node in the DHT and its libp2p endpoint; a `Gatherer`. Create it with `DhtGatherer.create`.
 
     Timeouts (DHT time, the same clock on every peer):
@@ -169,7 +73,7 @@ class DhtGatherer:
             record_validators=[HmacValidator(self._token)], start=True)
         self.p2p = await self.dht.replicate_p2p()
         self.address = str(self.p2p.peer_id)
-        await self.p2p.add_protobuf_handler(_HANDLER, self._handle, pb.DhtMessage, stream_input=True,
+        await self.p2p.add_protobuf_handler(HANDLER, self._handle, pb.DhtMessage, stream_input=True,
                                             stream_output=True)
         return self
 
@@ -179,31 +83,56 @@ class DhtGatherer:
     async def close(self) -> None:
         if self.p2p is not None:
             with contextlib.suppress(Exception):  # the daemon may be gone already; nothing to release then
-                await self.p2p.remove_protobuf_handler(_HANDLER, stream_input=True, stream_output=True)
+                await self.p2p.remove_protobuf_handler(HANDLER, stream_input=True, stream_output=True)
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
             self.dht = None
 
+    async def check_initial_peers(self) -> int:
+        """Ping the initial peers' stream handlers; returns how many answered as peers of this run.
+
+        Raises:
+            PermissionError: one refused this peer's messages, or answered without the run token's HMAC.
+        """
+        answered = 0
+        for maddr in self.opts.initial_peers:
+            address = maddr.rsplit("/p2p/", 1)[-1] if "/p2p/" in maddr else ""
+            if not address:
+                continue
+            try:
+                await self._call(address, pb.DHT_KIND_PING, 0, timeout_s=self.opts.exchange_timeout_s)
+                answered += 1
+            except PeerUnavailable as e:
+                if "run token" in str(e):
+                    raise PermissionError(f"the peer at {maddr} refused our messages: wrong run token") from None
+                logger.warning("[%s] the initial peer %s did not answer: %s", self.peer_id, maddr, e)
+        return answered
+
     def _key(self, what: str, round: int | None = None) -> str:
         return f"demonet/{self.opts.run}/{what}" + ("" if round is None else f"/{round}")
-
-    def _round(self, r: int) -> _Round:
-        if r not in self._rounds:
-            self._rounds[r] = _Round()
-            for old in [k for k in self._rounds if k < r - _KEEP_ROUNDS]:
-                del self._rounds[old]
-        return self._rounds[r]
 
     # -- DHT records -----------------------------------------------------------------------------------
 
     async def _store(self, key: str, value: dict[str, Any], ttl_s: float) -> None:
-        ok = await self.dht.store(key, json.dumps(value), expiration_time=_now() + ttl_s, subkey=self.peer_id,
-                                  return_future=True)
+        """Store this peer's record under `key`; a DHT that does not answer within exchange_timeout_s
+        (the store's search and replication) is `PeerUnavailable`."""
+        try:
+            async with asyncio.timeout(self.opts.exchange_timeout_s):
+                ok = await self.dht.store(key, json.dumps(value), expiration_time=_now() + ttl_s,
+                                          subkey=self.peer_id, return_future=True)
+        except TimeoutError:
+            raise PeerUnavailable(f"the DHT did not store {key} within {self.opts.exchange_timeout_s} s") from None
         if not ok:
-            logger.warning("[%s] the DHT did not store %s", self.peer_id, key)
+            logger.debug("[%s] a DHT node did not store %s", self.peer_id, key)
 
     async def _get(self, key: str) -> dict[str, dict[str, Any]]:
-        found = await self.dht.get(key, latest=True, return_future=True)
+        """The valid records under `key` by subkey; nothing if the DHT does not answer within exchange_timeout_s."""
+        try:
+            async with asyncio.timeout(self.opts.exchange_timeout_s):
+                found = await self.dht.get(key, latest=True, return_future=True)
+        except TimeoutError:
+            logger.warning("[%s] the DHT did not answer a search for %s", self.peer_id, key)
+            return {}
         if found is None or not isinstance(found.value, dict):
             return {}
         out = {}
@@ -421,10 +350,10 @@ class DhtGatherer:
                    if owner != me]
         await asyncio.gather(*sends, *merging, *fetches)
         missing = [s for s in range(plan.n) if s not in st.merged]
-        if missing:  # ask the other members for what the owner could not deliver
+        if missing:  # ask the other members (the owner last) for what the owner could not deliver
             holders = [p for p in st.owners if p != me]
-            await asyncio.gather(*(self._fetch_from_holders(r, st, s, [addresses[p] for p in holders
-                                                                       if p != st.owners[s]]) for s in missing))
+            await asyncio.gather(*(self._fetch_from_holders(
+                r, st, s, [addresses[p] for p in sorted(holders, key=lambda p: p == st.owners[s])]) for s in missing))
         # Stay until every member has fetched our slices (or the phase ended): an owner that leaves
         # at once, after the run's last round, would take its slice with it.
         mine = [s for s, owner in enumerate(st.owners) if owner == me and s in st.merged]
@@ -437,12 +366,16 @@ class DhtGatherer:
 
     async def _send_part(self, r: int, st: _Round, s: int, cut: Payload, address: str) -> None:
         data = await asyncio.to_thread(wire.encode, cut, step=r)
-        try:
+
+        async def send(timeout_s: float) -> None:
             await self._call(address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest,
-                             timeout_s=max(0.1, st.rs_deadline - _now()))
+                             timeout_s=timeout_s)
+
+        error = await self._retry(send, st.rs_deadline)
+        if error:
+            logger.warning("[%s round=%d] slice %d: its owner did not take the part: %s", self.peer_id, r, s, error)
+        else:
             st.bytes_up += len(data)
-        except PeerUnavailable as e:
-            logger.warning("[%s round=%d] slice %d: its owner did not take the part: %s", self.peer_id, r, s, e)
 
     async def _merge(self, r: int, st: _Round, s: int) -> None:
         """As the owner of slice `s`: wait for every member's part (or the deadline), merge, keep it."""
@@ -491,10 +424,10 @@ class DhtGatherer:
         return data, applied
 
     async def _fetch_from_owner(self, r: int, st: _Round, s: int, address: str) -> None:
-        try:
-            await self._fetch(r, st, s, address, timeout_s=max(0.1, st.ag_deadline - _now()))
-        except (PeerUnavailable, InvalidPayload) as e:
-            logger.warning("[%s round=%d] slice %d: not from its owner: %s", self.peer_id, r, s, e)
+        error = await self._retry(lambda timeout_s: self._fetch(r, st, s, address, timeout_s=timeout_s),
+                                  st.ag_deadline)
+        if error:
+            logger.warning("[%s round=%d] slice %d: not from its owner: %s", self.peer_id, r, s, error)
 
     async def _fetch_from_holders(self, r: int, st: _Round, s: int, addresses: list[str]) -> None:
         await asyncio.sleep(max(0.0, st.ag_deadline - _now()))  # holders answer for good only after it
@@ -514,139 +447,3 @@ class DhtGatherer:
             st.merged.setdefault(s, (tuple(reply.contributors), data, payload))
             self._cond.notify_all()
 
-    # -- messages --------------------------------------------------------------------------------------
-
-    def _message(self, kind: int, round: int, **fields: Any) -> pb.DhtMessage:
-        msg = pb.DhtMessage(run=self.opts.run, round=round, sender=self.peer_id, kind=kind, sent_at=_now(), **fields)
-        msg.mac = dht_rounds.sign(self._token, msg.SerializeToString())
-        return msg
-
-    def _messages(self, kind: int, round: int, data: bytes, **fields: Any) -> list[pb.DhtMessage]:
-        cuts = [data[i:i + _PART_BYTES] for i in range(0, len(data), _PART_BYTES)] or [b""]
-        return [self._message(kind, round, data=cut, last=i == len(cuts) - 1, **fields) for i, cut in enumerate(cuts)]
-
-    def _check(self, msg: pb.DhtMessage) -> str:
-        """Why a message is refused ('' if it is good)."""
-        mac = msg.mac
-        msg.mac = b""
-        ok = dht_rounds.verify(self._token, msg.SerializeToString(), mac)
-        msg.mac = mac
-        if not ok:
-            return "bad run token"
-        if msg.run != self.opts.run:
-            return f"another run ({msg.run!r})"
-        if abs(_now() - msg.sent_at) > _REPLAY_S:
-            return "sent too long ago"
-        return ""
-
-    async def _call(self, address: str, kind: int, round: int, *, timeout_s: float, data: bytes = b"",
-                    **fields: Any) -> tuple[pb.DhtMessage, bytes]:
-        """One request stream to a peer and its reply stream; returns (the first reply, the reply's data)."""
-        requests = self._messages(kind, round, data, **fields)
-
-        async def send() -> AsyncIterator[pb.DhtMessage]:
-            for msg in requests:
-                yield msg
-
-        first: pb.DhtMessage | None = None
-        chunks = []
-        try:
-            async with asyncio.timeout(timeout_s):
-                stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(address), _HANDLER, send(),
-                                                                 pb.DhtMessage)
-                async for msg in stream:
-                    why = self._check(msg)
-                    if why:
-                        raise PeerUnavailable(f"refused a reply: {why}")
-                    first = first or msg
-                    if msg.error:
-                        raise PeerUnavailable(f"refused: {msg.error}")
-                    chunks.append(msg.data)
-                    if msg.last:
-                        break
-        except TimeoutError:
-            raise PeerUnavailable(f"no answer within {timeout_s:.1f} s") from None
-        except PeerUnavailable:
-            raise
-        except Exception as e:  # hivemind's P2P raises its own errors (daemon, handler, connection) for a lost peer
-            raise PeerUnavailable(f"{type(e).__name__}: {e}") from None
-        if first is None:
-            raise PeerUnavailable("the stream ended without an answer")
-        return first, b"".join(chunks)
-
-    async def _handle(self, requests: AsyncIterator[pb.DhtMessage], context: P2PContext
-                      ) -> AsyncIterator[pb.DhtMessage]:
-        """Serve one stream: a part for a slice we own, a merged slice, or a range of parameters."""
-        head: pb.DhtMessage | None = None
-        chunks = []
-        async for msg in requests:
-            why = self._check(msg)
-            if why:
-                self.refused += 1
-                logger.warning("[%s] refused a message from %s: %s", self.peer_id, context.remote_id, why)
-                yield self._message(pb.DHT_KIND_REPLY, msg.round, error=why, last=True)
-                return
-            head = head or msg
-            chunks.append(msg.data)
-            if msg.last:
-                break
-        if head is None:
-            return
-        data = b"".join(chunks)
-        r = head.round
-        if head.kind == pb.DHT_KIND_PART:
-            st = self._round(r)
-            async with self._cond:
-                st.parts.setdefault(head.slice, {})[head.sender] = (head.members_digest, data)
-                st.bytes_down += len(data)
-                self._cond.notify_all()
-            yield self._message(pb.DHT_KIND_REPLY, r, last=True)
-        elif head.kind == pb.DHT_KIND_FETCH:
-            async for reply in self._serve_slice(r, head.slice, head.sender):
-                yield reply
-        elif head.kind == pb.DHT_KIND_PARAMS:
-            for reply in self._serve_params(r, head.slice, head.num_slices):
-                yield reply
-        else:
-            yield self._message(pb.DHT_KIND_REPLY, r, error=f"unknown request kind {head.kind}", last=True)
-
-    async def _serve_slice(self, r: int, s: int, sender: str) -> AsyncIterator[pb.DhtMessage]:
-        st = self._round(r)
-        limit = self.opts.window_s + 3 * self.opts.exchange_timeout_s  # the round must freeze and merge by then
-
-        def answered() -> bool:
-            # The owner answers once merged; another member once it holds the slice or the phase is over.
-            return s in st.merged or (st.plan is not None and _now() >= st.ag_deadline)
-
-        async with self._cond:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(limit):
-                    while not answered():
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(max(0.01, st.ag_deadline - _now()) if st.plan else 1.0):
-                                await self._cond.wait()
-            held = st.merged.get(s)
-        if held is None:
-            yield self._message(pb.DHT_KIND_REPLY, r, error=f"slice {s} of round {r} is not held here", last=True)
-            return
-        contributors, data, _ = held
-        for msg in self._messages(pb.DHT_KIND_REPLY, r, data, slice=s, contributors=list(contributors)):
-            yield msg
-        async with self._cond:
-            st.bytes_up += len(data)
-            st.fetched.setdefault(s, set()).add(sender)
-            self._cond.notify_all()
-
-    def _serve_params(self, r: int, i: int, n: int) -> list[pb.DhtMessage]:
-        """Parameters at the start of round `r`, range `i` of `n`; encoded at once in the event loop, so
-        the optimizer cannot step them meanwhile (it steps after `gather` returned, which also ends serving)."""
-        if self._params is None or self._params[0] != r or not 0 <= i < n:
-            return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameters of round {r} here", last=True)]
-        named = self._params[1]()
-        sizes = [(name, max(1, t.numel() * t.element_size())) for name, t in named]
-        ranges = dht_rounds.param_ranges(sizes, n)
-        if i >= len(ranges):
-            return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameter range {i} of {n}", last=True)]
-        wanted = set(ranges[i])
-        data = wire_params.encode_parameters([(name, t) for name, t in named if name in wanted], round=r)
-        return self._messages(pb.DHT_KIND_REPLY, r, data)
