@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -181,18 +182,17 @@ def _spawn(name: str, argv: list[str], logs: Path, env: dict[str, str]) -> _Chil
     return _Child(name, proc, log)
 
 
-def _wait_listening(child: _Child, log_path: Path, timeout_s: float, prefix: str = "listening on ") -> str:
-    """The address from the first line of the child's log that starts with `prefix` (the coordinator's
-    `listening on HOST:PORT`, a DHT peer's `dht listening on MADDR`)."""
+def _wait_listening(child: _Child, log_path: Path, timeout_s: float) -> str:
+    """The HOST:PORT from the coordinator's `listening on HOST:PORT` line in its log."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in log_path.read_text(errors="replace").splitlines():
-            if line.startswith(prefix):
-                return line.removeprefix(prefix).strip()
+            if line.startswith("listening on "):
+                return line.removeprefix("listening on ").strip()
         if child.proc.poll() is not None:
-            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; see {log_path}")
+            raise RuntimeError(f"the coordinator exited with code {child.proc.returncode}; see {log_path}")
         time.sleep(0.1)
-    raise RuntimeError(f"{child.name} did not say where it listens within {timeout_s:.0f} s; see {log_path}")
+    raise RuntimeError(f"the coordinator did not say where it listens within {timeout_s:.0f} s; see {log_path}")
 
 
 def _stop(children: list[_Child], grace_s: float) -> None:
@@ -299,20 +299,32 @@ def _finish_run(out: Path, services: list[_Child], peers: list[_Child], interrup
 def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
     """`demonet up --dht`: N peers on a DHT over loopback; peer-0 starts it, the others bootstrap from it."""
     logs = out / "logs"
-    argv = ["peer", "--dht", "--run", "up", "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--steps", str(args.steps),
+    argv = ["peer", "--dht", "--run", "up", "--steps", str(args.steps),
             "--start-peers", str(args.peers), "--out", str(out), "--threads", str(args.threads_per_peer)]
     if args.config:
         argv += ["--config", args.config]
     if args.round_timeout_s:
         argv += ["--round-timeout-s", str(args.round_timeout_s)]
-    peers = [_spawn("peer-0", [*argv, "--peer-id", "peer-0"], logs, env)]
+    # peer-0 starts the DHT at a multiaddr known in advance (its identity and port chosen here), so
+    # all peers start at once; the others retry until peer-0 answers.
+    from hivemind.p2p import P2P, PeerID
+
+    identity = out / "peer-0.identity"
+    if not identity.exists():
+        P2P.generate_identity(str(identity))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"
+    peers = [_spawn("peer-0", [*argv, "--peer-id", "peer-0", "--identity", str(identity), "--host-maddr",
+                               f"/ip4/127.0.0.1/tcp/{port}"], logs, env)]
+    logger.info("peer-0 starts the DHT at %s; logs in %s", maddr, logs)
+    for i in range(1, args.peers):
+        peers.append(_spawn(f"peer-{i}", [*argv, "--peer-id", f"peer-{i}", "--initial-peers", maddr, "--host-maddr",
+                                          "/ip4/127.0.0.1/tcp/0"], logs, env))
     interrupted = False
     bar = tqdm(total=args.steps, disable=args.no_progress or not sys.stderr.isatty(), desc="up --dht", unit="round")
     try:
-        maddr = _wait_listening(peers[0], logs / "peer-0.log", LISTEN_TIMEOUT_S, prefix="dht listening on ")
-        logger.info("peer-0's DHT node is at %s; starting %d more peers; logs in %s", maddr, args.peers - 1, logs)
-        for i in range(1, args.peers):
-            peers.append(_spawn(f"peer-{i}", [*argv, "--peer-id", f"peer-{i}", "--initial-peers", maddr], logs, env))
         while True:
             codes = [c.proc.poll() for c in peers]
             if any(code not in (None, 0) for code in codes) or all(code == 0 for code in codes):

@@ -168,6 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="where to listen (default /ip4/0.0.0.0/tcp/0: all interfaces, any free port)")
     group.add_argument("--announce-maddr", action="append", default=[], metavar="MADDR",
                        help="public multiaddr to advertise (a forwarded port)")
+    group.add_argument("--identity", metavar="FILE",
+                       help="libp2p private key file (created if missing): the same peer id, hence the same "
+                            "multiaddr, after a restart")
     group.add_argument("--client-mode", action="store_true",
                        help="behind NAT: only dial out (trains and sends, owns no slice, donates nothing)")
     group.add_argument("--run", default="demonet", help="the run's name in the DHT (demonet)")
@@ -203,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         opts = DhtOptions(run=args.run, token=token, initial_peers=tuple(args.initial_peers),
                           host_maddrs=tuple(args.host_maddr) or ("/ip4/0.0.0.0/tcp/0",),
                           announce_maddrs=tuple(args.announce_maddr), client_mode=args.client_mode,
+                          identity_path=args.identity,
                           window_s=cfg.net.round_timeout_s, exchange_timeout_s=args.exchange_timeout_s,
                           settle_s=args.settle_s, start_peers=cfg.net.start_peers,
                           aggregate_topk=cfg.net.aggregate_topk or cfg.optim.compression_topk,

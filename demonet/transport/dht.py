@@ -19,6 +19,7 @@ from typing import Any
 
 import hivemind
 import torch
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from .. import dht_rounds, wire, wire_params
 from .._proto import demonet_pb2 as pb
@@ -65,12 +66,30 @@ class DhtGatherer(_Streams):
 
     @classmethod
     async def create(cls, opts: DhtOptions, peer_id: str, specs: dht_rounds.Specs) -> DhtGatherer:
-        """Start this peer's DHT node (a p2pd daemon) and register the stream handler."""
+        """Start this peer's DHT node (a p2pd daemon) and register the stream handler.
+
+        The initial peers may not be up yet (they start at the same time, or restart): the node is
+        started again every few seconds for up to ``bootstrap_timeout_s``.
+
+        Raises:
+            PeerUnavailable: no initial peer could be reached in that time.
+        """
         self = cls(opts, peer_id, specs)
-        self.dht = await asyncio.to_thread(
-            hivemind.DHT, initial_peers=list(opts.initial_peers) or None, host_maddrs=list(opts.host_maddrs),
-            announce_maddrs=list(opts.announce_maddrs) or None, client_mode=opts.client_mode,
-            record_validators=[HmacValidator(self._token)], start=True)
+        give_up_at = time.monotonic() + opts.bootstrap_timeout_s
+        while True:
+            try:
+                self.dht = await asyncio.to_thread(
+                    hivemind.DHT, initial_peers=list(opts.initial_peers) or None, host_maddrs=list(opts.host_maddrs),
+                    announce_maddrs=list(opts.announce_maddrs) or None, client_mode=opts.client_mode,
+                    identity_path=opts.identity_path, record_validators=[HmacValidator(self._token)], start=True)
+                break
+            except P2PDaemonError as e:  # hivemind's error for "failed to connect to bootstrap peers"
+                if time.monotonic() >= give_up_at:
+                    raise PeerUnavailable(f"could not join the DHT through {', '.join(opts.initial_peers)}: {e}"
+                                          ) from None
+                logger.info("[%s] the initial peers are not reachable yet (%s); trying again", peer_id,
+                            str(e).strip().splitlines()[-1][-120:])
+                await asyncio.sleep(2.0)
         self.p2p = await self.dht.replicate_p2p()
         self.address = str(self.p2p.peer_id)
         await self.p2p.add_protobuf_handler(HANDLER, self._handle, pb.DhtMessage, stream_input=True,

@@ -82,6 +82,11 @@ class DhtOptions:
     """Where this peer listens (TCP port 0: any free one)."""
     announce_maddrs: tuple[str, ...] = ()
     """Public multiaddrs to advertise instead of the listening ones (port forwarding)."""
+    identity_path: str | None = None
+    """Private key file of this peer's libp2p identity (created if missing): a stable peer id, so a
+    bootstrap peer keeps its multiaddr across restarts. None: a new identity each start."""
+    bootstrap_timeout_s: float = 60.0
+    """How long to keep trying to reach the initial peers when starting."""
     client_mode: bool = False
     """Behind NAT: only dial out. Such a peer trains and sends, but owns no slice and donates nothing."""
     window_s: float = 30.0
