@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -47,9 +48,20 @@ class _DhtPeer(_Peer):
     def peer_id(self) -> str:
         return self.dht.peer_id
 
+    publishing: asyncio.Task[None] | None = None
+
     async def begin_round(self) -> None:
-        """Tell the DHT this peer starts the round with its digest, and serve its parameters to joiners."""
-        await self.dht.publish_state(self.round, self.digest, lambda: list(self.model.named_parameters()))
+        """Tell the DHT this peer starts the round with its digest, and serve its parameters to joiners.
+
+        The records are stored while the peer trains (the previous round's stores are awaited first).
+        """
+        if self.publishing is not None:
+            try:
+                await self.publishing
+            except PeerUnavailable as e:
+                self._log(logging.WARNING, "publishing the round's state: %s", e)
+        self.publishing = asyncio.create_task(
+            self.dht.publish_state(self.round, self.digest, lambda: list(self.model.named_parameters())))
 
     async def heartbeats(self) -> None:
         """Nothing to do: a DHT peer's announcements each round are its heartbeat."""
@@ -120,6 +132,7 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     gatherer: DhtGatherer | None = None
+    peer: _DhtPeer | None = None
     try:
         await asyncio.to_thread(_warm_up)
         gatherer = await DhtGatherer.create(opts, peer_id, {})
@@ -154,6 +167,10 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        if peer is not None and peer.publishing is not None:
+            peer.publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, DemonetError):
+                await peer.publishing
         if gatherer is not None:
             await gatherer.close()
 

@@ -177,6 +177,8 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path) -> None:
         peers.start("b")
         peers.start("c")
         peers.start("j", gated=True)
+        # A peer with another token: refused by the first peer it contacts, it never enters a round.
+        bad = peers.start("x", token="not-the-run-token")
         wait_for(lambda: len(peers.rows("c")) >= 3, "three rounds with c", peers)
         peers.kill("c")
         killed_at = len(peers.rows("a"))
@@ -185,8 +187,6 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path) -> None:
         after = [r for r in peers.rows("a")[killed_at:] if r["contributors"] == 2]
         assert after, peers.rows("a")
 
-        # A peer with another token: refused by the first peer it contacts, it never enters a round.
-        bad = peers.start("x", token="not-the-run-token")
         assert bad.wait(timeout=WAIT_S) == 2, peers.log("x")
         assert "wrong run token" in peers.log("x")
         assert "bad run token" in peers.log("a")
