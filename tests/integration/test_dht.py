@@ -3,8 +3,9 @@
 - `demonet up --dht`: three peer processes train a run whose digests agree every round, and write
   the same run folder as coordinator mode.
 - Faults in one run (starting hivemind processes is what costs here): a peer SIGKILLed (with its
-  DHT and p2pd processes) while the others carry on; a late joiner that loads the parameters from
-  several donors and is in sync from its first round; a peer with a wrong run token kept out.
+  DHT and p2pd processes) while the others carry on; a late joiner in client mode (as behind NAT)
+  that loads the parameters from several donors and is in sync from its first round; a peer with a
+  wrong run token kept out.
 - In one process: the records and the stream messages of a wrong-token node are refused.
 
 Every peer runs in its own session, and the test kills each session's process group (the peer,
@@ -176,7 +177,7 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path) -> None:
         peers.bootstrap("a")
         peers.start("b")
         peers.start("c")
-        peers.start("j", gated=True)
+        peers.start("j", "--client-mode", gated=True)  # as behind NAT: dials out only
         # A peer with another token: refused by the first peer it contacts, it never enters a round.
         bad = peers.start("x", token="not-the-run-token")
         wait_for(lambda: len(peers.rows("c")) >= 3, "three rounds with c", peers)
