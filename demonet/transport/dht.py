@@ -293,7 +293,7 @@ class DhtGatherer(_Streams):
         owners = [p for p in members if not announced[p].client]
         if not owners:
             raise NotMember(f"round {r}: no member can be dialed (all are in client mode)")
-        st = self._round(r)
+        st = self._round(r, mine=True)
         async with self._cond:
             st.plan = dht_rounds.SlicePlan(self.specs, len(owners))
             st.owners, st.members = owners[:st.plan.n], members

@@ -142,12 +142,20 @@ class _Streams:
     _rounds: dict[int, _Round]
     _params: tuple[int, Callable[[], list[tuple[str, torch.Tensor]]]] | None
 
-    def _round(self, r: int) -> _Round:
-        if r not in self._rounds:
-            self._rounds[r] = _Round()
+    latest: int = -1
+    """The latest round this peer gathered for; streams about rounds far from it are refused."""
+
+    def _round(self, r: int, *, mine: bool = False) -> _Round:
+        """The state of round `r`; `mine`: this peer starts it (older rounds are forgotten then)."""
+        if mine and r > self.latest:
+            self.latest = r
             for old in [k for k in self._rounds if k < r - _KEEP_ROUNDS]:
                 del self._rounds[old]
-        return self._rounds[r]
+        return self._rounds.setdefault(r, _Round())
+
+    def _far(self, r: int) -> bool:
+        """A round this peer keeps no state for: long over, or too far ahead (a peer out of step)."""
+        return r < self.latest - _KEEP_ROUNDS or (self.latest >= 0 and r > self.latest + 2)
 
     async def _retry(self, attempt: Callable[[float], Any], deadline: float) -> str:
         """Run `attempt(timeout_s)` until it succeeds or `deadline` (DHT time) passes; returns the last
@@ -242,6 +250,9 @@ class _Streams:
             return
         data = b"".join(chunks)
         r = head.round
+        if head.kind in (pb.DHT_KIND_PART, pb.DHT_KIND_FETCH) and self._far(r):
+            yield self._message(pb.DHT_KIND_REPLY, r, error=f"round {r} is not kept here (at {self.latest})", last=True)
+            return
         if head.kind == pb.DHT_KIND_PART:
             st = self._round(r)
             async with self._cond:
