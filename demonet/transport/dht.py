@@ -283,15 +283,14 @@ class DhtGatherer(_Streams):
         good = dht_rounds.majority_digest(digests)
         members = [p for p in frozen.members if digests[p] == good]
         # Joiners admitted for the next round: registered before this freeze, minus the store latency
-        # (every member reads the same records then).
-        joins = await self._get(self._key("join", r + 1))
-        joiners = {p for p, v in joins.items() if isinstance(v.get("t"), float | int)
-                   and v["t"] < frozen.deadline - self.opts.settle_s}
+        # (every member reads the same records then). Read while the payloads are exchanged.
+        joiners_task = asyncio.create_task(self._joiners(r + 1, frozen.deadline))
         if param_digest != good:
-            self.expected[r + 1] = set(members) | joiners
+            self.expected[r + 1] = set(members) | await joiners_task
             raise Resync(f"round {r}: parameter digest {param_digest[:12]} is not the majority's {good[:12]}")
         owners = [p for p in members if not announced[p].client]
         if not owners:
+            joiners_task.cancel()
             raise NotMember(f"round {r}: no member can be dialed (all are in client mode)")
         st = self._round(r, mine=True)
         async with self._cond:
@@ -302,7 +301,10 @@ class DhtGatherer(_Streams):
             st.ag_deadline = st.rs_deadline + self.opts.exchange_timeout_s
             self._cond.notify_all()
         addresses = {p: announced[p].address for p in members}
-        merged = await self._exchange(r, st, payload, addresses)
+        try:
+            merged = await self._exchange(r, st, payload, addresses)
+        finally:
+            joiners = await joiners_task
         delivered = [s for s, m in enumerate(merged) if m is not None]
         contributors = sorted({p for s in delivered for p in st.merged[s][0]})
         # The next round waits for the members whose payload and own slice made it into this one.
@@ -321,6 +323,12 @@ class DhtGatherer(_Streams):
                            ", ".join(sorted(dead_owners)))
         return RoundResult(round=r, aggregate=agg, contributors=tuple(contributors), param_digest="", aborted=False,
                            bytes_up=st.bytes_up, bytes_down=st.bytes_down, kept=kept)
+
+    async def _joiners(self, r: int, freeze_deadline: float) -> set[str]:
+        """The peers admitted at round `r`: registered for it before the previous round's freeze."""
+        joins = await self._get(self._key("join", r))
+        return {p for p, v in joins.items() if isinstance(v.get("t"), float | int)
+                and v["t"] < freeze_deadline - self.opts.settle_s}
 
     async def _freeze(self, r: int) -> tuple[dht_rounds.Frozen, dict[str, dht_rounds.Announcement]]:
         """Read the round's announcements until the freeze is final (see `dht_rounds.freeze`)."""
