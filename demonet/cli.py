@@ -26,7 +26,7 @@ from typing import IO, Any
 import torch
 from tqdm import tqdm
 
-from . import peer, peer_dht
+from . import health, peer, peer_dht
 from .config import load_config
 from .errors import DemonetError
 from .log import setup_logging
@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     status.add_argument("--token-file", help=f"file holding the run token (default: the {TOKEN_ENV} env var)")
     status.add_argument("--tls-root-cert", help="PEM file to verify a TLS coordinator (default: plaintext)")
+    health.add_arguments(sub.add_parser("health", help="exit 0 if a coordinator's gRPC health service serves",
+                                        description="Ask a coordinator's standard gRPC health service (no "
+                                                    "token needed); exit 0 on SERVING, 1 otherwise."))
     up = sub.add_parser("up", help="a coordinator and N peers on this machine, as processes",
                         description="Start a coordinator and N peers on localhost, show the progress, then "
                                     "write metrics.jsonl, loss.png and summary.json into the run folder.")
@@ -104,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return peer_dht.run(args) if args.dht else peer.run(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "health":
+        return health.run(args)
     if args.command == "up":
         return _up(args)
     return 2  # unreachable: argparse requires a command
