@@ -65,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     # The coordinator parses its own flags (demonet.coordinator.add_arguments), imported only when run.
     sub.add_parser("coordinator", add_help=False, help="serve a run's rounds over gRPC (--help for its flags)")
+    sub.add_parser("bench", add_help=False, help="compare with AdamW-DDP and hivemind over shaped links (root)")
     peer.add_arguments(sub.add_parser("peer", help="train as one peer of a coordinator's run",
                                       description="Join a coordinator, download its parameters, train its rounds."))
     status = sub.add_parser("status", help="print a coordinator's status as JSON")
@@ -91,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "coordinator":
         return _coordinator(rest)
+    if args.command == "bench":
+        from .evidence.cli import main as bench
+
+        return bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "train":
