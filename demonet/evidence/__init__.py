@@ -24,7 +24,8 @@ from typing import Any
 from ..model import ModelConfig
 from ..netlab import Host, Lab
 
-__all__ = ["EVIDENCE_MODEL", "SYSTEMS", "BenchSetup", "Run", "System", "run_bench", "run_system"]
+__all__ = ["EVIDENCE_MODEL", "SYSTEMS", "BenchSetup", "Run", "System", "load_runs", "run_bench", "run_system",
+           "save_run"]
 
 EVIDENCE_MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_layers=4, n_heads=4)
 """3.2M parameters: a 13 MB fp32 gradient costs DDP seconds per step at 10 Mbit/s, while a forward and
@@ -67,6 +68,7 @@ class Run:
     """Per host: (Unix time, tx bytes, rx bytes) of its link."""
     peer_hosts: list[str] = field(default_factory=list)
     launched_at: float = 0.0
+    ended_at: float = 0.0
     finished: bool = False
     """Every peer did every step (no time cap, no failure)."""
     final_params: Path | None = None
@@ -266,6 +268,7 @@ def run_system(system: System, setup: BenchSetup, mbit: float, out: Path, *,
         finally:
             stop.set()
             sampler.join(timeout=10)
+    run.ended_at = time.time()
     return run
 
 
@@ -283,7 +286,27 @@ def run_bench(setup: BenchSetup, systems: list[str], mbits: list[float], out: Pa
                 bar.update(max(0, min(done, setup.steps) - bar.n))
 
             try:
-                runs.append(run_system(SYSTEMS[name], setup, mbit, out / f"{name}-{mbit:g}mbit", on_step=update))
+                run = run_system(SYSTEMS[name], setup, mbit, out / f"{name}-{mbit:g}mbit", on_step=update)
             finally:
                 bar.close()
+            save_run(run)
+            runs.append(run)
     return runs
+
+
+def save_run(run: Run) -> None:
+    """``<run.out>/run.json``: the records and samples, so the report can be made again (`load_runs`)."""
+    data = dataclasses.asdict(run)
+    data.update(out=str(run.out), final_params=str(run.final_params) if run.final_params else None)
+    (run.out / "run.json").write_text(json.dumps(data))
+
+
+def load_runs(out: Path) -> list[Run]:
+    """The runs `run_bench` saved under `out`, in the order they ran."""
+    runs = []
+    for path in out.glob("*/run.json"):
+        data = json.loads(path.read_text())
+        data.update(out=Path(data["out"]), final_params=Path(data["final_params"]) if data["final_params"] else None,
+                    samples={h: [tuple(x) for x in v] for h, v in data["samples"].items()})
+        runs.append(Run(**data))
+    return sorted(runs, key=lambda r: r.launched_at)

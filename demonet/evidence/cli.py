@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import netlab
-from . import SYSTEMS, BenchSetup, run_bench
+from . import SYSTEMS, BenchSetup, load_runs, run_bench
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -56,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time-to-loss target (default: AdamW-DDP's smoothed loss at half the steps)")
     parser.add_argument("--plots", help="also copy the PNG plots into this folder (e.g. docs)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--report-only", action="store_true",
+                        help="make the report again from the runs saved under --out (no training)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,17 +67,23 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 2 or args.max_time_s <= 0 or args.batch_size < 1:
         print("demonet bench: --steps should be >= 2, --max-time-s > 0, --batch-size >= 1", file=sys.stderr)
         return 2
-    ok, why = netlab.available()
-    if not ok:
-        print(f"demonet bench: {why}", file=sys.stderr)
-        return 2
     setup = BenchSetup(steps=args.steps, max_time_s=args.max_time_s, batch_size=args.batch_size,
                        adamw_lr=args.adamw_lr, demo_lr=args.demo_lr)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     started = time.time()
-    runs = run_bench(setup, args.systems, args.mbit, out, progress=not args.no_progress and sys.stderr.isatty())
+    if args.report_only:
+        runs = load_runs(out)
+        if not runs:
+            print(f"demonet bench: no saved runs under {out}", file=sys.stderr)
+            return 2
+    else:
+        ok, why = netlab.available()
+        if not ok:
+            print(f"demonet bench: {why}", file=sys.stderr)
+            return 2
+        out.mkdir(parents=True, exist_ok=True)
+        runs = run_bench(setup, args.systems, args.mbit, out, progress=not args.no_progress and sys.stderr.isatty())
     summary = report.summarize(runs, setup, args.target_loss)
     summary.update(setup={k: str(v) for k, v in vars(setup).items()}, load_before=load, load_after=os.getloadavg(),
                    wall_s=time.time() - started, cpus=os.cpu_count())

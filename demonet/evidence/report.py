@@ -130,7 +130,7 @@ def summarize(runs: Sequence[Run], setup: BenchSetup, target: float | None = Non
         rows.append({
             "system": run.system, "label": SYSTEMS[run.system].label, "mbit": run.mbit, "finished": run.finished,
             "steps": steps[-1] if steps else 0, "train_s": times[-1] if times else math.nan,
-            "setup_s": t0 - run.launched_at, "step_s": step_s,
+            "setup_s": t0 - run.launched_at, "run_s": run.ended_at - run.launched_at, "step_s": step_s,
             "loss_last": smooth(losses)[-1] if losses else math.nan,
             "val_loss": eval_loss(run.final_params, setup.model, setup.seq_len),
             "sent_per_step": statistics.median(sent) if sent else math.nan,
@@ -138,6 +138,12 @@ def summarize(runs: Sequence[Run], setup: BenchSetup, target: float | None = Non
             "time_to_target_s": reached, "projected_time_to_target_s": projected,
             "steps_to_target": _steps_to(target, steps, losses),
         })
+    for row, run in zip(rows, runs, strict=True):  # loss at an equal number of steps, against AdamW-DDP
+        ddp = next((r for r in runs if r.system == "adamw-ddp" and r.mbit == run.mbit), None)
+        mine, theirs = curve(run), curve(ddp) if ddp else ([], [], [])
+        k = min(len(mine[0]), len(theirs[0]))
+        row["loss_vs_ddp"] = smooth(mine[2])[k - 1] / smooth(theirs[2])[k - 1] - 1 if k else math.nan
+        row["loss_vs_ddp_step"] = mine[0][k - 1] if k else 0
     return {"target_loss": target, "runs": rows}
 
 
@@ -149,9 +155,9 @@ def table(summary: dict[str, Any]) -> str:
     """A markdown table with each run's figures and its ratios to AdamW-DDP at the same link speed."""
     ddp = {r["mbit"]: r for r in summary["runs"] if r["system"] == "adamw-ddp"}
     out = [f"Target loss (smoothed training loss over {SMOOTH} steps): {summary['target_loss']:.4f}", "",
-           "| link | system | steps | s/step | loss at last step | val loss | sent B/peer/step | "
-           "recv B/peer/step | bytes vs DDP | time to target (s) | speed-up vs DDP |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| link | system | steps | s/step | loss at last step | vs DDP, same step | val loss | "
+           "sent B/peer/step | recv B/peer/step | bytes vs DDP | time to target (s) | speed-up vs DDP |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
         base = ddp.get(r["mbit"])
         total = r["sent_per_step"] + r["recv_per_step"]
@@ -162,7 +168,8 @@ def table(summary: dict[str, Any]) -> str:
                   else base["projected_time_to_target_s"] if base else math.nan)
         speed = base_t / r["projected_time_to_target_s"] if r["projected_time_to_target_s"] else math.nan
         out.append(f"| {r['mbit']:g} Mbit/s | {r['system']} | {r['steps']} | {_fmt(r['step_s'])} | "
-                   f"{_fmt(r['loss_last'], '.4f')} | {_fmt(r['val_loss'], '.4f')} | "
+                   f"{_fmt(r['loss_last'], '.4f')} | {_fmt(100 * r['loss_vs_ddp'], '+.1f')}% "
+                   f"@{r['loss_vs_ddp_step']} | {_fmt(r['val_loss'], '.4f')} | "
                    f"{_fmt(r['sent_per_step'], '.3e')} | {_fmt(r['recv_per_step'], '.3e')} | "
                    f"{_fmt(fewer, '.1f')}x fewer | {shown} | {_fmt(speed, '.1f')}x |")
     return "\n".join(out) + "\n"
