@@ -245,7 +245,11 @@ def run_system(system: System, setup: BenchSetup, mbit: float, out: Path, *,
         sampler = threading.Thread(target=_sampler, args=(lab, run.samples, stop, 0.5), daemon=True)
         sampler.start()
         try:
-            launched = system.launch(lab, setup, mbit, out)
+            try:
+                launched = system.launch(lab, setup, mbit, out)
+            except RuntimeError as e:  # a system that did not start is a failed run, not a failed bench
+                print(f"demonet bench: {system.name} at {mbit:g} Mbit/s: {e}", file=sys.stderr)
+                return run
             run.peer_hosts = [h.name for h in launched.peer_hosts]
             procs = [p for h in lab.hosts.values() for p in h.procs]
             deadline = time.monotonic() + setup.max_time_s
@@ -268,7 +272,7 @@ def run_system(system: System, setup: BenchSetup, mbit: float, out: Path, *,
         finally:
             stop.set()
             sampler.join(timeout=10)
-    run.ended_at = time.time()
+            run.ended_at = time.time()
     return run
 
 

@@ -101,6 +101,21 @@ def _steps_to(target: float, steps: list[int], losses: list[float]) -> int | Non
     return None
 
 
+def _samples_per_step(run: Run, batch_size: int) -> float:
+    """Median sequences per global step: peers x batch_size by construction, except for hivemind, whose
+    records say how many local batches each of its steps took (NaN for records without it)."""
+    if run.system != "hivemind":
+        return float(len(run.peers) * batch_size)
+    per_step: dict[int, int] = {}
+    for records in run.peers:
+        for r in records:
+            if r["step"] > 0:
+                if "batches" not in r:
+                    return math.nan
+                per_step[r["step"]] = per_step.get(r["step"], 0) + int(r["batches"]) * batch_size
+    return float(statistics.median(per_step.values())) if per_step else math.nan
+
+
 def default_target(runs: Sequence[Run], setup: BenchSetup) -> float:
     """The smoothed loss AdamW-DDP reaches at half the steps on the fastest link (else the loss every run reached)."""
     ddp = [r for r in runs if r.system == "adamw-ddp" and r.finished]
@@ -137,6 +152,7 @@ def summarize(runs: Sequence[Run], setup: BenchSetup, target: float | None = Non
             "recv_per_step": statistics.median(recv) if recv else math.nan,
             "time_to_target_s": reached, "projected_time_to_target_s": projected,
             "steps_to_target": _steps_to(target, steps, losses),
+            "samples_per_step": _samples_per_step(run, setup.batch_size),
         })
     for row, run in zip(rows, runs, strict=True):  # loss at an equal number of steps, against AdamW-DDP
         ddp = next((r for r in runs if r.system == "adamw-ddp" and r.mbit == run.mbit), None)
@@ -155,9 +171,9 @@ def table(summary: dict[str, Any]) -> str:
     """A markdown table with each run's figures and its ratios to AdamW-DDP at the same link speed."""
     ddp = {r["mbit"]: r for r in summary["runs"] if r["system"] == "adamw-ddp"}
     out = [f"Target loss (smoothed training loss over {SMOOTH} steps): {summary['target_loss']:.4f}", "",
-           "| link | system | steps | s/step | loss at last step | vs DDP, same step | val loss | "
+           "| link | system | steps | seqs/step | s/step | loss at last step | vs DDP, same step | val loss | "
            "sent B/peer/step | recv B/peer/step | bytes vs DDP | time to target (s) | speed-up vs DDP |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
         base = ddp.get(r["mbit"])
         total = r["sent_per_step"] + r["recv_per_step"]
@@ -167,7 +183,8 @@ def table(summary: dict[str, Any]) -> str:
         base_t = (base["time_to_target_s"] if base and not math.isnan(base["time_to_target_s"])
                   else base["projected_time_to_target_s"] if base else math.nan)
         speed = base_t / r["projected_time_to_target_s"] if r["projected_time_to_target_s"] else math.nan
-        out.append(f"| {r['mbit']:g} Mbit/s | {r['system']} | {r['steps']} | {_fmt(r['step_s'])} | "
+        out.append(f"| {r['mbit']:g} Mbit/s | {r['system']} | {r['steps']} | {_fmt(r['samples_per_step'], '.0f')} | "
+                   f"{_fmt(r['step_s'])} | "
                    f"{_fmt(r['loss_last'], '.4f')} | {_fmt(100 * r['loss_vs_ddp'], '+.1f')}% "
                    f"@{r['loss_vs_ddp_step']} | {_fmt(r['val_loss'], '.4f')} | "
                    f"{_fmt(r['sent_per_step'], '.3e')} | {_fmt(r['recv_per_step'], '.3e')} | "

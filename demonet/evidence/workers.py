@@ -1,9 +1,9 @@
 """The baselines' training processes for `demonet bench`: AdamW with torch DDP, and hivemind.Optimizer.
 
 A bench module: imports torch.distributed and (lazily) hivemind; nothing in the package imports it.
-Each process appends one JSON line per optimizer step to ``steps-<rank>.jsonl``: {"step", "t", "loss"}
-(t: Unix time when the step was done); a line with step 0 marks the start of training. Rank 0 saves the
-final parameters to ``final.pt`` when it completes every step.
+Each process appends one JSON line per optimizer step to ``steps-<rank>.jsonl``: {"step", "t", "loss",
+"batches"} (t: Unix time when the step was done; batches: the local batches it took). A line with step 0
+marks the start of training. Rank 0 saves the final parameters to ``final.pt`` when it does every step.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def _setup(args: argparse.Namespace) -> tuple[GPT, Batches, IO[str]]:
     return model, batches, open(out / f"steps-{args.rank}.jsonl", "w")
 
 
-def _record(log: IO[str], step: int, loss: float) -> None:
-    log.write(json.dumps({"step": step, "t": time.time(), "loss": loss}) + "\n")
+def _record(log: IO[str], step: int, loss: float, batches: int = 1) -> None:
+    log.write(json.dumps({"step": step, "t": time.time(), "loss": loss, "batches": batches}) + "\n")
     log.flush()
 
 
@@ -113,7 +113,8 @@ def _hivemind(args: argparse.Namespace) -> int:
             opt.zero_grad()
             if opt.local_epoch != epoch:
                 epoch = opt.local_epoch
-                _record(log, epoch, sum(losses) / len(losses))
+                # Peers can overshoot target_batch_size: they learn the others' progress through the DHT.
+                _record(log, epoch, sum(losses) / len(losses), len(losses))
                 losses = []
         if args.rank == 0:
             torch.save(model.state_dict(), Path(args.out) / "final.pt")

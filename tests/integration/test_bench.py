@@ -37,7 +37,7 @@ def test_every_system_runs_and_the_report_is_written(tmp_path: Path) -> None:
         assert math.isfinite(r["loss_last"]) and r["sent_per_step"] > 0 and r["recv_per_step"] > 0, (name, r)
     for name in ("loss_vs_step.png", "loss_vs_time.png"):
         assert (plots / name).read_bytes().startswith(b"\x89PNG"), name
-    assert "| 100 Mbit/s | adamw-ddp | 2 |" in (out / "results.md").read_text()
+    assert "| 100 Mbit/s | adamw-ddp | 2 | 16 |" in (out / "results.md").read_text()
 
 
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
