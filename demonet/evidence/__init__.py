@@ -113,12 +113,16 @@ def _log_file(out: Path, name: str) -> Any:
     return open(out / "logs" / f"{name}.log", "w")
 
 
-def _allreduce_s(setup: BenchSetup, mbit: float) -> float:
-    """Seconds one ring all-reduce of the fp32 gradient takes on the link (2 (n-1)/n of it each way)."""
+def _param_bytes(setup: BenchSetup) -> int:
+    """Bytes of the model's fp32 parameters (or of one fp32 gradient)."""
     from ..model import GPT
 
-    num_params = sum(p.numel() for p in GPT(setup.model).parameters())
-    return 2 * (setup.peers - 1) / setup.peers * num_params * 4 * 8 / (mbit * 1e6)
+    return 4 * sum(p.numel() for p in GPT(setup.model).parameters())
+
+
+def _allreduce_s(setup: BenchSetup, mbit: float) -> float:
+    """Seconds one ring all-reduce of the fp32 gradient takes on the link (2 (n-1)/n of it each way)."""
+    return 2 * (setup.peers - 1) / setup.peers * _param_bytes(setup) * 8 / (mbit * 1e6)
 
 
 def launch_ddp(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
@@ -166,12 +170,16 @@ def _demonet(encoding: str) -> Launcher:
         coord = lab.add_host("coord", mbit=mbit)
         hosts = [lab.add_host(f"dn{r}", mbit=mbit) for r in range(setup.peers)]
         m = setup.model
+        # The peers download the parameters at once through the coordinator's link; their heartbeats
+        # share it, so the coordinator must not drop them as silent meanwhile (4 x 13 MB: 42 s at 10 Mbit/s).
+        download_s = setup.peers * _param_bytes(setup) * 8 / (mbit * 1e6)
         (out / "run.toml").write_text("\n".join([
             "[model]", *(f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(m).items()),
             "[optim]", f"lr = {setup.demo_lr}", f'encoding = "{encoding}"', f"compression_topk = {setup.demo_topk}",
             "[train]", f"batch_size = {setup.batch_size}", f"seq_len = {setup.seq_len}", f"seed = {setup.seed}",
             "eval_every = 0",
             "[net]", f"round_timeout_s = {60 + setup.max_time_s / 10}", f"start_peers = {setup.peers}",
+            f"heartbeat_timeout_s = {15 + 2 * download_s:.0f}",
         ]) + "\n")
         env = {**os.environ, "DEMONET_TOKEN": secrets.token_urlsafe(16)}
         address = f"{coord.addr}:7450"
