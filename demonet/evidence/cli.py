@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adamw-lr", type=float, default=d.adamw_lr, help=f"AdamW-DDP and hivemind ({d.adamw_lr:g})")
     parser.add_argument("--demo-lr", type=float, default=d.demo_lr, help=f"demonet's DeMo lr ({d.demo_lr:g})")
     parser.add_argument("--target-loss", type=float,
-                        help="time-to-loss target (default: AdamW-DDP's smoothed loss at half the steps)")
+                        help="time-to-loss target (default: 3%% above AdamW-DDP's smoothed loss at half the steps)")
     parser.add_argument("--plots", help="also copy the PNG plots into this folder (e.g. docs)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--report-only", action="store_true",
