@@ -12,6 +12,7 @@ import json
 import os
 import re
 import secrets
+import subprocess
 import sys
 import threading
 import time
@@ -133,7 +134,7 @@ def launch_ddp(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
         argv = [*_WORKERS, "ddp", *_worker_args(setup, rank, setup.adamw_lr, out, setup.max_time_s + 60),
                 "--master", f"{hosts[0].addr}:{_PORT}"]
         log = _log_file(out, f"ddp{rank}")
-        host.popen(argv, stdout=log, stderr=log, stdin=-3, env=env)
+        host.popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
     return Launched(hosts, lambda: _read_steps(out, setup.peers), out / "final.pt")
 
 
@@ -147,7 +148,7 @@ def launch_hivemind(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Laun
         argv = [*_WORKERS, "hivemind", *_worker_args(setup, rank, setup.adamw_lr, out, timeout_s),
                 "--host", host.addr, "--matchmaking-s", "3", "--initial-peers", *initial]
         log = _log_file(out, f"hm{rank}")
-        proc = host.popen(argv, stdout=log, stderr=log, stdin=-3)
+        proc = host.popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         if rank == 0:
             deadline = time.monotonic() + 120
             while not (out / "maddrs.json").exists():
@@ -186,11 +187,12 @@ def _demonet(encoding: str) -> Launcher:
         cli = [sys.executable, "-m", "demonet.cli"]
         log = _log_file(out, "coord")
         coord.popen([*cli, "coordinator", "--listen", address, "--config", str(out / "run.toml"),
-                     "--steps", str(setup.steps)], stdout=log, stderr=log, stdin=-3, env=env)
+                     "--steps", str(setup.steps)], stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
         for rank, host in enumerate(hosts):
             log = _log_file(out, f"peer-{rank}")
             host.popen([*cli, "peer", "--coordinator", address, "--peer-id", f"peer-{rank}", "--out", str(out),
-                        "--threads", "1", "--checkpoint-every", "0"], stdout=log, stderr=log, stdin=-3, env=env)
+                        "--threads", "1", "--checkpoint-every", "0"],
+                       stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
         return Launched(hosts, lambda: _demonet_steps(out, setup.peers), out / "peer-peer-0.pt")
 
     return launch

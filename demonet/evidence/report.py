@@ -86,7 +86,7 @@ def eval_loss(path: Path | None, model: ModelConfig, seq_len: int, batches: int 
     _, val = split(load_corpus())
     data = Batches(val, batch_size=8, seq_len=seq_len, seed=12345)
     with torch.no_grad():
-        return statistics.fmean(float(net(*next(data))[1]) for _ in range(batches))  # type: ignore[arg-type]
+        return statistics.fmean(float(net(*next(data))[1]) for _ in range(batches))
 
 
 def _time_to(target: float, times: list[float], losses: list[float]) -> float:

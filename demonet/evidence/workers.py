@@ -85,7 +85,7 @@ def _hivemind(args: argparse.Namespace) -> int:
     """hivemind.Optimizer: peers accumulate toward target_batch_size, then all-reduce gradients over a DHT."""
     from functools import partial
 
-    import hivemind
+    import hivemind  # type: ignore[import-untyped]
 
     model, batches, log = _setup(args)
     dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=[f"/ip4/{args.host}/tcp/0"],
