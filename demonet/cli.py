@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                                              "with --dht, meet the other peers on a hivemind DHT.")
     peer.add_arguments(peer_parser)
     peer_dht.add_arguments(peer_parser)
+    sub.add_parser("bench", add_help=False, help="compare with AdamW-DDP and hivemind over shaped links (root)")
     status = sub.add_parser("status", help="print a coordinator's status as JSON")
     status.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     status.add_argument("--token-file", help=f"file holding the run token (default: the {TOKEN_ENV} env var)")
@@ -99,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "coordinator":
         return _coordinator(rest)
+    if args.command == "bench":
+        from .evidence.cli import main as bench
+
+        return bench(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "train":

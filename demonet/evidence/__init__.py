@@ -1,0 +1,326 @@
+"""`demonet bench`: demonet against AdamW-DDP and hivemind.Optimizer, side by side over shaped links.
+
+A bench package: starts every system as real processes in a `demonet.netlab` lab (4 peers, each link
+shaped with tbf), samples the links' kernel byte counters, and hands the step records to `report`.
+Each system is one launcher function in `SYSTEMS`; a new system is one more entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ..model import ModelConfig
+from ..netlab import Host, Lab
+
+__all__ = ["EVIDENCE_MODEL", "SYSTEMS", "BenchSetup", "Run", "System", "load_runs", "run_bench", "run_system",
+           "save_run"]
+
+EVIDENCE_MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_layers=4, n_heads=4)
+"""3.2M parameters: a 13 MB fp32 gradient costs DDP seconds per step at 10 Mbit/s, while a forward and
+backward of 4 x 64 tokens stays near 0.1 s on one CPU core."""
+
+_PORT = 29500
+_WORKERS = [sys.executable, "-m", "demonet.evidence.workers"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchSetup:
+    """What every system of one comparison shares."""
+
+    model: ModelConfig = EVIDENCE_MODEL
+    peers: int = 4
+    """Training peers, each in its own namespace."""
+    steps: int = 200
+    """Optimizer steps (global batches) per run."""
+    batch_size: int = 4
+    """Sequences per peer per step; the global batch is peers x batch_size."""
+    seq_len: int = 64
+    seed: int = 0
+    max_time_s: float = 600.0
+    """A run stops after this long (the slow links); the figures then cover the steps it did."""
+    adamw_lr: float = 1e-3
+    demo_lr: float = 3e-3
+    demo_topk: int = 32
+
+
+@dataclass
+class Run:
+    """One system at one link speed: per-peer step records and the link counters sampled meanwhile."""
+
+    system: str
+    mbit: float
+    out: Path
+    peers: list[list[dict[str, Any]]] = field(default_factory=list)
+    """Per peer: {"step", "t", "loss"} lines; step 0 marks the start of training."""
+    samples: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
+    """Per host: (Unix time, tx bytes, rx bytes) of its link."""
+    peer_hosts: list[str] = field(default_factory=list)
+    launched_at: float = 0.0
+    ended_at: float = 0.0
+    finished: bool = False
+    """Every peer did every step (no time cap, no failure)."""
+    final_params: Path | None = None
+
+
+@dataclass
+class Launched:
+    """What a launcher started: the processes to wait for, and how to read their step records."""
+
+    peer_hosts: list[Host]
+    records: Callable[[], list[list[dict[str, Any]]]]
+    final_params: Path | None = None
+
+
+Launcher = Callable[[Lab, BenchSetup, float, Path], Launched]
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    label: str
+    launch: Launcher
+
+
+def _read_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
+    rows = []
+    for rank in range(peers):
+        path = out / f"steps-{rank}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        rows.append([json.loads(line) for line in lines if line.strip()])
+    return rows
+
+
+def _worker_args(setup: BenchSetup, rank: int, lr: float, out: Path, timeout_s: float) -> list[str]:
+    return ["--rank", str(rank), "--world", str(setup.peers), "--model", json.dumps(dataclasses.asdict(setup.model)),
+            "--steps", str(setup.steps), "--batch-size", str(setup.batch_size), "--seq-len", str(setup.seq_len),
+            "--lr", str(lr), "--seed", str(setup.seed), "--out", str(out), "--timeout-s", str(timeout_s)]
+
+
+def _log_file(out: Path, name: str) -> Any:
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    return open(out / "logs" / f"{name}.log", "w")
+
+
+def _param_bytes(setup: BenchSetup) -> int:
+    """Bytes of the model's fp32 parameters (or of one fp32 gradient)."""
+    from ..model import GPT
+
+    return 4 * sum(p.numel() for p in GPT(setup.model).parameters())
+
+
+def _allreduce_s(setup: BenchSetup, mbit: float) -> float:
+    """Seconds one ring all-reduce of the fp32 gradient takes on the link (2 (n-1)/n of it each way)."""
+    return 2 * (setup.peers - 1) / setup.peers * _param_bytes(setup) * 8 / (mbit * 1e6)
+
+
+def launch_ddp(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
+    """AdamW + DistributedDataParallel over gloo (tcp:// rendezvous at rank 0's lab address)."""
+    hosts = [lab.add_host(f"ddp{r}", mbit=mbit) for r in range(setup.peers)]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
+    for rank, host in enumerate(hosts):
+        argv = [*_WORKERS, "ddp", *_worker_args(setup, rank, setup.adamw_lr, out, setup.max_time_s + 60),
+                "--master", f"{hosts[0].addr}:{_PORT}"]
+        log = _log_file(out, f"ddp{rank}")
+        host.popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
+    return Launched(hosts, lambda: _read_steps(out, setup.peers), out / "final.pt")
+
+
+def launch_hivemind(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
+    """hivemind.Optimizer with its usual settings: target_batch_size = peers x batch, global steps."""
+    hosts = [lab.add_host(f"hm{r}", mbit=mbit) for r in range(setup.peers)]
+    # Matchmaking long enough to gather every peer; averaging long enough for a slow all-reduce.
+    timeout_s = 60 + 4 * _allreduce_s(setup, mbit)
+    initial: list[str] = []
+    for rank, host in enumerate(hosts):
+        argv = [*_WORKERS, "hivemind", *_worker_args(setup, rank, setup.adamw_lr, out, timeout_s),
+                "--host", host.addr, "--matchmaking-s", "3", "--initial-peers", *initial]
+        log = _log_file(out, f"hm{rank}")
+        proc = host.popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        if rank == 0:
+            deadline = time.monotonic() + 120
+            while not (out / "maddrs.json").exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"hivemind rank 0 did not start its DHT; see {out / 'logs'}")
+                time.sleep(0.2)
+            initial = [a for a in json.loads((out / "maddrs.json").read_text()) if host.addr in a]
+    deadline = time.monotonic() + 180
+    while not all((out / f"ready-{rank}").exists() for rank in range(setup.peers)):
+        if time.monotonic() > deadline or any(p.poll() is not None for h in hosts for p in h.procs):
+            raise RuntimeError(f"the hivemind peers did not all get ready; see {out / 'logs'}")
+        time.sleep(0.2)
+    (out / "go").touch()
+    return Launched(hosts, lambda: _read_steps(out, setup.peers), out / "final.pt")
+
+
+def _demonet(encoding: str) -> Launcher:
+    def launch(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
+        """demonet coordinator mode: a coordinator host (same link speed) and one host per peer."""
+        coord = lab.add_host("coord", mbit=mbit)
+        hosts = [lab.add_host(f"dn{r}", mbit=mbit) for r in range(setup.peers)]
+        m = setup.model
+        # The peers download the parameters at once through the coordinator's link; their heartbeats
+        # share it, so the coordinator must not drop them as silent meanwhile (4 x 13 MB: 42 s at 10 Mbit/s).
+        download_s = setup.peers * _param_bytes(setup) * 8 / (mbit * 1e6)
+        (out / "run.toml").write_text("\n".join([
+            "[model]", *(f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(m).items()),
+            "[optim]", f"lr = {setup.demo_lr}", f'encoding = "{encoding}"', f"compression_topk = {setup.demo_topk}",
+            "[train]", f"batch_size = {setup.batch_size}", f"seq_len = {setup.seq_len}", f"seed = {setup.seed}",
+            "eval_every = 0",
+            "[net]", f"round_timeout_s = {60 + setup.max_time_s / 10}", f"start_peers = {setup.peers}",
+            f"heartbeat_timeout_s = {15 + 2 * download_s:.0f}",
+        ]) + "\n")
+        env = {**os.environ, "DEMONET_TOKEN": secrets.token_urlsafe(16)}
+        address = f"{coord.addr}:7450"
+        cli = [sys.executable, "-m", "demonet.cli"]
+        log = _log_file(out, "coord")
+        coord.popen([*cli, "coordinator", "--listen", address, "--config", str(out / "run.toml"),
+                     "--steps", str(setup.steps)], stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
+        for rank, host in enumerate(hosts):
+            log = _log_file(out, f"peer-{rank}")
+            host.popen([*cli, "peer", "--coordinator", address, "--peer-id", f"peer-{rank}", "--out", str(out),
+                        "--threads", "1", "--checkpoint-every", "0"],
+                       stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
+        return Launched(hosts, lambda: _demonet_steps(out, setup.peers), out / "peer-peer-0.pt")
+
+    return launch
+
+
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\[peer-\d+ round=(\d+)\] (loss|parameters)")
+
+
+def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
+    """A demonet peer's rounds as step records: losses from its metrics, times from its log lines."""
+    rows = []
+    for rank in range(peers):
+        metrics = out / f"metrics-peer-{rank}.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        loss = {int(r["round"]): float(r["loss"]) for r in map(json.loads, filter(str.strip, lines))}
+        records: list[dict[str, Any]] = []
+        log = out / "logs" / f"peer-{rank}.log"
+        for line in (log.read_text(errors="replace").splitlines() if log.exists() else []):
+            match = _LOG_TIME.match(line)
+            if not match:
+                continue
+            t = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            n = int(match[2])
+            if match[3] == "parameters" and not records:
+                records.append({"step": 0, "t": t, "loss": float("nan")})
+            elif match[3] == "loss" and n - 1 in loss:  # logged after the round count moved on
+                records.append({"step": n, "t": t, "loss": loss[n - 1]})
+        rows.append(records)
+    return rows
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in (
+    System("adamw-ddp", "AdamW + DDP (fp32 all-reduce)", launch_ddp),
+    System("demonet", "demonet coordinator (fp32 values)", _demonet("fp32")),
+    System("demonet-sign", "demonet coordinator (1-bit values)", _demonet("sign")),
+    System("hivemind", "hivemind.Optimizer (AdamW)", launch_hivemind),
+)}
+"""The systems `demonet bench` compares, by name. A new one (e.g. demonet's DHT mode) is one more entry."""
+
+
+def _sampler(lab: Lab, samples: dict[str, list[tuple[float, int, int]]], stop: threading.Event,
+             every_s: float) -> None:
+    while not stop.is_set():
+        for name, host in list(lab.hosts.items()):
+            try:
+                tx, rx = host.counters()
+            except Exception:  # noqa: BLE001 - a host being torn down; the next sample is taken after it
+                continue
+            samples.setdefault(name, []).append((time.time(), tx, rx))
+        stop.wait(every_s)
+
+
+def run_system(system: System, setup: BenchSetup, mbit: float, out: Path, *,
+               on_step: Callable[[int], None] | None = None) -> Run:
+    """Train `system` in a fresh lab at `mbit` until every peer did `setup.steps` steps or the time cap."""
+    out.mkdir(parents=True, exist_ok=True)
+    run = Run(system.name, mbit, out, launched_at=time.time())
+    stop = threading.Event()
+    with Lab() as lab:
+        sampler = threading.Thread(target=_sampler, args=(lab, run.samples, stop, 0.5), daemon=True)
+        sampler.start()
+        try:
+            try:
+                launched = system.launch(lab, setup, mbit, out)
+            except RuntimeError as e:  # a system that did not start is a failed run, not a failed bench
+                print(f"demonet bench: {system.name} at {mbit:g} Mbit/s: {e}", file=sys.stderr)
+                return run
+            run.peer_hosts = [h.name for h in launched.peer_hosts]
+            procs = [p for h in lab.hosts.values() for p in h.procs]
+            deadline = time.monotonic() + setup.max_time_s
+            while time.monotonic() < deadline:
+                records = launched.records()
+                done = min((r[-1]["step"] if r else 0) for r in records)
+                if on_step:
+                    on_step(done)
+                if done >= setup.steps:
+                    run.finished = True
+                    break
+                if any(p.poll() not in (None, 0) for p in procs):
+                    break  # a process failed: the logs say why
+                time.sleep(1.0)
+            if run.finished and system.name.startswith("demonet"):
+                time.sleep(3)  # the peers' exit checkpoint holds the final parameters
+            run.peers = launched.records()
+            if run.finished and launched.final_params and launched.final_params.exists():
+                run.final_params = launched.final_params
+        finally:
+            stop.set()
+            sampler.join(timeout=10)
+            run.ended_at = time.time()
+    return run
+
+
+def run_bench(setup: BenchSetup, systems: list[str], mbits: list[float], out: Path,
+              progress: bool = True) -> list[Run]:
+    """Every system at every link speed, one after the other, each in its own lab."""
+    from tqdm import tqdm
+
+    runs = []
+    for mbit in mbits:
+        for name in systems:
+            bar = tqdm(total=setup.steps, desc=f"{name} @ {mbit:g} Mbit/s", unit="step", disable=not progress)
+
+            def update(done: int, bar: Any = bar) -> None:
+                bar.update(max(0, min(done, setup.steps) - bar.n))
+
+            try:
+                run = run_system(SYSTEMS[name], setup, mbit, out / f"{name}-{mbit:g}mbit", on_step=update)
+            finally:
+                bar.close()
+            save_run(run)
+            runs.append(run)
+    return runs
+
+
+def save_run(run: Run) -> None:
+    """``<run.out>/run.json``: the records and samples, so the report can be made again (`load_runs`)."""
+    data = dataclasses.asdict(run)
+    data.update(out=str(run.out), final_params=str(run.final_params) if run.final_params else None)
+    (run.out / "run.json").write_text(json.dumps(data))
+
+
+def load_runs(out: Path) -> list[Run]:
+    """The runs `run_bench` saved under `out`, in the order they ran."""
+    runs = []
+    for path in out.glob("*/run.json"):
+        data = json.loads(path.read_text())
+        data.update(out=Path(data["out"]), final_params=Path(data["final_params"]) if data["final_params"] else None,
+                    samples={h: [tuple(x) for x in v] for h, v in data["samples"].items()})
+        runs.append(Run(**data))
+    return sorted(runs, key=lambda r: r.launched_at)

@@ -1,0 +1,110 @@
+"""The `demonet bench` flags and entry point (also `python bench/evidence.py`).
+
+An entry point: parses flags, checks that namespaces can be made, runs `run_bench`, writes the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import netlab
+from . import SYSTEMS, BenchSetup, load_runs, run_bench
+
+__all__ = ["add_arguments", "main", "run"]
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [n for n in names if n not in SYSTEMS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown system(s) {unknown}; expected some of {sorted(SYSTEMS)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchSetup()
+    parser.add_argument("--out", default="runs/bench", help="folder for the runs, results.json and plots")
+    parser.add_argument("--mbit", type=_floats, default=[1000.0, 100.0, 10.0],
+                        help="link speeds in Mbit/s, comma-separated (1000,100,10)")
+    parser.add_argument("--systems", type=_names, default=list(SYSTEMS),
+                        help=f"comma-separated, of {','.join(SYSTEMS)} (all)")
+    parser.add_argument("--steps", type=int, default=d.steps, help=f"steps per run ({d.steps})")
+    parser.add_argument("--max-time-s", type=float, default=d.max_time_s,
+                        help=f"stop a run after this long; its figures cover the steps done ({d.max_time_s:g})")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per peer per step "
+                                                                               f"({d.batch_size})")
+    parser.add_argument("--adamw-lr", type=float, default=d.adamw_lr, help=f"AdamW-DDP and hivemind ({d.adamw_lr:g})")
+    parser.add_argument("--demo-lr", type=float, default=d.demo_lr, help=f"demonet's DeMo lr ({d.demo_lr:g})")
+    parser.add_argument("--target-loss", type=float,
+                        help="time-to-loss target (default: 3%% above AdamW-DDP's smoothed loss at half the steps)")
+    parser.add_argument("--plots", help="also copy the PNG plots into this folder (e.g. docs)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--report-only", action="store_true",
+                        help="make the report again from the runs saved under --out (no training)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the comparison; 0 when every run did at least one step and the report was written."""
+    from . import report
+
+    if args.steps < 2 or args.max_time_s <= 0 or args.batch_size < 1:
+        print("demonet bench: --steps should be >= 2, --max-time-s > 0, --batch-size >= 1", file=sys.stderr)
+        return 2
+    setup = BenchSetup(steps=args.steps, max_time_s=args.max_time_s, batch_size=args.batch_size,
+                       adamw_lr=args.adamw_lr, demo_lr=args.demo_lr)
+    out = Path(args.out)
+    load = os.getloadavg()
+    started = time.time()
+    if args.report_only:
+        runs = load_runs(out)
+        if not runs:
+            print(f"demonet bench: no saved runs under {out}", file=sys.stderr)
+            return 2
+    else:
+        ok, why = netlab.available()
+        if not ok:
+            print(f"demonet bench: {why}", file=sys.stderr)
+            return 2
+        out.mkdir(parents=True, exist_ok=True)
+        runs = run_bench(setup, args.systems, args.mbit, out, progress=not args.no_progress and sys.stderr.isatty())
+    summary = report.summarize(runs, setup, args.target_loss)
+    summary.update(setup={k: str(v) for k, v in vars(setup).items()}, load_before=load, load_after=os.getloadavg(),
+                   wall_s=time.time() - started, cpus=os.cpu_count())
+    (out / "results.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (out / "results.md").write_text(report.table(summary))
+    paths = report.plot(runs, summary["target_loss"], out)
+    if args.plots:
+        Path(args.plots).mkdir(parents=True, exist_ok=True)
+        for path in paths:
+            shutil.copy(path, Path(args.plots) / path.name)
+    print(report.table(summary))
+    print(f"load average before {load[0]:.2f}, after {summary['load_after'][0]:.2f}; results in {out}")
+    failed = [f"{r['system']}@{r['mbit']:g}" for r in summary["runs"] if r["steps"] == 0]
+    if failed:
+        print(f"demonet bench: no steps from {', '.join(failed)}; see the logs under {out}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="demonet bench", description="demonet vs AdamW-DDP and hivemind.Optimizer, "
+                                     "4 peers in network namespaces over tbf-shaped links.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

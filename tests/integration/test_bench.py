@@ -1,0 +1,47 @@
+"""`demonet bench`, shortened: every system trains a few steps over 100 Mbit/s links and the report is written.
+
+The performance goals are read from the full run (README.md, "Evidence"), not asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from demonet import netlab
+from demonet.evidence import SYSTEMS
+
+ok, why = netlab.available()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
+
+
+@pytest.mark.timeout(420)
+def test_every_system_runs_and_the_report_is_written(tmp_path: Path) -> None:
+    out, plots = tmp_path / "bench", tmp_path / "docs"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-m", "demonet.cli", "bench", "--out", str(out), "--plots", str(plots),
+                           "--mbit", "100", "--steps", "2", "--max-time-s", "150", "--no-progress"],
+                          capture_output=True, text=True, timeout=400, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    runs = {r["system"]: r for r in results["runs"]}
+    assert set(runs) == set(SYSTEMS)
+    for name, r in runs.items():
+        assert r["finished"] and r["steps"] == 2, (name, r)
+        assert math.isfinite(r["loss_last"]) and r["sent_per_step"] > 0 and r["recv_per_step"] > 0, (name, r)
+    for name in ("loss_vs_step.png", "loss_vs_time.png"):
+        assert (plots / name).read_bytes().startswith(b"\x89PNG"), name
+    assert "| 100 Mbit/s | adamw-ddp | 2 | 16 |" in (out / "results.md").read_text()
+
+
+def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    bad = subprocess.run([sys.executable, "-m", "demonet.cli", "bench", "--out", str(tmp_path / "b"),
+                          "--systems", "adamw-ddp,nosuch"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "nosuch" in bad.stderr
+    assert not (tmp_path / "b").exists()
