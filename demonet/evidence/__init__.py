@@ -198,7 +198,40 @@ def _demonet(encoding: str) -> Launcher:
     return launch
 
 
-_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\[peer-\d+ round=(\d+)\] (loss|parameters)")
+def _demonet_dht(encoding: str) -> Launcher:
+    def launch(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
+        """demonet DHT mode: one host per peer and no coordinator; peer 0 starts the DHT, the others join it."""
+        from hivemind.p2p import P2P, PeerID
+
+        hosts = [lab.add_host(f"dn{r}", mbit=mbit) for r in range(setup.peers)]
+        (out / "run.toml").write_text("\n".join([
+            "[model]", *(f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(setup.model).items()),
+            "[optim]", f"lr = {setup.demo_lr}", f'encoding = "{encoding}"', f"compression_topk = {setup.demo_topk}",
+            "[train]", f"batch_size = {setup.batch_size}", f"seq_len = {setup.seq_len}", f"seed = {setup.seed}",
+            "eval_every = 0",
+            "[net]", f"round_timeout_s = {60 + setup.max_time_s / 10}", f"start_peers = {setup.peers}",
+        ]) + "\n")
+        env = {**os.environ, "DEMONET_TOKEN": secrets.token_urlsafe(16)}
+        identity = out / "peer-0.identity"
+        if not identity.exists():
+            P2P.generate_identity(str(identity))
+        port = 7460
+        first = f"/ip4/{hosts[0].addr}/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"
+        cli = [sys.executable, "-m", "demonet.cli", "peer", "--dht", "--run", "bench",
+               "--config", str(out / "run.toml"), "--steps", str(setup.steps), "--start-peers", str(setup.peers),
+               "--out", str(out), "--threads", "1", "--checkpoint-every", "0"]
+        for rank, host in enumerate(hosts):
+            where = ["--identity", str(identity), "--host-maddr", f"/ip4/{host.addr}/tcp/{port}"] if rank == 0 else \
+                ["--initial-peers", first, "--host-maddr", f"/ip4/{host.addr}/tcp/0"]
+            log = _log_file(out, f"peer-{rank}")
+            host.popen([*cli, "--peer-id", f"peer-{rank}", *where], stdout=log, stderr=log,
+                       stdin=subprocess.DEVNULL, env=env)
+        return Launched(hosts, lambda: _demonet_steps(out, setup.peers), out / "peer-peer-0.pt")
+
+    return launch
+
+
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\[peer-\d+ round=(\d+)\] (loss|parameters|starting the run)")
 
 
 def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
@@ -216,7 +249,7 @@ def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
                 continue
             t = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             n = int(match[2])
-            if match[3] == "parameters" and not records:
+            if match[3] != "loss" and not records:  # the parameters are in place: training starts
                 records.append({"step": 0, "t": t, "loss": float("nan")})
             elif match[3] == "loss" and n - 1 in loss:  # logged after the round count moved on
                 records.append({"step": n, "t": t, "loss": loss[n - 1]})
@@ -228,9 +261,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("adamw-ddp", "AdamW + DDP (fp32 all-reduce)", launch_ddp),
     System("demonet", "demonet coordinator (fp32 values)", _demonet("fp32")),
     System("demonet-sign", "demonet coordinator (1-bit values)", _demonet("sign")),
+    System("demonet-dht", "demonet DHT mode (fp32 values)", _demonet_dht("fp32")),
     System("hivemind", "hivemind.Optimizer (AdamW)", launch_hivemind),
 )}
-"""The systems `demonet bench` compares, by name. A new one (e.g. demonet's DHT mode) is one more entry."""
+"""The systems `demonet bench` compares, by name. A new one is one more entry."""
 
 
 def _sampler(lab: Lab, samples: dict[str, list[tuple[float, int, int]]], stop: threading.Event,
