@@ -14,7 +14,7 @@ import torch
 
 from .payload import Compressed, Payload
 
-__all__ = ["aggregate", "merge_tensor"]
+__all__ = ["aggregate", "clip_to_median_norm", "merge_tensor", "payload_norm"]
 
 _BLOCK_COEFFICIENTS = 2**20  # dense coefficients per merged block (4 MiB per fp32 work buffer)
 
@@ -86,17 +86,60 @@ def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tenso
     return idx_CU, val_CU
 
 
-def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None) -> Payload:
+def payload_norm(payload: Payload) -> float:
+    """The L2 norm of all of a payload's values together, summed in float64 in tensor order."""
+    total = torch.zeros((), dtype=torch.float64)
+    for c in payload.tensors.values():
+        total += c.val.to(torch.float64).square().sum()
+    return float(total.sqrt())
+
+
+def clip_to_median_norm(payloads: Sequence[Payload]) -> tuple[list[Payload], list[float]]:
+    """Scale down every payload whose norm exceeds the median norm of `payloads` to that median.
+
+    Robust aggregation against poisoned but well-formed updates (Templar's median-norm clipping):
+    a peer that scales its payload by 1000 or sends noise of a large norm weighs no more than a
+    typical peer. The median of an even count is the lower middle value, so with two payloads the
+    smaller norm bounds both. Payloads at or below the median are returned as they are (the same
+    objects); a clipped one has its decoded values scaled, in float32, and no encoding scale.
+    Deterministic: the same payloads in the same order give the same bits.
+
+    Returns:
+        (payloads, factors): the clipped payloads and each one's scale factor in (0, 1].
+    """
+    norms = [payload_norm(p) for p in payloads]
+    median = sorted(norms)[(len(norms) - 1) // 2]
+    out: list[Payload] = []
+    factors: list[float] = []
+    for payload, norm in zip(payloads, norms, strict=True):
+        if norm <= median:
+            out.append(payload)
+            factors.append(1.0)
+            continue
+        factor = median / norm
+        tensors = {name: Compressed(idx=c.idx, val=(c.val.float() * factor).to(c.val.dtype), shape=c.shape,
+                                    chunk=c.chunk) for name, c in payload.tensors.items()}
+        out.append(Payload(tensors=tensors, encoding="fp32"))
+        factors.append(factor)
+    return out, factors
+
+
+def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None,
+              clip: bool = False) -> Payload:
     """The round's aggregate: every tensor merged with `merge_tensor`.
 
     A single payload is returned as it is (its own mean; `topk` is meant to be at least the peers'
-    k). `topk`: see `merge_tensor`. All payloads must hold the same tensor names in the same order;
-    a mismatch raises ValueError (the wire layer validates peers' payloads against the model first).
+    k). `topk`: see `merge_tensor`. `clip`: first bound every payload's norm by the round's median
+    norm (`clip_to_median_norm`); off, the payloads are merged as they are. All payloads must hold
+    the same tensor names in the same order; a mismatch raises ValueError (the wire layer validates
+    peers' payloads against the model first).
     """
     if not payloads:
         raise ValueError("aggregate needs at least one payload")
     if len(payloads) == 1:
         return payloads[0]
+    if clip:
+        payloads, _ = clip_to_median_norm(payloads)
     names = list(payloads[0].tensors)
     for payload in payloads[1:]:
         if list(payload.tensors) != names:
