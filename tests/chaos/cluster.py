@@ -170,10 +170,14 @@ class CoordinatorCluster:
         handle.procs.append(proc)
         return proc
 
-    def release(self, proc: subprocess.Popen[bytes]) -> None:
-        """Let a gated peer run `demonet peer`, once it is ready."""
+    def release_ready(self, proc: subprocess.Popen[bytes]) -> None:
+        """Wait until a gated peer has warmed up."""
         name = proc.log_name  # type: ignore[attr-defined]
         self.wait_for(lambda: "gate: ready" in self.log(name), f"{name} to warm up")
+
+    def release(self, proc: subprocess.Popen[bytes]) -> None:
+        """Let a gated peer run `demonet peer`, once it is ready."""
+        self.release_ready(proc)
         assert proc.stdin is not None
         proc.stdin.write(b"go\n")
         proc.stdin.close()
