@@ -74,8 +74,9 @@ class CoordinatorCluster:
 
     mode = "coordinator"
 
-    def __init__(self, lab: netlab.Lab, tmp: Path) -> None:
-        self.lab, self.tmp = lab, tmp
+    def __init__(self, lab: netlab.Lab, tmp: Path, *, prefix: str = "") -> None:
+        self.lab, self.tmp, self.prefix = lab, tmp, prefix  # prefix: of host names, for two runs on one lab
+        tmp.mkdir(parents=True, exist_ok=True)
         self.out = tmp / "out"
         self.env = {**os.environ, "DEMONET_TOKEN": TOKEN}
         self.files: list[IO[bytes]] = []
@@ -106,7 +107,7 @@ class CoordinatorCluster:
         """Write the run config and start the coordinator in its own namespace."""
         (self.tmp / "run.toml").write_text(config)
         self.steps, self.delay_ms, self.start_peers = steps, delay_ms, start_peers
-        self.coord = self.lab.add_host("coord", mbit=coord_mbit)
+        self.coord = self.lab.add_host(f"{self.prefix}coord", mbit=coord_mbit)
         self.start_coordinator()
 
     def start_coordinator(self) -> subprocess.Popen[bytes]:
@@ -139,7 +140,7 @@ class CoordinatorCluster:
         if name in self.peers:
             return self.peers[name].host
         assert self.coord is not None
-        host = self.lab.add_host(name, mbit=mbit)
+        host = self.lab.add_host(f"{self.prefix}{name}", mbit=mbit)
         proxy = host.popen([sys.executable, "-m", "demonet.netlab", "proxy", "--listen", f"127.0.0.1:{PROXY_PORT}",
                             "--target", f"{self.coord.addr}:{PORT}", "--delay-ms", str(self.delay_ms)],
                            stdout=subprocess.PIPE, stderr=self._logfile(f"proxy-{name}"), stdin=subprocess.DEVNULL)
@@ -148,7 +149,7 @@ class CoordinatorCluster:
         return host
 
     def peer(self, name: str, *, mbit: float | None = None, gated: bool = False, extra: Sequence[str] = (),
-             script: str | None = None) -> subprocess.Popen[bytes]:
+             script: str | None = None, script_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         """Start `demonet peer --peer-id name` in the peer's namespace (log <name>[-n].log).
 
         A gated peer imports torch, then waits for `release`; `script` replaces the gate (e.g. a poisoner).
@@ -159,7 +160,7 @@ class CoordinatorCluster:
                 "--threads", "1", "--reconnect-timeout-s", "60", *extra]
         log = name if not handle.procs else f"{name}-{len(handle.procs) + 1}"
         if script is not None:
-            cmd = [sys.executable, "-c", script, *argv]
+            cmd = [sys.executable, "-c", script, *script_args, *argv]
         elif gated:
             cmd = [sys.executable, "-c", GATE, *argv]
         else:
