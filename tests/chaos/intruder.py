@@ -33,6 +33,7 @@ import torch
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.config import load_config
+from demonet.errors import InvalidPayload
 from demonet.model import GPT
 from demonet.optim import DeMo
 
@@ -97,6 +98,7 @@ class Intruder:
         self.codes: Counter[str] = Counter()
         self.peer_id = "intruder"
         self._payload: Any = None
+        self._specs: Any = None
 
     def meta(self, token: str | None = "") -> tuple[tuple[str, str], ...]:
         token = self.token if token == "" else token
@@ -196,7 +198,16 @@ class Intruder:
         x = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_len))
         _, loss = model(x, x)
         loss.backward()
+        self._specs = opt.param_specs()
         return opt.compress()
+
+    def is_valid(self, data: bytes) -> bool:
+        """Whether the coordinator's own checks would take this payload (the fuzzer checks itself)."""
+        try:
+            wire.decode(data, expected=self._specs, max_norm=1e6)
+        except InvalidPayload:
+            return False
+        return True
 
     def parts(self, data: bytes, round: int, digest: str, peer_id: str | None = None) -> list[bytes]:
         return [pb.SubmitPart(peer_id=peer_id or self.peer_id, round=round, param_digest=digest, loss=1.0,
@@ -272,9 +283,10 @@ class Intruder:
         r, digest = st.round, st.param_digest
         good = self.valid_payload(run_config, r)
         for category, data in self.bad_payloads(good):
-            if self.rng.random() < 0.3:  # keep up with the open round, or the refusals would only say "stale"
-                st = await self.status()
-                r, digest = st.round, st.param_digest
+            st = await self.status()  # keep up with the open round, or the refusals would only say "stale"
+            r, digest = st.round, st.param_digest
+            if self.is_valid(data):
+                continue  # a mutation that is still a well-formed payload (a flipped value bit) is not bad input
             if not data:
                 part = pb.PayloadPart(payload_digest=bytes(32), index=0, count=1, total_bytes=0, data=b"")
                 await self.submit(category, [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
@@ -282,6 +294,9 @@ class Intruder:
                 continue
             await self.submit(category, self.parts(data, r, digest))
         # Parts that lie: several peers or rounds in one stream, a wrong count, a part twice.
+        st = await self.status()
+        r, digest = st.round, st.param_digest
+        good = self.valid_payload(run_config, r)
         small = wire.split(good, part_bytes=max(1, len(good) // 3))
         mixed = [pb.SubmitPart(peer_id=self.peer_id if i == 0 else "a", round=r, param_digest=digest,
                                part=pb.PayloadPart.FromString(p)).SerializeToString() for i, p in enumerate(small)]
@@ -351,6 +366,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     run_config = await it.join()
     beats = asyncio.create_task(it.heartbeats())  # stay a member, so payloads reach the decoder
     try:
+        it._payload = await asyncio.to_thread(it._compress, run_config)  # seconds of torch: not in the loop
+        await it.join()  # again (a member's join is idempotent; a dropped one is admitted again)
         await it.payloads(run_config)
         control = await it.replays(run_config)
     finally:
