@@ -19,7 +19,7 @@ def _config(timeout_s: float = 2.0) -> str:
 
 
 def test_a_peer_killed_at_random_points_of_several_rounds_rejoins_and_catches_up(cluster: CoordinatorCluster) -> None:
-    rounds, kills = 120, 3
+    rounds, kills = 70, 3
     rng = random.Random(SEED)
     cluster.start(_config(), steps=rounds, start_peers=3, delay_ms=25)
     # The restarts are warmed up (torch imported) before the run starts, so each enters it at once.
@@ -105,7 +105,7 @@ def test_the_coordinator_killed_and_restarted_mid_run_loses_no_round(cluster: Co
 
 def test_a_partitioned_peer_is_dropped_then_heals_and_catches_up(cluster: CoordinatorCluster) -> None:
     # 25 ms each way: a round takes a few round trips, so the run lasts long enough to heal within it.
-    rounds, cut_rounds = 150, 10
+    rounds, cut_rounds = 100, 10
     cluster.start(_config(), steps=rounds, start_peers=3, delay_ms=25)
     peers = ["a", "b", "c"]
     procs = [cluster.peer(p, mbit=100) for p in peers]

@@ -10,7 +10,7 @@ import time
 
 from tests.chaos.cluster import CoordinatorCluster, loss_fell, report, run_config
 
-ROUNDS = 14
+ROUNDS = 10
 
 
 def test_heterogeneous_links_the_slow_peer_misses_deadlines_without_stalling_the_rest(
@@ -44,7 +44,8 @@ def test_heterogeneous_links_the_slow_peer_misses_deadlines_without_stalling_the
         if round_ > 0:
             assert canonical[round_ - 1][0] == digest, (round_, digest, canonical[round_ - 1])
     # The rounds without the slow peer closed at their deadline, not later: the run was never stalled.
-    round_times = [r["round_time_s"] for r in cluster.rows("fast")]
+    # (Round 0 is left out: it opens only once the last peer has imported torch and joined.)
+    round_times = [r["round_time_s"] for r in cluster.rows("fast")][1:]
     assert max(round_times) < timeout_s + 3.0, round_times
     losses = cluster.mean_losses(by_round, ["fast", "mid"])
     assert loss_fell(losses, margin=0.2), losses
@@ -59,7 +60,7 @@ def test_heterogeneous_links_the_slow_peer_misses_deadlines_without_stalling_the
 def test_a_late_joiner_over_a_slow_link_downloads_the_parameters_while_rounds_go_on(
         cluster: CoordinatorCluster) -> None:
     # The small model's parameters are 475 kB: about 2 s at 2 Mbit/s, within the 4 s round it joins.
-    rounds, timeout_s = 40, 4.0
+    rounds, timeout_s = 30, 4.0
     cluster.start(run_config(round_timeout_s=timeout_s, model="small", heartbeat_interval_s=0.5,
                              heartbeat_timeout_s=6.0), steps=rounds, start_peers=2, delay_ms=10)
     late = cluster.peer("late", mbit=2, gated=True)
@@ -76,7 +77,7 @@ def test_a_late_joiner_over_a_slow_link_downloads_the_parameters_while_rounds_go
     late_rounds = [r["round"] for r in cluster.rows("late")]
     first = late_rounds[0]
     assert late_rounds == list(range(first, rounds)), late_rounds  # in every round from its first on
-    assert first < rounds - 10, first
+    assert first < rounds - 8, first
     loads = cluster.loaded("late")
     assert loads[0][0] == first and len(loads) == 1, loads  # one download, and it was in time
     size = int(re.search(r"parameters of round \d+ loaded \((\d+) bytes", cluster.log("late"))[1])
