@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from typing import IO, Any
 import torch
 from tqdm import tqdm
 
-from . import peer
+from . import health, peer, peer_dht
 from .config import load_config
 from .errors import DemonetError
 from .log import setup_logging
@@ -65,12 +66,18 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     # The coordinator parses its own flags (demonet.coordinator.add_arguments), imported only when run.
     sub.add_parser("coordinator", add_help=False, help="serve a run's rounds over gRPC (--help for its flags)")
-    peer.add_arguments(sub.add_parser("peer", help="train as one peer of a coordinator's run",
-                                      description="Join a coordinator, download its parameters, train its rounds."))
+    peer_parser = sub.add_parser("peer", help="train as one peer of a coordinator's run (or of a DHT run: --dht)",
+                                 description="Join a coordinator, download its parameters, train its rounds; or, "
+                                             "with --dht, meet the other peers on a hivemind DHT.")
+    peer.add_arguments(peer_parser)
+    peer_dht.add_arguments(peer_parser)
     status = sub.add_parser("status", help="print a coordinator's status as JSON")
     status.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     status.add_argument("--token-file", help=f"file holding the run token (default: the {TOKEN_ENV} env var)")
     status.add_argument("--tls-root-cert", help="PEM file to verify a TLS coordinator (default: plaintext)")
+    health.add_arguments(sub.add_parser("health", help="exit 0 if a coordinator's gRPC health service serves",
+                                        description="Ask a coordinator's standard gRPC health service (no "
+                                                    "token needed); exit 0 on SERVING, 1 otherwise."))
     up = sub.add_parser("up", help="a coordinator and N peers on this machine, as processes",
                         description="Start a coordinator and N peers on localhost, show the progress, then "
                                     "write metrics.jsonl, loss.png and summary.json into the run folder.")
@@ -81,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens")
     up.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer (1)")
     up.add_argument("--no-progress", action="store_true", help="no progress bar")
+    up.add_argument("--dht", action="store_true", help="no coordinator: the peers meet on a hivemind DHT on loopback")
     return parser
 
 
@@ -96,9 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "train":
         return _train(args)
     if args.command == "peer":
-        return peer.run(args)
+        return peer_dht.run(args) if args.dht else peer.run(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "health":
+        return health.run(args)
     if args.command == "up":
         return _up(args)
     return 2  # unreachable: argparse requires a command
@@ -245,6 +255,8 @@ def _up(args: argparse.Namespace) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(24)
     env = {**os.environ, TOKEN_ENV: token}  # never on a command line, where `ps` shows it
+    if args.dht:
+        return _up_dht(args, out, env)
     argv = ["coordinator", "--listen", "127.0.0.1:0", "--steps", str(args.steps),
             "--state-dir", str(out / "coordinator"), "--start-peers", str(args.peers)]
     if args.config:
@@ -269,7 +281,12 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         _stop(peers, STOP_GRACE_S)
         _stop([coordinator], STOP_GRACE_S)
-    failed = {c.name: c.proc.returncode for c in (coordinator, *peers)
+    return _finish_run(out, [coordinator], peers, interrupted)
+
+
+def _finish_run(out: Path, services: list[_Child], peers: list[_Child], interrupted: bool) -> int:
+    """Write the run folder's metrics.jsonl, loss.png and summary.json; returns `demonet up`'s exit code."""
+    failed = {c.name: c.proc.returncode for c in (*services, *peers)
               if c.proc.returncode != 0 and not (c.stopped and c.proc.returncode in (-signal.SIGTERM, 0))}
     unfinished = [c.name for c in peers if c.stopped]
     rows = merge_metrics(out)
@@ -282,6 +299,52 @@ def _up(args: argparse.Namespace) -> int:
     if interrupted:
         return 130
     return 1 if failed or unfinished or not rows else 0
+
+
+def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
+    """`demonet up --dht`: N peers on a DHT over loopback; peer-0 starts it, the others bootstrap from it."""
+    logs = out / "logs"
+    argv = ["peer", "--dht", "--run", "up", "--steps", str(args.steps),
+            "--start-peers", str(args.peers), "--out", str(out), "--threads", str(args.threads_per_peer)]
+    if args.config:
+        argv += ["--config", args.config]
+    if args.round_timeout_s:
+        argv += ["--round-timeout-s", str(args.round_timeout_s)]
+    # peer-0 starts the DHT at a multiaddr known in advance (its identity and port chosen here), so
+    # all peers start at once; the others retry until peer-0 answers.
+    from hivemind.p2p import P2P, PeerID
+
+    identity = out / "peer-0.identity"
+    if not identity.exists():
+        P2P.generate_identity(str(identity))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"
+    peers = [_spawn("peer-0", [*argv, "--peer-id", "peer-0", "--identity", str(identity), "--host-maddr",
+                               f"/ip4/127.0.0.1/tcp/{port}"], logs, env)]
+    logger.info("peer-0 starts the DHT at %s; logs in %s", maddr, logs)
+    for i in range(1, args.peers):
+        peers.append(_spawn(f"peer-{i}", [*argv, "--peer-id", f"peer-{i}", "--initial-peers", maddr, "--host-maddr",
+                                          "/ip4/127.0.0.1/tcp/0"], logs, env))
+    interrupted = False
+    bar = tqdm(total=args.steps, disable=args.no_progress or not sys.stderr.isatty(), desc="up --dht", unit="round")
+    try:
+        while True:
+            codes = [c.proc.poll() for c in peers]
+            if any(code not in (None, 0) for code in codes) or all(code == 0 for code in codes):
+                break
+            done = max((len(p.read_text().splitlines()) for p in out.glob("metrics-*.jsonl")), default=0)
+            bar.update(min(done, args.steps) - bar.n)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        interrupted = True
+    except RuntimeError as e:
+        print(f"demonet up: {e}", file=sys.stderr)
+    finally:
+        bar.close()
+        _stop(peers, STOP_GRACE_S)
+    return _finish_run(out, [], peers, interrupted)
 
 
 def _json(obj: Any) -> str:

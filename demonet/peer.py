@@ -52,7 +52,8 @@ def settle(opt: DeMo, payload: Payload, result: RoundResult, peer_id: str) -> No
     if result.aggregate is None:
         opt.restore(payload)
         return
-    opt.restore(payload, kept=result.aggregate if peer_id in result.contributors else None)
+    kept = result.kept if result.kept is not None else result.aggregate
+    opt.restore(payload, kept=kept if peer_id in result.contributors else None)
     opt.apply(result.aggregate)
 
 
@@ -174,6 +175,7 @@ class _Peer:
 
     async def run_round(self, metrics: TextIO) -> bool:
         """Train, submit, apply one round; False when the peer should stop (SIGTERM)."""
+        await self.begin_round()
         t0 = time.perf_counter()
         loss, payload = await asyncio.to_thread(self.train_step)
         compute_s = time.perf_counter() - t0  # the blocking torch work: train_step, then finish_round
@@ -197,7 +199,7 @@ class _Peer:
                 "bytes_down": result.bytes_down, "param_digest": self.digest,
                 "round_time_s": time.perf_counter() - t0, "compute_s": compute_s,
                 "contributors": len(result.contributors), "aborted": result.aborted}
-        if self.digest != result.param_digest:
+        if result.param_digest and self.digest != result.param_digest:
             self._log(logging.WARNING, "digest %s after applying, the coordinator has %s: downloading parameters",
                       self.digest[:12], result.param_digest[:12])
             await self.load_parameters(self.round + 1)
@@ -211,6 +213,9 @@ class _Peer:
         if self.checkpoint_every and self.round % self.checkpoint_every == 0:
             await asyncio.to_thread(self.save_checkpoint)
         return True
+
+    async def begin_round(self) -> None:
+        """Called before each round's training (the coordinator needs nothing then)."""
 
     async def catch_up(self, reason: DemonetError) -> None:
         """Get back in step after the round's payload was refused (the payload is already restored)."""
@@ -328,7 +333,7 @@ async def _rounds(peer: _Peer) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `demonet peer` flags."""
-    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    parser.add_argument("--coordinator", help="HOST:PORT of the coordinator (required without --dht)")
     parser.add_argument("--token-file", help="file holding the run token (default: the DEMONET_TOKEN env var)")
     parser.add_argument("--peer-id", default=f"{socket.gethostname()}-{os.getpid()}",
                         help="this peer's id; the same id resumes its checkpoint (default: HOST-PID)")
@@ -345,6 +350,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `demonet peer` with parsed flags; returns the exit code."""
     try:
+        if not args.coordinator:
+            raise ValueError("--coordinator HOST:PORT is required (or --dht for DHT mode)")
         token = load_token(args.token_file, os.environ)
         root_cert = Path(args.tls_root_cert).read_bytes() if args.tls_root_cert else None
         if args.accumulate < 1:

@@ -31,6 +31,15 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_DUPLICATE: _ClassVar[Refusal]
     REFUSAL_INVALID: _ClassVar[Refusal]
     REFUSAL_RESYNC: _ClassVar[Refusal]
+
+class DhtKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DHT_KIND_UNSPECIFIED: _ClassVar[DhtKind]
+    DHT_KIND_PART: _ClassVar[DhtKind]
+    DHT_KIND_FETCH: _ClassVar[DhtKind]
+    DHT_KIND_PARAMS: _ClassVar[DhtKind]
+    DHT_KIND_REPLY: _ClassVar[DhtKind]
+    DHT_KIND_PING: _ClassVar[DhtKind]
 INDEX_CODING_UNSPECIFIED: IndexCoding
 INDEX_CODING_PACKED: IndexCoding
 INDEX_CODING_ELIAS_FANO: IndexCoding
@@ -48,6 +57,12 @@ REFUSAL_NOT_MEMBER: Refusal
 REFUSAL_DUPLICATE: Refusal
 REFUSAL_INVALID: Refusal
 REFUSAL_RESYNC: Refusal
+DHT_KIND_UNSPECIFIED: DhtKind
+DHT_KIND_PART: DhtKind
+DHT_KIND_FETCH: DhtKind
+DHT_KIND_PARAMS: DhtKind
+DHT_KIND_REPLY: DhtKind
+DHT_KIND_PING: DhtKind
 
 class SparseTensor(_message.Message):
     __slots__ = ("name", "shape", "chunk_h", "chunk_w", "k", "index_coding", "indices", "value_encoding", "values", "scales")
@@ -260,3 +275,33 @@ class StatusReply(_message.Message):
     rounds_aborted: int
     rejected: int
     def __init__(self, round: _Optional[int] = ..., phase: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., submitted: _Optional[int] = ..., seconds_left: _Optional[float] = ..., param_digest: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., last_loss: _Optional[float] = ..., rounds_closed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class DhtMessage(_message.Message):
+    __slots__ = ("run", "round", "sender", "kind", "slice", "num_slices", "members_digest", "contributors", "data", "last", "error", "sent_at", "mac")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLICES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    round: int
+    sender: str
+    kind: DhtKind
+    slice: int
+    num_slices: int
+    members_digest: str
+    contributors: _containers.RepeatedScalarFieldContainer[str]
+    data: bytes
+    last: bool
+    error: str
+    sent_at: float
+    mac: bytes
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., kind: _Optional[_Union[DhtKind, str]] = ..., slice: _Optional[int] = ..., num_slices: _Optional[int] = ..., members_digest: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., data: _Optional[bytes] = ..., last: bool = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., mac: _Optional[bytes] = ...) -> None: ...

@@ -13,7 +13,7 @@ reference's three transforms per step and makes `restore` an exact scatter-add.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ class _Slot:
     param: torch.Tensor
     name: str
     index: int  # position in the optimizer's param order (state_dict key)
+    shape: tuple[int, ...]  # of the local tensor: a sharded (DTensor) parameter's own shard
     rows: int
     cols: int
     start: int
@@ -94,6 +95,10 @@ class DeMo(torch.optim.Optimizer):
         bucket_cap_mb: blocks are transformed in buckets of at most this size (a larger tensor gets
             a bucket of its own); scratch memory is three buckets. 4 MiB keeps a bucket's passes in
             a CPU's last-level cache.
+        chunks: an explicit (h, w) chunk per parameter name, instead of `chunk_policy` on its shape.
+            A sharded parameter (a DTensor, e.g. under FSDP2's ``fully_shard``) is optimized on its
+            local shard (``to_local()``); giving it the whole parameter's chunk keeps the shard's
+            blocks exactly the whole parameter's blocks when the shard is a whole number of chunks.
     """
 
     # The drop-in signature is fixed by the reference; the extras are keyword-only.
@@ -101,9 +106,13 @@ class DeMo(torch.optim.Optimizer):
                  compression_topk: int = 32, compression_chunk: int = 64, weight_decay: float = 0.0,
                  process_group: Any = None, *, base: str = "sign", alpha: float = 1.0, encoding: str = "fp32",
                  chunk_policy: str = "reference", betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 bucket_cap_mb: float = 4.0) -> None:
+                 bucket_cap_mb: float = 4.0, chunks: Mapping[str, tuple[int, int]] | None = None) -> None:
         _check_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay, base, alpha,
                     encoding, chunk_policy, betas, eps, bucket_cap_mb)
+        for name, hw in (chunks or {}).items():
+            if len(hw) != 2 or not all(isinstance(x, int) and x > 0 for x in hw):
+                raise ValueError(f"chunks[{name!r}] should be two positive ints (h, w), got {hw!r}")
+        self._chunks = dict(chunks or {})
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.compression_decay = compression_decay
         self.compression_topk = compression_topk
@@ -138,15 +147,16 @@ class DeMo(torch.optim.Optimizer):
                 name = names[pi] if names else str(index)
                 if name in self._bucket_of:
                     raise ValueError(f"parameter name {name!r} appears twice")
-                rows, cols = matrix_shape(tuple(p.shape))
-                h, w = chunk_shape(rows, cols, self.compression_chunk, self.chunk_policy)
-                num_blocks = num_chunks(tuple(p.shape), (h, w))
+                shape = tuple(_local(p).shape)
+                rows, cols = matrix_shape(shape)
+                h, w = self._chunks.get(name) or chunk_shape(rows, cols, self.compression_chunk, self.chunk_policy)
+                num_blocks = num_chunks(shape, (h, w))
                 key = (gi, h, w, p.device, _momentum_dtype(p.dtype))
                 bucket = open_buckets.get(key)
                 if bucket is None or (bucket.num_blocks + num_blocks) * h * w > self._bucket_cap:
                     bucket = open_buckets[key] = _Bucket(group=gi, h=h, w=w)
                     self._buckets.append(bucket)
-                slot = _Slot(p, name, index, rows, cols, bucket.num_blocks, bucket.num_blocks + num_blocks)
+                slot = _Slot(p, name, index, shape, rows, cols, bucket.num_blocks, bucket.num_blocks + num_blocks)
                 bucket.slots.append(slot)
                 bucket.num_blocks += num_blocks
                 self._slots.append(slot)
@@ -191,8 +201,7 @@ class DeMo(torch.optim.Optimizer):
 
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
         """Each payload tensor's (shape, chunk), by name: what a valid payload for this model holds."""
-        return {s.name: (tuple(s.param.shape), (self._bucket_of[s.name].h, self._bucket_of[s.name].w))
-                for s in self._slots}
+        return {s.name: (s.shape, (self._bucket_of[s.name].h, self._bucket_of[s.name].w)) for s in self._slots}
 
     @torch.no_grad()
     def compress(self) -> Payload:
@@ -212,6 +221,7 @@ class DeMo(torch.optim.Optimizer):
             dst, src = [], []  # gradients that tile exactly: one batched copy per bucket
             for slot in bucket.slots:
                 grad, x_CHW = slot.param.grad, x_BHW[slot.start:slot.stop]
+                grad = None if grad is None else _local(grad)
                 if grad is None:
                     x_CHW.zero_()
                     continue
@@ -238,7 +248,7 @@ class DeMo(torch.optim.Optimizer):
                 sent_CK, scale = quantize(val_CK, self.encoding)
                 if not exact:
                     m_BN[slot.start:slot.stop].scatter_add_(1, idx_CK, sent_CK * -self.alpha)
-                out[slot.name] = Compressed(idx=idx_CK, val=sent_CK, shape=tuple(slot.param.shape),
+                out[slot.name] = Compressed(idx=idx_CK, val=sent_CK, shape=slot.shape,
                                             chunk=(bucket.h, bucket.w), scale=scale)
         return Payload(tensors={s.name: out[s.name] for s in self._slots}, encoding=self.encoding)
 
@@ -252,10 +262,10 @@ class DeMo(torch.optim.Optimizer):
             c = payload.tensors[slot.name]
             bucket = self._bucket_of[slot.name]
             rows = slot.stop - slot.start
-            if (c.shape != tuple(slot.param.shape) or c.chunk != (bucket.h, bucket.w)
+            if (c.shape != slot.shape or c.chunk != (bucket.h, bucket.w)
                     or c.idx.shape != c.val.shape or c.idx.dim() != 2 or c.idx.shape[0] != rows):
                 raise ValueError(f"payload tensor {slot.name!r} has shape {c.shape}, chunk {c.chunk}, "
-                                 f"entries {tuple(c.idx.shape)}; expected {tuple(slot.param.shape)}, "
+                                 f"entries {tuple(c.idx.shape)}; expected {slot.shape}, "
                                  f"{(bucket.h, bucket.w)}, ({rows}, K)")
 
     @torch.no_grad()
@@ -275,11 +285,12 @@ class DeMo(torch.optim.Optimizer):
                 u_BHW.sign_()
             elif self.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)
+            locals_ = [_local(slot.param) for slot in bucket.slots]
             if wd != 0.0:
-                torch._foreach_mul_([slot.param for slot in bucket.slots], 1.0 - lr * wd)
+                torch._foreach_mul_(locals_, 1.0 - lr * wd)
             params, updates = [], []  # parameters that tile exactly: one batched add per bucket
-            for slot in bucket.slots:
-                p, u_CHW = slot.param, u_BHW[slot.start:slot.stop]
+            for slot, p in zip(bucket.slots, locals_, strict=True):
+                u_CHW = u_BHW[slot.start:slot.stop]
                 p_blocks = block_view(p.view(slot.rows, slot.cols), bucket.h, bucket.w) if p.is_contiguous() else None
                 if p_blocks is not None:
                     params.append(p_blocks)
@@ -400,6 +411,17 @@ class DeMo(torch.optim.Optimizer):
                     view.copy_(entries[key]) if key in entries else view.zero_()
             if "step" in entries:
                 self.state[slot.param]["step"] = entries["step"].detach().clone().float().cpu()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor DeMo reads and writes: a DTensor's local shard (duck-typed: no torch.distributed
+    import), or the tensor itself. Under no_grad the shard shares the parameter's storage."""
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return t
+    with torch.no_grad():
+        local: torch.Tensor = to_local()
+    return local
 
 
 def _momentum_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -25,12 +25,15 @@ class RoundResult:
     contributors: tuple[str, ...]
     """Peers whose payloads are in the aggregate."""
     param_digest: str
-    """The canonical parameter digest after applying the aggregate."""
+    """The canonical parameter digest after applying the aggregate ("" in DHT mode: checked at the next round)."""
     aborted: bool
     bytes_up: int
     """Bytes of this peer's serialized payload."""
     bytes_down: int
     """Bytes of the serialized aggregate (0 when aborted)."""
+    kept: Payload | None = None
+    """What of this peer's payload the aggregate holds, when that is not simply the aggregate (DHT mode:
+    a slice merged without this payload); None: the aggregate."""
 
 
 class Gatherer(Protocol):

@@ -1,0 +1,102 @@
+"""Benchmark: DHT mode next to coordinator mode, with `demonet up` and `demonet up --dht` on loopback.
+
+For N in --peers-list (2, 4, 8), one after the other in the same run, it runs `demonet up --peers N
+--steps S` (a coordinator and N peers over gRPC) and `demonet up --dht --peers N --steps S` (N peers
+on a hivemind DHT, payload slices over libp2p streams, no coordinator), and prints per mode and N
+the median round time, the median slowest peer's compute per round, their ratio (the round
+overhead), the bytes up and down per peer per round and their ratio, and whether every round's
+digests agreed (`bench/round_overhead.py` measures the same way; round 0 is left out). Goals:
+- DHT mode: per-peer download at most 2x upload at 8 peers;
+- DHT mode's round overhead comparable to coordinator mode's (the ratio of the two is printed).
+Run from the repo root: `python bench/dht_round.py`. Prints a table; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from round_overhead import measure  # noqa: E402  (a sibling script, not a package)
+
+GOAL_DOWN_UP = 2.0
+GOAL_PEERS = 8
+
+
+def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool) -> tuple[int, float, str]:
+    """`demonet up [--dht]` with N peers; returns (exit code, wall seconds, the tail of its stderr)."""
+    cmd = [sys.executable, "-m", "demonet.cli", "up", "--peers", str(peers), "--steps", str(steps), "--out",
+           str(out), "--no-progress", *(["--dht"] if dht else [])]
+    if config:
+        cmd += ["--config", config]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers-list", default="2,4,8", help="peer counts, comma-separated (2,4,8)")
+    parser.add_argument("--steps", type=int, default=30, help="rounds per run (30)")
+    parser.add_argument("--config", help="TOML run config (default: the embedded default model)")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
+
+    import torch
+
+    print(f"# DHT mode vs coordinator mode: `demonet up [--dht]`, {args.steps} rounds, "
+          f"{'config ' + args.config if args.config else 'the embedded default model'} (torch {torch.__version__})")
+    print(f"# All peers share this machine's {os.cpu_count()} cores, one torch thread each; the modes alternate per N.")
+    print()
+    print("| mode | peers | round s (median) | slowest compute s | round / compute | up B/peer/round "
+          "| down B/peer/round | down / up | digests agree | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    results: dict[tuple[str, int], dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="dht_round-") as tmp:
+        for n in counts:
+            for mode in ("coordinator", "dht"):
+                out = Path(tmp) / f"{mode}-{n}"
+                code, wall, err = run_up(n, args.steps, args.config, out, dht=mode == "dht")
+                metrics = out / "metrics.jsonl"
+                rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+                if code != 0 or not rows:
+                    print(f"| {mode} | {n} | exited with {code}, {len(rows)} rows | | | | | | | {wall:.0f} |")
+                    print(err, file=sys.stderr)
+                    continue
+                m = results[(mode, n)] = measure(rows)
+                print(f"| {mode} | {n} | {m['round_s']:.3f} | {m['slowest_s']:.3f} | {m['overhead_slowest']:.2f}x "
+                      f"| {m['up']:,.0f} | {m['down']:,.0f} | {m['down_up']:.2f}x | {'yes' if m['agree'] else 'NO'} "
+                      f"| {wall:.0f} |", flush=True)
+
+    print()
+    print("## goals")
+    at = results.get(("dht", GOAL_PEERS))
+    if at:
+        verdict = "met" if at["down_up"] <= GOAL_DOWN_UP else "NOT met"
+        print(f"DHT mode: download <= {GOAL_DOWN_UP}x upload per peer at {GOAL_PEERS} peers: {verdict} "
+              f"({at['down_up']:.2f}x)")
+    else:
+        print(f"DHT mode: download <= {GOAL_DOWN_UP}x upload at {GOAL_PEERS} peers: NOT met (not measured)")
+    downs = {n: results[("dht", n)]["down"] for n in counts if ("dht", n) in results}
+    if len(downs) > 1:
+        first, last = min(downs), max(downs)
+        print(f"DHT mode: per-peer download {downs[first]:,.0f} B at {first} peers, {downs[last]:,.0f} B at {last} "
+              f"peers ({downs[last] / downs[first]:.2f}x for {last / first:.0f}x the peers)")
+    for n in counts:
+        c, d = results.get(("coordinator", n)), results.get(("dht", n))
+        if c and d:
+            print(f"round overhead at {n} peers: DHT {d['overhead_slowest']:.2f}x, coordinator "
+                  f"{c['overhead_slowest']:.2f}x (round time DHT / coordinator {d['round_s'] / c['round_s']:.2f}x)")
+    if not all(m["agree"] for m in results.values()):
+        print("digests: some round's peers disagreed (see the table)")
+
+
+if __name__ == "__main__":
+    main()

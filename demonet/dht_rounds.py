@@ -1,0 +1,229 @@
+"""DHT mode without a coordinator: the pure logic every peer runs identically. No network, no asyncio.
+
+Membership freeze (who is in a round), the majority digest, the slice plan of the sparse
+reduce-scatter, the parameter ranges a joiner loads from several donors, and the HMAC of the run
+token. Imports the math layer's dataclasses and torch; the transport (demonet.transport.dht) calls these.
+
+Shape legend: R = rows (chunks) of one tensor inside a slice, K = entries per row, U = merged entries per row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .optim import Compressed, Payload
+from .optim.payload import num_chunks
+
+__all__ = ["Announcement", "Frozen", "SlicePlan", "freeze", "majority_digest", "members_digest", "param_ranges",
+           "sign", "verify"]
+
+Specs = Mapping[str, tuple[tuple[int, ...], tuple[int, int]]]
+"""Parameter name -> (shape, chunk), in the optimizer's order (`DeMo.param_specs()`)."""
+
+
+# -- authentication ------------------------------------------------------------------------------------
+
+
+def sign(token: bytes, data: bytes) -> bytes:
+    """HMAC-SHA256 of `data` keyed by the run token (32 bytes). The token itself never travels."""
+    return hmac.new(token, data, hashlib.sha256).digest()
+
+
+def verify(token: bytes, data: bytes, mac: bytes) -> bool:
+    """Whether `mac` is `sign(token, data)` (constant-time comparison)."""
+    return hmac.compare_digest(sign(token, data), mac)
+
+
+# -- membership ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """A peer's record under a round's member key: it has its payload and is ready to exchange."""
+
+    peer_id: str
+    t: float
+    """DHT time at which it announced."""
+    digest: str
+    """Its parameter digest at the start of the round."""
+    address: str = ""
+    """Its libp2p peer id (where to send parts and fetch slices)."""
+    client: bool = False
+    """A peer in client mode (behind NAT): it cannot be dialed, so it owns no slice and donates nothing."""
+
+
+@dataclass(frozen=True)
+class Frozen:
+    """A round's frozen membership."""
+
+    deadline: float
+    """DHT time of the freeze: announcements at or before it are members."""
+    members: tuple[str, ...]
+    """Sorted peer ids."""
+    complete: bool
+    """Every expected peer announced before the timeout (False: some were dropped at the deadline)."""
+    settled: bool
+    """Final as soon as seen (every expected peer is in); otherwise final once read after deadline + latency."""
+
+
+def freeze(announced: Mapping[str, Announcement], *, expected: Iterable[str] | None, start_peers: int,
+           window_s: float) -> Frozen | None:
+    """The membership of a round from its announcements; the same on every peer that sees the same records.
+
+    With `expected` (the previous round's members plus the joiners admitted for this round), the
+    round is complete once all of them announced: its members are exactly them, decided as soon as
+    a peer sees their records. Without (the first round), it is complete once `start_peers` peers
+    announced, however long that takes (deadline inf until then). Otherwise it freezes `window_s`
+    after the first announcement with whoever announced by then. Every answer but an
+    expected-complete one is final only when read once the DHT time is past `deadline` plus the
+    store latency the caller allows (records stored before the deadline are visible by then):
+    `Frozen.settled` says which.
+
+    Returns:
+        None when nobody has announced yet.
+    """
+    if not announced:
+        return None
+    times = sorted(a.t for a in announced.values())
+    timeout_at = times[0] + window_s
+    if expected is not None:
+        want = set(expected)
+        if want and want <= set(announced):
+            complete_at = max(announced[p].t for p in want)
+            if complete_at <= timeout_at:
+                return Frozen(deadline=complete_at, members=tuple(sorted(want)), complete=True, settled=True)
+    elif len(times) >= start_peers:
+        complete_at = times[start_peers - 1]
+        members = tuple(sorted(p for p, a in announced.items() if a.t <= complete_at))
+        return Frozen(deadline=complete_at, members=members, complete=True, settled=False)
+    else:  # the first round waits for its start_peers (the caller bounds the wait)
+        return Frozen(deadline=math.inf, members=(), complete=False, settled=False)
+    members = tuple(sorted(p for p, a in announced.items() if a.t <= timeout_at))
+    return Frozen(deadline=timeout_at, members=members, complete=False, settled=False)
+
+
+def majority_digest(digests: Mapping[str, str]) -> str:
+    """The parameter digest most members hold (ties: the smallest), which every peer picks the same."""
+    counts = Counter(digests.values())
+    best = max(counts.values())
+    return min(d for d, c in counts.items() if c == best)
+
+
+def members_digest(members: Sequence[str]) -> str:
+    """A short digest of a sorted member list: parts cut for another list are refused."""
+    return hashlib.sha256("\n".join(members).encode()).hexdigest()[:16]
+
+
+# -- the sparse reduce-scatter ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Piece:
+    name: str
+    lo: int
+    hi: int
+
+
+class SlicePlan:
+    """All payload rows (chunks) of the model, in the optimizer's order, cut into `n` contiguous slices.
+
+    Slice `s` holds global rows [s*T//n, (s+1)*T//n). Within a slice, the rows of one tensor travel
+    as a tensor named ``name@lo`` of shape ``(rows*h, w)`` and chunk ``(h, w)``, so the wire format
+    carries and validates them like any payload.
+    """
+
+    def __init__(self, specs: Specs, n: int) -> None:
+        self.specs = dict(specs)
+        rows = {name: num_chunks(shape, chunk) for name, (shape, chunk) in self.specs.items()}
+        total = sum(rows.values())
+        if n < 1:
+            raise ValueError("a slice plan needs n >= 1")
+        self.n = min(n, max(total, 1))
+        bounds = [s * total // self.n for s in range(self.n + 1)]
+        self.slices: list[list[_Piece]] = [[] for _ in range(self.n)]
+        start = 0
+        for name, count in rows.items():
+            for s in range(self.n):
+                lo, hi = max(start, bounds[s]), min(start + count, bounds[s + 1])
+                if lo < hi:
+                    self.slices[s].append(_Piece(name, lo - start, hi - start))
+            start += count
+
+    def slice_specs(self, s: int) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
+        """What a valid message for slice `s` holds: synthetic name -> (shape, chunk)."""
+        out = {}
+        for piece in self.slices[s]:
+            h, w = self.specs[piece.name][1]
+            out[f"{piece.name}@{piece.lo}"] = ((piece.hi - piece.lo) * h, w), (h, w)
+        return out
+
+    def cut(self, payload: Payload, s: int) -> Payload:
+        """The rows of `payload` (a full one, in the model's layout) that slice `s` holds."""
+        tensors = {}
+        for piece in self.slices[s]:
+            c = payload.tensors[piece.name]
+            h, w = c.chunk
+            scale = c.scale
+            if scale is not None and scale.dim() == 2:  # (C, 1): per-row scales travel with their rows
+                scale = scale[piece.lo:piece.hi]
+            tensors[f"{piece.name}@{piece.lo}"] = Compressed(
+                idx=c.idx[piece.lo:piece.hi], val=c.val[piece.lo:piece.hi],  # (R, K)
+                shape=((piece.hi - piece.lo) * h, w), chunk=(h, w), scale=scale)
+        return Payload(tensors=tensors, encoding=payload.encoding)
+
+    def join(self, merged: Sequence[Payload | None]) -> Payload:
+        """The full aggregate from every slice's merged payload (None: a slice nobody could deliver).
+
+        Rows of a missing slice hold no entries. Rows are padded to one width per tensor by
+        repeating their first index with value 0, as `aggregate` pads; values are plain floats.
+        """
+        rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in self.specs}
+        for s, pieces in enumerate(self.slices):
+            part = merged[s]
+            for piece in pieces:
+                if part is None:
+                    empty_R1 = torch.zeros(piece.hi - piece.lo, 1, dtype=torch.int64)
+                    rows[piece.name].append((empty_R1, torch.zeros(empty_R1.shape, dtype=torch.float32)))
+                else:
+                    c = part.tensors[f"{piece.name}@{piece.lo}"]
+                    rows[piece.name].append((c.idx, c.val.float()))
+        tensors = {}
+        for name, (shape, chunk) in self.specs.items():
+            width = max(idx.shape[1] for idx, _ in rows[name])
+            idx_parts, val_parts = [], []
+            for idx_RU, val_RU in rows[name]:
+                pad = width - idx_RU.shape[1]
+                if pad:
+                    idx_RU = torch.cat([idx_RU, idx_RU[:, :1].expand(-1, pad)], dim=1)  # (R, width)
+                    val_RU = torch.cat([val_RU, torch.zeros(val_RU.shape[0], pad, dtype=val_RU.dtype)], dim=1)
+                idx_parts.append(idx_RU)
+                val_parts.append(val_RU)
+            tensors[name] = Compressed(idx=torch.cat(idx_parts), val=torch.cat(val_parts), shape=shape, chunk=chunk)
+        return Payload(tensors=tensors, encoding="fp32")
+
+
+def param_ranges(sizes: Sequence[tuple[str, int]], n: int) -> list[list[str]]:
+    """Cut parameter names (in order, with their byte sizes) into at most `n` contiguous ranges of similar bytes.
+
+    A joiner loads each range from a different donor, so no single donor serves the whole model.
+    """
+    if not sizes:
+        return []
+    n = max(1, min(n, len(sizes)))
+    total = sum(size for _, size in sizes)
+    ranges: list[list[str]] = [[]]
+    done = 0
+    for i, (name, size) in enumerate(sizes):
+        names_left, ranges_left = len(sizes) - i, n - len(ranges)
+        if ranges[-1] and ranges_left and (done >= len(ranges) * total / n or names_left <= ranges_left):
+            ranges.append([])
+        ranges[-1].append(name)
+        done += size
+    return ranges

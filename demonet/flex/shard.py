@@ -1,0 +1,272 @@
+"""FlexDeMo inside a node: the model fully sharded with FSDP2 over the node's ranks, DeMo on each shard.
+
+Service layer: torch.distributed (FSDP2, DTensor, checkpoint), the model, the data and the math layer;
+no network transport. Every rank's shard of a parameter is a whole number of DeMo chunks (checked by
+`chunk_plan`), so a node's payload is its ranks' payload rows concatenated in rank order: exactly the
+payload an unsharded DeMo would compute on the whole parameters with the node's mean gradient.
+
+Shape legend: C = chunks of one tensor, K = entries per chunk, N = h * w coefficients per chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from ..config import Config
+from ..data import Batches, load_corpus, split
+from ..digest import param_digest
+from ..model import GPT
+from ..optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
+from ..optim.payload import num_chunks
+
+__all__ = ["FlexTrainer", "chunk_plan", "join_shards", "local_rows", "state_bytes"]
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEYS = ("momentum", "exp_avg", "exp_avg_sq")
+
+
+def chunk_plan(named_shapes: Iterable[tuple[str, tuple[int, ...]]], *, ranks: int, target: int,
+               policy: str) -> dict[str, tuple[int, int]]:
+    """Each parameter's (h, w) chunk: the unsharded rule on the whole shape, the same on every node.
+
+    FSDP2 shards dim 0: the rows of a matrix view, the columns of a 1-D tensor (a 1 x n view).
+    With `ranks` shards that dimension must split evenly into whole chunks, so no chunk straddles
+    two ranks and DTensor's even sharding of the momentum matches the blocks.
+
+    Raises:
+        ValueError: a parameter cannot be cut that way (names it, with what would fit).
+    """
+    plan = {}
+    for name, shape in named_shapes:
+        rows, cols = matrix_shape(shape)
+        h, w = chunk_shape(rows, cols, target, policy)
+        if ranks > 1:
+            if len(shape) == 0:
+                raise ValueError(f"parameter {name!r} is a scalar: FSDP cannot shard it over {ranks} ranks")
+            side = h if len(shape) >= 2 else w
+            if shape[0] % ranks or (shape[0] // ranks) % side:
+                raise ValueError(
+                    f"parameter {name!r} of shape {shape}: dim 0 ({shape[0]}) should split into {ranks} "
+                    f"shards of whole DeMo chunks of {side} (chunk {(h, w)}); pick a compression_chunk or a "
+                    f"model width for which {shape[0]} / {ranks} is a multiple of the chunk side")
+        plan[name] = (h, w)
+    return plan
+
+
+def local_rows(c: Compressed, rank: int, ranks: int, local_shape: tuple[int, ...]) -> Compressed:
+    """Shard `rank`'s rows of a whole parameter's `Compressed` (an aggregate), as its DeMo expects them."""
+    rows = num_chunks(local_shape, c.chunk)
+    if c.idx.shape[0] != rows * ranks:
+        raise ValueError(f"aggregate has {c.idx.shape[0]} chunks, expected {rows} x {ranks} shards")
+    scale = c.scale[rank * rows:(rank + 1) * rows] if c.scale is not None and c.scale.dim() == 2 else c.scale
+    return Compressed(idx=c.idx[rank * rows:(rank + 1) * rows], val=c.val[rank * rows:(rank + 1) * rows],
+                      shape=local_shape, chunk=c.chunk, scale=scale)
+
+
+def join_shards(shards: list[Payload], full_shapes: Mapping[str, tuple[int, ...]]) -> Payload:
+    """The node's payload: each tensor's rows from every rank, in rank order, with its whole shape.
+
+    Raises:
+        ValueError: an encoding with one scale per tensor (fp16): the ranks' scales differ.
+    """
+    encoding = shards[0].encoding
+    if encoding == "fp16":
+        raise ValueError("FlexDeMo nodes send fp32, bf16, int8 or sign values: fp16 has one scale per "
+                         "tensor, and a node's shards have one each")
+    tensors = {}
+    for name, shape in full_shapes.items():
+        parts = [s.tensors[name] for s in shards]
+        scales = [p.scale for p in parts if p.scale is not None]
+        scale = torch.cat(scales) if scales else None
+        tensors[name] = Compressed(idx=torch.cat([p.idx for p in parts]), val=torch.cat([p.val for p in parts]),
+                                   shape=shape, chunk=parts[0].chunk, scale=scale)
+    return Payload(tensors=tensors, encoding=encoding)
+
+
+def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's parameter and optimizer-state bytes (local shards only)."""
+    reshard = getattr(model, "reshard", None)
+    if reshard is not None:  # an FSDP module: count the shards, not whole tensors it swapped in
+        reshard()
+    params = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    state = 0
+    for entries in opt.state.values():
+        for value in entries.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state += _local(value).numel() * value.element_size()
+    return {"param_bytes": params, "state_bytes": state}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FlexTrainer:
+    """One rank's share of a node: its shard of the FSDP2 model, its DeMo and its data stream.
+
+    Args:
+        cfg: the run (model, optimizer, batch size).
+        mesh: the node's ranks, a 1-D mesh: parameters and momentum are sharded over it.
+        data_seed, data_rank, data_world: this rank's data stream (`demonet.data.Batches`).
+        device: where the shard lives.
+    """
+
+    def __init__(self, cfg: Config, mesh: DeviceMesh, *, data_seed: int, data_rank: int, data_world: int,
+                 device: torch.device) -> None:
+        o = cfg.optim
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.group = mesh.get_group()
+        self.rank, self.ranks = mesh.get_local_rank(), mesh.size()
+        torch.manual_seed(cfg.train.seed)  # every rank and node starts from the same weights
+        self.model = GPT(cfg.model).to(device)
+        self.full_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
+        self.chunks = chunk_plan(self.full_shapes.items(), ranks=self.ranks, target=o.compression_chunk,
+                                 policy=o.chunk_policy)
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.opt = DeMo(self.model.named_parameters(), lr=o.lr, compression_decay=o.compression_decay,
+                        compression_topk=o.compression_topk, compression_chunk=o.compression_chunk,
+                        weight_decay=o.weight_decay, base=o.base, alpha=o.alpha, encoding=o.encoding,
+                        chunk_policy=o.chunk_policy, chunks=self.chunks)
+        self.local_shapes = {name: shape for name, (shape, _) in self.opt.param_specs().items()}
+        train_data, _ = split(load_corpus(cfg.train.corpus or None))
+        self.batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
+                               seed=data_seed, rank=data_rank, world=data_world)
+        self.step = 0
+
+    def train_step(self) -> tuple[float, Payload]:
+        """Forward and backward on this rank's batch (FSDP reduce-scatters the mean gradient inside
+        the node), then compress this rank's shard. Returns (this rank's loss, its payload)."""
+        x_BT, y_BT = next(self.batches)
+        _, loss = self.model(x_BT.to(self.device), y_BT.to(self.device))
+        assert loss is not None
+        loss.backward()
+        payload = self.opt.compress()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.detach()), payload
+
+    def local_aggregate(self, aggregate: Payload) -> Payload:
+        """This rank's rows of a whole-parameter aggregate."""
+        return Payload(tensors={name: local_rows(c, self.rank, self.ranks, self.local_shapes[name])
+                                for name, c in aggregate.tensors.items()}, encoding=aggregate.encoding)
+
+    def sharded_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, DTensor) pairs. FSDP swaps in whole tensors while a module is unsharded (the root
+        stays so after a forward without backward, e.g. an evaluation): reshard first."""
+        self.model.reshard()  # type: ignore[operator]
+        return list(self.model.named_parameters())
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        """The whole parameters on every rank of the node (an all_gather of the shards, in name order)."""
+        out = {}
+        for name, p in self.sharded_params():
+            local = _local(p.detach()).contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.ranks)]
+            dist.all_gather(parts, local, group=self.group)
+            out[name] = torch.cat(parts).cpu()
+        return out
+
+    def digest(self) -> str:
+        """`demonet.digest.param_digest` of the whole parameters, on local rank 0 ("" elsewhere).
+
+        The shards are gathered to rank 0 one parameter at a time, so only one whole tensor is
+        ever held there (every rank calls this).
+        """
+        dst = dist.get_global_rank(self.group, 0)
+
+        def whole() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, p in self.sharded_params():
+                local = _local(p.detach()).contiguous()
+                parts = [torch.empty_like(local) for _ in range(self.ranks)] if self.rank == 0 else None
+                dist.gather(local, parts, dst=dst, group=self.group)
+                if parts is not None:
+                    yield name, torch.cat(parts)
+
+        if self.rank == 0:
+            return param_digest(whole())
+        for _ in whole():
+            pass
+        return ""
+
+    def load_full(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Set the parameters from whole tensors every rank holds (e.g. downloaded, then broadcast)."""
+        with torch.no_grad():
+            for name, p in self.sharded_params():
+                full = tensors[name]
+                if tuple(full.shape) != self.full_shapes[name]:
+                    raise ValueError(f"{name}: shape {tuple(full.shape)}, expected {self.full_shapes[name]}")
+                rows = full.shape[0] // self.ranks
+                _local(p).copy_(full[self.rank * rows:(self.rank + 1) * rows])
+
+    # -- checkpoints: one folder per node, written by its ranks together (DCP over the node's group) --
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """Parameters (FSDP's DTensors) and the optimizer state as DTensors sharded like them.
+
+        DeMo keeps a parameter's state in block layout (chunks, h * w); its shard holds a contiguous
+        range of the blocks, so the momentum of the whole node is a DTensor sharded on dim 0.
+        """
+        optim: dict[str, Any] = {}
+        for name, p in self.sharded_params():
+            entries = self.opt.state[p]
+            for key in _STATE_KEYS:
+                if key in entries:
+                    optim[f"{name}.{key}"] = DTensor.from_local(entries[key], self.mesh, [Shard(0)], run_check=False)
+            if "step" in entries:
+                optim[f"{name}.step"] = entries["step"]
+        # The data stream is per rank: each rank's position is an entry of its own.
+        return {"model": get_model_state_dict(self.model), "optim": optim,
+                f"data{self.rank}": self.batches.state_dict(), "step": torch.tensor(self.step)}
+
+    def save(self, folder: Path) -> None:
+        """Write this node's checkpoint (every rank of the node calls it).
+
+        The ranks write a fresh folder next to it, which then replaces the old one: a crash midway
+        leaves the previous checkpoint whole.
+        """
+        state = self._dcp_state()
+        tmp, old = folder.with_name(folder.name + ".tmp"), folder.with_name(folder.name + ".old")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier(group=self.group)
+        dcp_save(state, storage_writer=FileSystemWriter(tmp), process_group=self.group)
+        if self.rank == 0:  # dcp.save returns on rank 0 once every rank's files and the metadata are written
+            shutil.rmtree(old, ignore_errors=True)
+            if folder.exists():
+                os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier(group=self.group)
+
+    def load(self, folder: Path) -> None:
+        """Resume from `save`'s folder: parameters, momentum (and Adam moments), data stream, step."""
+        state = self._dcp_state()
+        dcp_load(state, checkpoint_id=os.fspath(folder), process_group=self.group)
+        set_model_state_dict(self.model, state["model"])
+        with torch.no_grad():
+            for name, p in self.sharded_params():
+                entries = self.opt.state[p]
+                for key in _STATE_KEYS:
+                    if key in entries:
+                        entries[key].copy_(_local(state["optim"][f"{name}.{key}"]))
+                if "step" in entries:
+                    entries["step"] = state["optim"][f"{name}.step"].clone()
+        self.batches.load_state_dict(state[f"data{self.rank}"])
+        self.step = int(state["step"])

@@ -1,0 +1,240 @@
+"""DHT mode with real processes: hivemind DHT nodes and libp2p streams on loopback, no coordinator.
+
+- `demonet up --dht`: three peer processes train a run whose digests agree every round, and write
+  the same run folder as coordinator mode.
+- Faults in one run (starting hivemind processes is what costs here): a peer SIGKILLed (with its
+  DHT and p2pd processes) while the others carry on; a late joiner in client mode (as behind NAT)
+  that loads the parameters from several donors and is in sync from its first round; a peer with a
+  wrong run token kept out.
+- In one process: the records and the stream messages of a wrong-token node are refused.
+
+Every peer runs in its own session, and the test kills each session's process group (the peer,
+its DHT process and its p2pd) by id at the end, also when it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+from tests.integration.common import tiny_config
+
+pytest.importorskip("hivemind")
+pytestmark = pytest.mark.slow
+
+TOKEN = "dht-test-token"
+WAIT_S = 90.0
+"""Bound of every wait in these tests (starting a peer, torch and a p2pd daemon, takes seconds on a busy CPU)."""
+GATE = """
+import sys
+from demonet.cli import main
+from demonet.peer import _warm_up
+import demonet.transport.dht
+_warm_up()
+print("gate: ready", flush=True)
+sys.stdin.readline()
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class _Peers:
+    """The peer processes of one test, each in its own session (so its DHT and p2pd die with it)."""
+
+    def __init__(self, tmp: Path, *, steps: int, start_peers: int) -> None:
+        self.tmp, self.out = tmp, tmp / "out"
+        (tmp / "run.toml").write_text(tiny_config(round_timeout_s=3.0))
+        self.base = ["peer", "--dht", "--run", "faults", "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--config",
+                     str(tmp / "run.toml"), "--steps", str(steps), "--start-peers", str(start_peers),
+                     "--exchange-timeout-s", "2", "--out", str(self.out), "--threads", "1"]
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.files: list[IO[bytes]] = []
+        self.maddr = ""
+
+    def log(self, name: str) -> str:
+        path = self.tmp / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def start(self, name: str, *extra: str, token: str = TOKEN, gated: bool = False) -> subprocess.Popen[bytes]:
+        argv = [*self.base, "--peer-id", name, *extra]
+        if self.maddr:
+            argv += ["--initial-peers", self.maddr]
+        log = open(self.tmp / f"{name}.log", "ab")
+        self.files.append(log)
+        cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet.cli", *argv]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env={**os.environ, "DEMONET_TOKEN": token},
+                                start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def bootstrap(self, name: str) -> None:
+        """Start the first peer and take its multiaddr for the others' --initial-peers."""
+        self.start(name)
+        wait_for(lambda: "dht listening on " in self.log(name), f"{name}'s DHT node", self)
+        line = next(ln for ln in self.log(name).splitlines() if ln.startswith("dht listening on "))
+        self.maddr = line.removeprefix("dht listening on ").strip()
+
+    def release(self, name: str) -> None:
+        wait_for(lambda: "gate: ready" in self.log(name), f"{name} to warm up", self)
+        stdin = self.procs[name].stdin
+        assert stdin is not None
+        stdin.write(b"go\n")
+        stdin.close()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the peer's whole session: the peer, its DHT process and its p2pd, as a machine dies."""
+        with contextlib_suppress():
+            os.killpg(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait(timeout=10)
+
+    def stop(self, names: list[str]) -> None:
+        """SIGTERM (a graceful stop at the round boundary), then SIGKILL whatever is left after 30 s."""
+        for name in names:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for name in names:
+            try:
+                self.procs[name].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(name)
+
+    def rows(self, name: str) -> list[dict[str, Any]]:
+        return _rows(self.out / f"metrics-{name}.jsonl")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            with contextlib_suppress():
+                os.killpg(proc.pid, signal.SIGKILL)  # the session we created: the peer and its children
+            with contextlib_suppress():
+                proc.wait(timeout=10)
+        for f in self.files:
+            f.close()
+
+    def dump(self) -> str:
+        return "\n".join(f"--- {name}\n{self.log(name)[-3000:]}" for name in self.procs)
+
+
+def contextlib_suppress() -> Any:
+    import contextlib
+
+    return contextlib.suppress(ProcessLookupError, PermissionError, subprocess.TimeoutExpired)
+
+
+def wait_for(ok: Callable[[], bool], what: str, peers: _Peers, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ok():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}\n{peers.dump()}")
+
+
+def _digests_by_round(rows: list[dict[str, Any]]) -> dict[int, set[str]]:
+    by_round: dict[int, set[str]] = {}
+    for r in rows:
+        by_round.setdefault(int(r["round"]), set()).add(r["param_digest"])
+    return by_round
+
+
+def test_up_dht_run_folder(tmp_path: Path) -> None:
+    """`demonet up --dht`: three peers, every round with three contributors and one digest."""
+    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=5.0))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "demonet.cli", "up", "--dht", "--peers", "3", "--steps", "4",
+                           "--out", str(out), "--config", str(tmp_path / "run.toml"), "--no-progress"],
+                          capture_output=True, timeout=240, start_new_session=True)
+    logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((out / "logs").glob("*.log")))
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:] + logs
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["digests_agree"] and summary["rounds"] == 4 and summary["peers"] == 3, summary
+    rows = _rows(out / "metrics.jsonl")
+    assert len(rows) == 12 and all(r["contributors"] == 3 for r in rows), rows
+    assert all(r["bytes_down"] > 0 and r["bytes_up"] > 0 for r in rows)
+    assert (out / "loss.png").stat().st_size > 0
+
+
+def test_kill_late_joiner_and_wrong_token(tmp_path: Path) -> None:
+    """A peer SIGKILLed mid-run, a late joiner loaded from several donors, a wrong-token peer: one run."""
+    peers = _Peers(tmp_path, steps=1000, start_peers=3)
+    try:
+        peers.bootstrap("a")
+        peers.start("b")
+        peers.start("c")
+        peers.start("j", "--client-mode", gated=True)  # as behind NAT: dials out only
+        # A peer with another token: refused by the first peer it contacts, it never enters a round.
+        bad = peers.start("x", token="not-the-run-token")
+        wait_for(lambda: len(peers.rows("c")) >= 3, "three rounds with c", peers)
+        peers.kill("c")
+        killed_at = len(peers.rows("a"))
+        # The others carry on without c: rounds with two contributors, one digest.
+        wait_for(lambda: len(peers.rows("a")) >= killed_at + 4, "rounds after the kill", peers)
+        after = [r for r in peers.rows("a")[killed_at:] if r["contributors"] == 2]
+        assert after, peers.rows("a")
+
+        assert bad.wait(timeout=WAIT_S) == 2, peers.log("x")
+        assert "wrong run token" in peers.log("x")
+        assert "bad run token" in peers.log("a")
+
+        peers.release("j")
+        wait_for(lambda: len(peers.rows("j")) >= 3, "three rounds of the late joiner", peers)
+        peers.stop(["a", "b", "j"])
+        assert peers.procs["a"].returncode == 0 and peers.procs["b"].returncode == 0, peers.dump()
+
+        assert "loaded from 2 donors" in peers.log("j"), peers.log("j")
+        rows = {name: peers.rows(name) for name in ("a", "b", "j")}
+        digests = _digests_by_round([r for rs in rows.values() for r in rs])
+        assert all(len(d) == 1 for d in digests.values()), {k: v for k, v in digests.items() if len(v) > 1}
+        first = rows["j"][0]
+        assert first["param_digest"] in digests[first["round"]] and len(digests[first["round"]]) == 1
+        assert not first.get("resynced"), first
+        assert max(r["contributors"] for r in rows["a"][-3:]) == 3, rows["a"][-3:]  # j contributes
+        assert all(r["contributors"] <= 3 for rs in rows.values() for r in rs)  # x never does
+    finally:
+        peers.close()
+
+
+async def test_wrong_token_records_and_messages_refused() -> None:
+    """Two nodes with the run token and one without, in this process over loopback."""
+    from demonet.transport.dht import DhtGatherer, DhtOptions
+
+    def opts(token: str, initial: tuple[str, ...] = ()) -> DhtOptions:
+        return DhtOptions(run="auth", token=token, initial_peers=initial, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                          exchange_timeout_s=5.0)
+
+    nodes: list[DhtGatherer] = []
+    try:
+        good = await DhtGatherer.create(opts(TOKEN), "good", {})
+        nodes.append(good)
+        maddr = good.visible_maddrs()[0]
+        other = await DhtGatherer.create(opts(TOKEN, (maddr,)), "other", {})
+        nodes.append(other)
+        bad = await DhtGatherer.create(opts("wrong", (maddr,)), "bad", {})
+        nodes.append(bad)
+        assert await other.check_initial_peers() == 1
+        with pytest.raises(PermissionError, match="wrong run token"):
+            await bad.check_initial_peers()
+        assert good.refused == 1
+        await good.publish_state(3, "d" * 32, lambda: [])
+        await bad.publish_state(7, "e" * 32, lambda: [])
+        assert await other.head_round() == 3  # the wrong-token record is not read
+        assert await bad.head_round() == 7  # it sees only its own record, not the run's
+    finally:
+        for node in reversed(nodes):
+            await asyncio.wait_for(node.close(), 30)

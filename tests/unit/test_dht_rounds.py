@@ -1,0 +1,158 @@
+"""DHT mode's pure rules: membership freeze, majority digest, slice plan, parameter ranges, HMAC.
+
+No sockets and no hivemind; the transport that uses these is tested in tests/integration/test_dht.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from demonet import wire
+from demonet.dht_rounds import (
+    Announcement,
+    SlicePlan,
+    freeze,
+    majority_digest,
+    members_digest,
+    param_ranges,
+    sign,
+    verify,
+)
+from demonet.model import GPT, ModelConfig
+from demonet.optim import DeMo, Payload, aggregate
+
+
+def _ann(peer: str, t: float, digest: str = "d") -> Announcement:
+    return Announcement(peer, t, digest)
+
+
+def test_freeze_waits_for_the_expected_peers_then_takes_exactly_them() -> None:
+    seen = {"a": _ann("a", 10.0), "b": _ann("b", 10.5)}
+    frozen = freeze(seen, expected={"a", "b", "c"}, start_peers=1, window_s=5.0)
+    assert frozen is not None and not frozen.complete and not frozen.settled and frozen.deadline == 15.0
+    seen["x"] = _ann("x", 10.7)  # an announcer nobody expects (it did not register as a joiner)
+    seen["c"] = _ann("c", 11.0)
+    frozen = freeze(seen, expected={"a", "b", "c"}, start_peers=1, window_s=5.0)
+    assert frozen is not None and frozen.complete and frozen.settled
+    assert frozen.members == ("a", "b", "c") and frozen.deadline == 11.0
+
+
+def test_freeze_at_the_deadline_drops_the_missing_and_takes_who_was_in_time() -> None:
+    seen = {"a": _ann("a", 10.0), "b": _ann("b", 14.0), "late": _ann("late", 15.5)}
+    frozen = freeze(seen, expected={"a", "b", "dead"}, start_peers=1, window_s=5.0)
+    assert frozen is not None and not frozen.complete and not frozen.settled
+    assert frozen.members == ("a", "b") and frozen.deadline == 15.0
+    # An expected peer that announced after the deadline does not complete the round either.
+    seen["dead"] = _ann("dead", 16.0)
+    again = freeze(seen, expected={"a", "b", "dead"}, start_peers=1, window_s=5.0)
+    assert again == frozen
+
+
+def test_first_round_waits_for_start_peers_however_long() -> None:
+    seen = {"a": _ann("a", 0.0), "b": _ann("b", 100.0)}
+    frozen = freeze(seen, expected=None, start_peers=3, window_s=5.0)
+    assert frozen is not None and frozen.members == () and frozen.deadline == float("inf")
+    seen["c"] = _ann("c", 200.0)
+    seen["d"] = _ann("d", 300.0)
+    frozen = freeze(seen, expected=None, start_peers=3, window_s=5.0)
+    assert frozen is not None and frozen.complete and not frozen.settled  # read again after the store latency
+    assert frozen.members == ("a", "b", "c") and frozen.deadline == 200.0
+    assert freeze({}, expected=None, start_peers=1, window_s=1.0) is None
+
+
+def test_freeze_does_not_depend_on_the_order_records_are_seen() -> None:
+    items = [_ann(p, t) for p, t in (("c", 3.0), ("a", 1.0), ("b", 2.0), ("z", 9.0))]
+    one = freeze({a.peer_id: a for a in items}, expected=None, start_peers=2, window_s=4.0)
+    two = freeze({a.peer_id: a for a in reversed(items)}, expected=None, start_peers=2, window_s=4.0)
+    assert one == two
+
+
+def test_majority_digest_and_ties() -> None:
+    assert majority_digest({"a": "x", "b": "y", "c": "y"}) == "y"
+    assert majority_digest({"a": "x", "b": "y"}) == "x"  # a tie: the smallest, on every peer
+    assert members_digest(["a", "b"]) != members_digest(["a", "c"])
+
+
+def test_hmac_depends_on_token_and_data() -> None:
+    mac = sign(b"token", b"record")
+    assert len(mac) == 32 and verify(b"token", b"record", mac)
+    assert not verify(b"other", b"record", mac)
+    assert not verify(b"token", b"recorD", mac)
+
+
+def _payloads(num_peers: int, encoding: str = "fp32") -> tuple[DeMo, list[Payload]]:
+    payloads = []
+    opt = None
+    for seed in range(num_peers):
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16, vocab_size=64))
+        opt = DeMo(model.named_parameters(), lr=0.01, compression_topk=4, compression_chunk=8, encoding=encoding)
+        torch.manual_seed(seed)
+        x_BT = torch.randint(0, 64, (2, 16))
+        _, loss = model(x_BT, x_BT)
+        assert loss is not None
+        loss.backward()
+        payloads.append(opt.compress())
+    assert opt is not None
+    return opt, payloads
+
+
+@pytest.mark.parametrize("num_slices", [1, 3, 7])
+def test_slices_merged_then_joined_are_the_aggregate(num_slices: int) -> None:
+    """Cut every payload into slices, merge each slice on its own, join: the same bits as one merge."""
+    opt, payloads = _payloads(3)
+    plan = SlicePlan(opt.param_specs(), num_slices)
+    merged = []
+    for s in range(plan.n):
+        cuts = []
+        for p in payloads:  # through the wire, as the parts travel
+            _, cut = wire.decode(wire.encode(plan.cut(p, s), step=5), expected=plan.slice_specs(s))
+            cuts.append(cut)
+        merged.append(aggregate(cuts, topk=4))
+    joined = plan.join(merged)
+    whole = aggregate(payloads, topk=4)
+    for name, c in whole.tensors.items():
+        j = joined.tensors[name]
+        # The same entries per row (top-k leaves them in an order that depends on the batch of rows).
+        j_order, c_order = j.idx.argsort(dim=1), c.idx.argsort(dim=1)
+        assert torch.equal(j.idx.gather(1, j_order), c.idx.gather(1, c_order)), name
+        assert torch.equal(j.val.gather(1, j_order), c.val.gather(1, c_order)), name
+    opt.apply(joined)  # fits the model
+
+
+def test_slice_plan_covers_every_row_once_and_a_missing_slice_is_empty() -> None:
+    opt, payloads = _payloads(1, encoding="int8")  # per-row scales travel with their rows
+    plan = SlicePlan(opt.param_specs(), 4)
+    total = sum(c.idx.shape[0] for c in payloads[0].tensors.values())
+    rows = [sum(c.idx.shape[0] for c in plan.cut(payloads[0], s).tensors.values()) for s in range(plan.n)]
+    assert sum(rows) == total and max(rows) - min(rows) <= 1
+    for s in range(plan.n):
+        wire.encode(plan.cut(payloads[0], s), step=0)  # int8 scales sliced with their rows
+    joined = plan.join([plan.cut(payloads[0], s) for s in range(plan.n)])
+    for name, c in payloads[0].tensors.items():
+        assert torch.equal(joined.tensors[name].idx, c.idx) and torch.equal(joined.tensors[name].val, c.val)
+    dropped = plan.join([plan.cut(payloads[0], s) if s != 2 else None for s in range(plan.n)])
+    lost = [name for name, c in dropped.tensors.items() if not torch.equal(c.val, payloads[0].tensors[name].val)]
+    assert lost and all(bool((dropped.tensors[n].val == 0).any()) for n in lost)
+    assert SlicePlan(opt.param_specs(), 10**6).n == total  # never more slices than rows
+
+
+def test_param_ranges_are_contiguous_balanced_and_never_empty() -> None:
+    sizes = [("a", 10), ("b", 10), ("c", 100), ("d", 1)]
+    for n in range(1, 6):
+        ranges = param_ranges(sizes, n)
+        assert [name for r in ranges for name in r] == ["a", "b", "c", "d"]
+        assert len(ranges) == min(n, 4) and all(ranges)
+    assert param_ranges([("a", 5), ("b", 5), ("c", 5), ("d", 5)], 2) == [["a", "b"], ["c", "d"]]
+    assert param_ranges([], 3) == []
+
+
+def test_importing_demonet_needs_no_hivemind() -> None:
+    code = ("import sys, demonet.cli, demonet.peer_dht, demonet.dht_rounds; "
+            "print('hivemind' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
