@@ -106,6 +106,13 @@ class NetConfig:
     peer's download does not grow with the number of peers; peers restore what was dropped."""
     aggregate_encoding: str = "bf16"
     """Value encoding of the aggregate peers download: fp32, bf16 or fp16."""
+    clip_to_median_norm: bool = True
+    """Robust aggregation: before merging, scale every payload whose L2 norm exceeds the round's
+    median payload norm down to it, so a poisoned (scaled or random) update weighs no more than a
+    typical one."""
+    max_payload_norm: float = 1e6
+    """Reject a payload whose values' L2 norm exceeds this (0: no bound); honest payloads are
+    orders of magnitude below."""
 
     def __post_init__(self) -> None:
         _check(self.round_timeout_s > 0, "round_timeout_s should be > 0")
@@ -116,6 +123,7 @@ class NetConfig:
                "heartbeat_timeout_s should be > heartbeat_interval_s")
         _check(self.aggregate_topk >= 0, "aggregate_topk should be >= 0")
         _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")
+        _check(self.max_payload_norm >= 0, "max_payload_norm should be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

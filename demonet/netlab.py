@@ -110,6 +110,11 @@ class Host:
     def set_link(self, *, up: bool) -> None:
         """Partition this host (``up=False``: its link goes down at the switch) or heal it."""
         _ip("link", "set", self._veth, "up" if up else "down", ns=self.lab.switch)
+        if up:
+            # Addresses looked up during the partition are cached as unreachable for a while
+            # ("No route to host"); a healed link reaches them at once.
+            for host in self.lab.hosts.values():
+                subprocess.run(["ip", "-n", host.ns, "neigh", "flush", "all"], capture_output=True)
 
     def counters(self) -> tuple[int, int]:
         """Bytes (sent, received) on this host's link since it was made, as the kernel counts them."""

@@ -24,7 +24,7 @@ from ..transport.grpc import load_token
 from .metrics import Metrics
 from .server import CoordinatorOptions, CoordinatorServicer
 
-__all__ = ["CoordinatorOptions", "add_arguments", "main", "run", "serve"]
+__all__ = ["CoordinatorOptions", "add_arguments", "main", "run", "serve", "total_rounds"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `demonet coordinator` flags."""
     parser.add_argument("--listen", default="127.0.0.1:7450", help="HOST:PORT to serve on (port 0: any free one)")
     parser.add_argument("--config", help="TOML file with [model], [optim], [train] and [net] tables")
-    parser.add_argument("--steps", type=int, default=0, help="rounds in the run (default: train.steps; 0: no end)")
+    parser.add_argument("--steps", type=int, help="rounds in the run (default: train.steps; 0: no end)")
     parser.add_argument("--state-dir", help="persist the state here after every round, and resume from it")
     parser.add_argument("--token-file", help="file holding the run token (default: the DEMONET_TOKEN env var)")
     parser.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens (30)")
@@ -100,6 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus /metrics on this port (all interfaces)")
     parser.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)")
     parser.add_argument("--tls-key", help="PEM private key")
+
+
+def total_rounds(steps_flag: int | None, cfg: Config) -> int:
+    """The run's rounds: --steps when given (0: no end), else train.steps."""
+    if steps_flag is None:
+        return cfg.train.steps
+    if steps_flag < 0:
+        raise ValueError("--steps should be >= 0")
+    return steps_flag
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,10 +130,10 @@ def run(args: argparse.Namespace) -> int:
             if not (args.tls_cert and args.tls_key):
                 raise ValueError("--tls-cert and --tls-key go together")
             tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes())
+        steps = total_rounds(args.steps, cfg)
     except (ValueError, OSError) as e:
         print(f"demonet coordinator: {e}", file=sys.stderr)
         return 2
-    steps = args.steps if args.steps else cfg.train.steps
     opts = CoordinatorOptions(token=token, state_dir=Path(args.state_dir) if args.state_dir else None,
                               total_rounds=steps)
 

@@ -28,6 +28,7 @@ class Metrics:
                 ("rounds_closed", "Rounds closed (applied or aborted)"),
                 ("rounds_aborted", "Rounds closed without a quorum"),
                 ("rejected", "Payloads that failed validation"),
+                ("clipped", "Payloads scaled down to their round's median norm"),
                 ("late", "Payloads for a round that had closed"),
                 ("unauthorized", "Calls with a missing or wrong token"),
                 ("bytes_up", "Payload bytes received"),

@@ -167,7 +167,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 data = reassembler.add(part.part.SerializeToString())
             if head is None or data is None:
                 raise InvalidPayload("the submission ended before its payload was complete")
-            step, payload = await asyncio.to_thread(wire.decode, data, expected=self.state.specs)
+            step, payload = await asyncio.to_thread(wire.decode, data, expected=self.state.specs,
+                                                    max_norm=self.cfg.net.max_payload_norm or None)
             if step != head.round:
                 raise InvalidPayload(f"payload says round {step}, submission says {head.round}")
         except InvalidPayload as e:
@@ -268,6 +269,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.aggregates.popitem(last=False)
         losses = [self.losses[p] for p in contributors if p in self.losses]
         self.metrics.closed(closed.aborted, _now() - started, sum(losses) / len(losses) if losses else None)
+        if closed.clipped:
+            self.metrics.add("clipped", len(closed.clipped))
         self.payloads, self.losses = {}, {}
         if self.opts.state_dir is not None:
             extra = {"rounds": r.state_dict(), "aggregates": list(self.aggregates.values())[-1:],
@@ -275,9 +278,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await asyncio.to_thread(self.state.save, self.opts.state_dir, extra)
         self.metrics.set_round(r.round, len(r.members), 0)
         self.metrics.phase.set(0)
-        logger.info("[coordinator round=%d] %s with %d payloads (%s); digest %s", closed.round,
+        logger.info("[coordinator round=%d] %s with %d payloads (%s); digest %s%s", closed.round,
                     "aborted" if closed.aborted else "applied", len(contributors), ", ".join(contributors),
-                    closed.param_digest[:12])
+                    closed.param_digest[:12], f"; clipped {', '.join(closed.clipped)}" if closed.clipped else "")
         if self.opts.total_rounds and r.round >= self.opts.total_rounds:
             self.finished.set()
         self.cond.notify_all()

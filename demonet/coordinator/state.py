@@ -19,7 +19,7 @@ from .. import wire, wire_params
 from ..config import Config
 from ..digest import param_digest
 from ..model import GPT
-from ..optim import Compressed, DeMo, Payload, aggregate, quantize
+from ..optim import Compressed, DeMo, Payload, aggregate_clipped, quantize
 
 __all__ = ["CanonicalState", "ClosedAggregate", "data_seed"]
 
@@ -42,6 +42,7 @@ class ClosedAggregate:
     contributors: tuple[str, ...]
     param_digest: str  # canonical, after applying
     data: bytes  # the serialized aggregate Payload (empty when aborted)
+    clipped: tuple[str, ...] = ()  # contributors whose payload norm was clipped to the round's median
 
 
 class CanonicalState:
@@ -75,7 +76,12 @@ class CanonicalState:
         """Merge the round's payloads, round the values as peers will decode them, apply, return it."""
         if aborted or not payloads:
             return ClosedAggregate(round, True, contributors, self.digest, b"")
-        merged = aggregate(payloads, topk=self.topk)
+        merged, factors = aggregate_clipped(payloads, topk=self.topk, clip=self.cfg.net.clip_to_median_norm)
+        clipped = tuple(p for p, f in zip(contributors, factors, strict=True) if f < 1.0)
+        for peer, factor in zip(contributors, factors, strict=True):
+            if factor < 0.01:  # far above the others: worth a line in the log
+                logger.warning("[coordinator round=%d] %s's payload norm is %.3g times the median: clipped",
+                               round, peer, 1 / factor)
         tensors = {}
         for name, c in merged.tensors.items():
             val, scale = quantize(c.val.float(), self.cfg.net.aggregate_encoding)
@@ -86,7 +92,7 @@ class CanonicalState:
         self.opt.apply(applied)
         self.digest = param_digest(self.params.items())
         self._blob = None
-        return ClosedAggregate(round, False, contributors, self.digest, data)
+        return ClosedAggregate(round, False, contributors, self.digest, data, clipped)
 
     def save(self, state_dir: Path, extra: dict[str, Any]) -> None:
         """Write the state atomically (a temp file renamed over the old one): kill -9 leaves one or the other."""

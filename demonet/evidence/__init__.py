@@ -231,7 +231,8 @@ def _demonet_dht(encoding: str) -> Launcher:
     return launch
 
 
-_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\[peer-\d+ round=(\d+)\] (loss|parameters|starting the run)")
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\[peer-\d+ round=(\d+)\] "
+                       r"(loss|parameters|starting the run)")
 
 
 def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:

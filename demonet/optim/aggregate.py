@@ -14,7 +14,7 @@ import torch
 
 from .payload import Compressed, Payload
 
-__all__ = ["aggregate", "merge_tensor"]
+__all__ = ["aggregate", "aggregate_clipped", "clip_to_median_norm", "merge_tensor", "payload_norm"]
 
 _BLOCK_COEFFICIENTS = 2**20  # dense coefficients per merged block (4 MiB per fp32 work buffer)
 
@@ -86,17 +86,69 @@ def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tenso
     return idx_CU, val_CU
 
 
-def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None) -> Payload:
+def payload_norm(payload: Payload) -> float:
+    """The L2 norm of all of a payload's values together, summed in float64 in tensor order."""
+    total = torch.zeros((), dtype=torch.float64)
+    for c in payload.tensors.values():
+        total += c.val.to(torch.float64).square().sum()
+    return float(total.sqrt())
+
+
+def clip_to_median_norm(payloads: Sequence[Payload]) -> tuple[list[Payload], list[float]]:
+    """Scale down every payload whose norm exceeds the median norm of `payloads` to that median.
+
+    Robust aggregation against poisoned but well-formed updates (Templar's median-norm clipping):
+    a peer that scales its payload by 1000 or sends noise of a large norm weighs no more than a
+    typical peer. The median of an even count is the lower middle value, so with two payloads the
+    smaller norm bounds both. Payloads at or below the median are returned as they are (the same
+    objects); a clipped one has its decoded values scaled, in float32, and no encoding scale.
+    Deterministic: the same payloads in the same order give the same bits.
+
+    Returns:
+        (payloads, factors): the clipped payloads and each one's scale factor in (0, 1].
+    """
+    norms = [payload_norm(p) for p in payloads]
+    median = sorted(norms)[(len(norms) - 1) // 2]
+    out: list[Payload] = []
+    factors: list[float] = []
+    for payload, norm in zip(payloads, norms, strict=True):
+        if norm <= median:
+            out.append(payload)
+            factors.append(1.0)
+            continue
+        factor = median / norm
+        tensors = {name: Compressed(idx=c.idx, val=(c.val.float() * factor).to(c.val.dtype), shape=c.shape,
+                                    chunk=c.chunk) for name, c in payload.tensors.items()}
+        out.append(Payload(tensors=tensors, encoding="fp32"))
+        factors.append(factor)
+    return out, factors
+
+
+def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None,
+              clip: bool = False) -> Payload:
     """The round's aggregate: every tensor merged with `merge_tensor`.
 
     A single payload is returned as it is (its own mean; `topk` is meant to be at least the peers'
-    k). `topk`: see `merge_tensor`. All payloads must hold the same tensor names in the same order;
-    a mismatch raises ValueError (the wire layer validates peers' payloads against the model first).
+    k). `topk`: see `merge_tensor`. `clip`: first scale every payload whose norm exceeds the round's
+    median norm down to it (see `clip_to_median_norm`); off, the payloads are merged as they are.
+    All payloads must hold the same tensor names in the same order; a mismatch raises ValueError
+    (the wire layer validates peers' payloads against the model first).
+    """
+    return aggregate_clipped(payloads, count_zeros=count_zeros, topk=topk, clip=clip)[0]
+
+
+def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None,
+                      clip: bool = True) -> tuple[Payload, list[float]]:
+    """`aggregate`, also returning each payload's clip factor in (0, 1] (all 1.0 without `clip`).
+
+    The norms are taken on the blocks of values the merge concatenates anyway (one reduction per
+    block and payload, in float64, in order), so clipping costs next to nothing and is deterministic.
     """
     if not payloads:
         raise ValueError("aggregate needs at least one payload")
+    factors = [1.0] * len(payloads)
     if len(payloads) == 1:
-        return payloads[0]
+        return payloads[0], factors
     names = list(payloads[0].tensors)
     for payload in payloads[1:]:
         if list(payload.tensors) != names:
@@ -121,15 +173,25 @@ def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: i
             blocks.append((current[0], current[1]))
         current[1].append(name)
         open_blocks[key] = (current[0], current[1], current[2] + size)
+    vals = [[torch.cat([p.tensors[name].val for name in group]) for p in payloads] for _, group in blocks]
+    if clip:
+        sq = [torch.zeros((), dtype=torch.float64) for _ in payloads]
+        for block in vals:
+            for i, v in enumerate(block):
+                sq[i] += v.square().sum(dtype=torch.float64)
+        norms = [float(x.sqrt()) for x in sq]
+        median = sorted(norms)[(len(norms) - 1) // 2]
+        factors = [median / n if n > median else 1.0 for n in norms]
+        vals = [[v if f == 1.0 else (v.float() * f).to(v.dtype) for v, f in zip(block, factors, strict=True)]
+                for block in vals]
     merged: dict[str, Compressed] = {}
-    for chunk, group in blocks:
+    for (chunk, group), block_vals in zip(blocks, vals, strict=True):
         rows = [payloads[0].tensors[name].idx.shape[0] for name in group]
         idx_CU, val_CU = _merge_rows(
-            [torch.cat([p.tensors[name].idx for name in group]) for p in payloads],
-            [torch.cat([p.tensors[name].val for name in group]) for p in payloads],
+            [torch.cat([p.tensors[name].idx for name in group]) for p in payloads], block_vals,
             chunk[0] * chunk[1], count_zeros=count_zeros, topk=topk)
         for name, idx_part, val_part in zip(group, torch.split(idx_CU, rows), torch.split(val_CU, rows),
                                             strict=True):
             merged[name] = Compressed(idx=idx_part, val=val_part, shape=payloads[0].tensors[name].shape, chunk=chunk)
     # Means of encoded values are no longer on the encoding's grid: the aggregate is plain floats.
-    return Payload(tensors={name: merged[name] for name in names}, encoding="fp32")
+    return Payload(tensors={name: merged[name] for name in names}, encoding="fp32"), factors

@@ -45,6 +45,7 @@ _LOST_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, g
 _AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _BACKOFF_FIRST_S = 0.2
 _BACKOFF_CAP_S = 5.0
+_RECONNECT_BACKOFF_MAX_MS = 1000
 _MAX_MESSAGE_BYTES = 64 << 20  # parts are 2 MiB; room for a coordinator that cuts larger ones
 
 
@@ -131,7 +132,12 @@ class GrpcClient:
         if not token:
             raise ValueError("token should be non-empty")
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES)]
+                   ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                   # gRPC's own reconnect backoff grows to 120 s by default: after a coordinator outage
+                   # of a few seconds, a peer could try again only after the restarted coordinator had
+                   # dropped it (it gives members a heartbeat timeout to come back). Probe every second.
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MAX_MS)]
         if root_cert is None:
             self._channel = grpc.aio.insecure_channel(address, options=options)
         else:

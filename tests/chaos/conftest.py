@@ -1,0 +1,41 @@
+"""The chaos fixtures: a network lab, always torn down, and a cluster (one launcher per mode) on it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from demonet import netlab
+from tests.chaos.cluster import CoordinatorCluster
+
+OK, WHY = netlab.available()
+
+LAUNCHERS = {"coordinator": CoordinatorCluster}
+"""Modes the scenarios run in; a DHT launcher with the same methods is added here."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/chaos/" in str(item.path).replace("\\", "/"):
+            item.add_marker(pytest.mark.chaos)
+            item.add_marker(pytest.mark.slow)
+            if not OK:
+                item.add_marker(pytest.mark.skip(reason=f"chaos tests need network namespaces: {WHY}"))
+
+
+@pytest.fixture
+def lab() -> Iterator[netlab.Lab]:
+    netlab.sweep()  # namespaces a killed earlier run left behind
+    with netlab.Lab() as lab:
+        yield lab
+
+
+@pytest.fixture(params=sorted(LAUNCHERS))
+def cluster(request: pytest.FixtureRequest, lab: netlab.Lab, tmp_path: Path) -> Iterator[CoordinatorCluster]:
+    c = LAUNCHERS[request.param](lab, tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()

@@ -1,0 +1,393 @@
+"""Bad input at every RPC of a coordinator, from its own process (run it inside a lab host):
+
+    python -m tests.chaos.intruder --coordinator HOST:PORT --token TOKEN --seed 0 --out fuzz.json
+
+It tries, with a deadline on every call: each RPC without a token, with a wrong one; random bytes
+as each RPC's request; then, as a member that joined with the right token, payloads with NaN, Inf,
+huge norms, wrong shapes and names, bit flips (with and without a fixed digest), truncations, lying
+and mixed parts, stale and future rounds, replays; and stale or future rounds in the other RPCs.
+It writes per category how many were tried and how many were accepted (a Submit the coordinator
+took, a Join it admitted, a call a wrong token got through): every one of those must stay 0.
+
+`POISONER` is the other intruder: a real `demonet peer` whose submitted payloads are scaled by
+1000 or replaced by large random values (argv[1]: scale or random); it applies the aggregate like
+everyone else, so its digest stays canonical and its payloads are well formed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from demonet import wire
+from demonet._proto import demonet_pb2 as pb
+from demonet.config import load_config
+from demonet.errors import InvalidPayload
+from demonet.model import GPT
+from demonet.optim import DeMo
+
+POISONER = """
+import sys
+import torch
+from demonet.optim import Compressed, Payload
+from demonet.transport import grpc as transport
+
+MODE = sys.argv.pop(1)
+_gather = transport.GrpcClient.gather
+
+
+async def gather(self, round, payload, *, loss, param_digest):
+    g = torch.Generator().manual_seed(round)
+    tensors = {}
+    for name, c in payload.tensors.items():
+        if MODE == "scale":
+            val = c.val * 1000
+        else:
+            rms = c.val.float().square().mean().sqrt().clamp(min=1e-6)
+            val = torch.randn(c.val.shape, generator=g) * rms * 1000
+        tensors[name] = Compressed(idx=c.idx, val=val.float(), shape=c.shape, chunk=c.chunk)
+    return await _gather(self, round, Payload(tensors=tensors, encoding="fp32"), loss=loss,
+                         param_digest=param_digest)
+
+
+transport.GrpcClient.gather = gather
+from demonet.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+CALL_S = 2.0
+"""Deadline of every call the intruder makes."""
+METHODS = {  # name -> (kind, reply type)
+    "Join": ("unary", pb.JoinReply), "Heartbeat": ("unary", pb.HeartbeatReply),
+    "GetParameters": ("stream_out", pb.PayloadPart), "Submit": ("stream_in", pb.SubmitReply),
+    "GetAggregate": ("stream_out", pb.AggregateChunk), "Status": ("unary", pb.StatusReply),
+}
+_TRAILER = len(wire._TRAILER_HEAD) + 32
+
+
+def _seal(msg: Any) -> bytes:
+    """A payload message serialized with a correct digest, so the check goes past the digest."""
+    body = msg.SerializeToString()
+    return body + wire._TRAILER_HEAD + hashlib.sha256(body).digest()
+
+
+def _parse(data: bytes) -> Any:
+    msg = pb.Payload()
+    msg.ParseFromString(data[:-_TRAILER])
+    return msg
+
+
+class Intruder:
+    def __init__(self, address: str, token: str, seed: int) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.token = token
+        self.rng = random.Random(seed)
+        self.tried: Counter[str] = Counter()
+        self.accepted: Counter[str] = Counter()
+        self.codes: Counter[str] = Counter()
+        self.peer_id = "intruder"
+        self._payload: Any = None
+        self._specs: Any = None
+
+    def meta(self, token: str | None = "") -> tuple[tuple[str, str], ...]:
+        token = self.token if token == "" else token
+        return () if token is None else (("authorization", f"Bearer {token}"),)
+
+    def raw(self, method: str) -> Any:
+        kind = METHODS[method][0]
+        path = f"/demonet.v1.Coordinator/{method}"
+        make = {"unary": self.channel.unary_unary, "stream_out": self.channel.unary_stream,
+                "stream_in": self.channel.stream_unary}[kind]
+        return make(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+    async def call(self, method: str, request: bytes | list[bytes], meta: Any) -> tuple[str, list[bytes]]:
+        """One raw call; returns (status code name, reply messages)."""
+        kind = METHODS[method][0]
+        try:
+            if kind == "unary":
+                return "OK", [await self.raw(method)(request, metadata=meta, timeout=CALL_S)]
+            if kind == "stream_out":
+                return "OK", [m async for m in self.raw(method)(request, metadata=meta, timeout=CALL_S)]
+            parts = request if isinstance(request, list) else [request]
+            return "OK", [await self.raw(method)(iter(parts), metadata=meta, timeout=CALL_S)]
+        except grpc.aio.AioRpcError as e:
+            return e.code().name, []
+
+    def record(self, category: str, accepted: bool, code: str) -> None:
+        self.tried[category] += 1
+        self.accepted[category] += int(accepted)
+        self.codes[f"{category}:{code}"] += 1
+
+    # -- without the token ---------------------------------------------------------------------------
+
+    async def tokens(self) -> None:
+        valid = {"Join": pb.JoinRequest(peer_id="thief"), "Heartbeat": pb.HeartbeatRequest(peer_id="thief"),
+                 "GetParameters": pb.ParametersRequest(peer_id="thief"), "Status": pb.StatusRequest(),
+                 "GetAggregate": pb.AggregateRequest(peer_id="thief"),
+                 "Submit": pb.SubmitPart(peer_id="thief", part=pb.PayloadPart(count=1, total_bytes=1, data=b"x"))}
+        for token in (None, "wrong-token", self.token + "x", "", " " + self.token):
+            meta = self.meta(token) if token != "" else (("authorization", self.token),)  # no "Bearer"
+            for method, msg in valid.items():
+                code, _ = await self.call(method, msg.SerializeToString(), meta)
+                self.record("bad_token", code != "UNAUTHENTICATED", code)
+
+    # -- random bytes --------------------------------------------------------------------------------
+
+    def junk(self) -> bytes:
+        n = self.rng.choice([0, 1, 3, 17, 200, 3000])
+        return bytes(self.rng.getrandbits(8) for _ in range(n))
+
+    async def garbage(self, rounds: int = 12) -> None:
+        for _ in range(rounds):
+            for method in METHODS:
+                request = [self.junk() for _ in range(self.rng.randint(1, 3))] if method == "Submit" else self.junk()
+                code, replies = await self.call(method, request, self.meta())
+                accepted = False
+                if code == "OK" and method == "Join":
+                    accepted = True  # random bytes must never make a member
+                if code == "OK" and method == "Submit":
+                    reply = pb.SubmitReply()
+                    reply.ParseFromString(replies[0])
+                    accepted = reply.accepted
+                self.record(f"garbage_{method}", accepted, code)
+
+    # -- as a member ---------------------------------------------------------------------------------
+
+    async def status(self) -> Any:
+        code, replies = await self.call("Status", pb.StatusRequest().SerializeToString(), self.meta())
+        assert code == "OK", code
+        reply = pb.StatusReply()
+        reply.ParseFromString(replies[0])
+        return reply
+
+    async def join(self) -> dict[str, Any]:
+        """Join, then wait (bounded) until the round this id is a member of opens."""
+        code, replies = await self.call("Join", pb.JoinRequest(peer_id=self.peer_id).SerializeToString(), self.meta())
+        assert code == "OK", code
+        reply = pb.JoinReply()
+        reply.ParseFromString(replies[0])
+        deadline = time.monotonic() + 30
+        while (await self.status()).round < reply.round and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return dict(json.loads(reply.run_config))
+
+    def valid_payload(self, run_config: dict[str, Any], step: int) -> bytes:
+        """A well-formed payload for `step` (one compress() of the run's model, made once)."""
+        if self._payload is None:
+            self._payload = self._compress(run_config)
+        return wire.encode(self._payload, step=step)
+
+    def _compress(self, run_config: dict[str, Any]) -> Any:
+        cfg = load_config(None, {}, run_config)
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        o = cfg.optim
+        opt = DeMo(model.named_parameters(), lr=o.lr, compression_topk=o.compression_topk,
+                   compression_chunk=o.compression_chunk, encoding=o.encoding, chunk_policy=o.chunk_policy)
+        x = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_len))
+        _, loss = model(x, x)
+        loss.backward()
+        self._specs = opt.param_specs()
+        return opt.compress()
+
+    def is_valid(self, data: bytes) -> bool:
+        """Whether the coordinator's own checks would take this payload (the fuzzer checks itself)."""
+        try:
+            wire.decode(data, expected=self._specs, max_norm=1e6)
+        except InvalidPayload:
+            return False
+        return True
+
+    def parts(self, data: bytes, round: int, digest: str, peer_id: str | None = None) -> list[bytes]:
+        return [pb.SubmitPart(peer_id=peer_id or self.peer_id, round=round, param_digest=digest, loss=1.0,
+                              part=pb.PayloadPart.FromString(p)).SerializeToString() for p in wire.split(data)]
+
+    async def submit(self, category: str, parts: list[bytes]) -> None:
+        code, replies = await self.call("Submit", parts, self.meta())
+        accepted = False
+        if code == "OK":
+            reply = pb.SubmitReply()
+            reply.ParseFromString(replies[0])
+            accepted = reply.accepted
+            code = pb.Refusal.Name(reply.refusal)
+        self.record(category, accepted, code)
+
+    def bad_payloads(self, good: bytes) -> Iterator[tuple[str, bytes]]:
+        """(category, payload bytes) of every malformed or hostile payload, built from a good one."""
+        base = _parse(good)
+        t0 = base.tensors[0]
+        for what, value in (("nan", np.nan), ("inf", np.inf), ("neg_inf", -np.inf), ("huge_norm", 1e30)):
+            msg = _parse(good)
+            vals = np.frombuffer(msg.tensors[0].values, dtype="<f4").copy()
+            vals[:: max(1, len(vals) // 7)] = value
+            msg.tensors[0].values = vals.astype("<f4").tobytes()
+            yield f"payload_{what}", _seal(msg)
+        msg = _parse(good)
+        msg.tensors[0].shape[0] += 1
+        yield "payload_wrong_shape", _seal(msg)
+        msg = _parse(good)
+        msg.tensors[0].chunk_h, msg.tensors[0].chunk_w = msg.tensors[0].chunk_w, msg.tensors[0].chunk_h + 1
+        yield "payload_wrong_chunk", _seal(msg)
+        msg = _parse(good)
+        msg.tensors[0].name = "no.such.parameter"
+        yield "payload_wrong_name", _seal(msg)
+        msg = _parse(good)
+        del msg.tensors[-1]
+        yield "payload_missing_tensor", _seal(msg)
+        msg = _parse(good)
+        msg.tensors.add().CopyFrom(t0)
+        yield "payload_duplicate_tensor", _seal(msg)
+        msg = _parse(good)
+        msg.tensors[0].k = msg.tensors[0].chunk_h * msg.tensors[0].chunk_w + 1
+        yield "payload_k_too_large", _seal(msg)
+        msg = _parse(good)
+        msg.tensors[0].values = msg.tensors[0].values[:-4]
+        yield "payload_short_values", _seal(msg)
+        msg = _parse(good)
+        msg.version = 99
+        yield "payload_version", _seal(msg)
+        msg = _parse(good)
+        msg.encoding = 77
+        yield "payload_encoding", _seal(msg)
+        for _ in range(6):  # bit flips: the digest catches them
+            data = bytearray(good)
+            for _ in range(self.rng.randint(1, 8)):
+                data[self.rng.randrange(len(data))] ^= 1 << self.rng.randrange(8)
+            yield "payload_bitflip", bytes(data)
+        for _ in range(10):  # bit flips in the body, digest fixed: the checks behind the digest catch them
+            body = bytearray(good[:-_TRAILER])
+            for _ in range(self.rng.randint(1, 4)):
+                body[self.rng.randrange(len(body))] ^= 1 << self.rng.randrange(8)
+            sealed = bytes(body) + wire._TRAILER_HEAD + hashlib.sha256(body).digest()
+            try:
+                _parse(sealed)
+            except Exception:  # noqa: BLE001 - not even a protobuf any more: still worth sending
+                pass
+            yield "payload_mutated_sealed", sealed
+        yield "payload_truncated", good[: len(good) // 2]
+        yield "payload_empty", b""
+
+    async def payloads(self, run_config: dict[str, Any]) -> None:
+        st = await self.status()
+        r, digest = st.round, st.param_digest
+        good = self.valid_payload(run_config, r)
+        for category, data in self.bad_payloads(good):
+            st = await self.status()  # keep up with the open round, or the refusals would only say "stale"
+            r, digest = st.round, st.param_digest
+            if self.is_valid(data):
+                continue  # a mutation that is still a well-formed payload (a flipped value bit) is not bad input
+            if not data:
+                part = pb.PayloadPart(payload_digest=bytes(32), index=0, count=1, total_bytes=0, data=b"")
+                await self.submit(category, [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
+                                                           part=part).SerializeToString()])
+                continue
+            await self.submit(category, self.parts(data, r, digest))
+        # Parts that lie: several peers or rounds in one stream, a wrong count, a part twice.
+        st = await self.status()
+        r, digest = st.round, st.param_digest
+        good = self.valid_payload(run_config, r)
+        small = wire.split(good, part_bytes=max(1, len(good) // 3))
+        mixed = [pb.SubmitPart(peer_id=self.peer_id if i == 0 else "a", round=r, param_digest=digest,
+                               part=pb.PayloadPart.FromString(p)).SerializeToString() for i, p in enumerate(small)]
+        await self.submit("parts_mixed_peers", mixed)
+        mixed = [pb.SubmitPart(peer_id=self.peer_id, round=r + i, param_digest=digest,
+                               part=pb.PayloadPart.FromString(p)).SerializeToString() for i, p in enumerate(small)]
+        await self.submit("parts_mixed_rounds", mixed)
+        parts = [pb.PayloadPart.FromString(p) for p in small]
+        twice = [parts[0], parts[0], *parts[1:]]
+        await self.submit("parts_duplicate", [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
+                                                            part=p).SerializeToString() for p in twice])
+        lying = pb.PayloadPart()
+        lying.CopyFrom(parts[0])
+        lying.total_bytes = 1 << 40
+        await self.submit("parts_huge_size", [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
+                                                            part=lying).SerializeToString()])
+        await self.submit("parts_missing", [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
+                                                          part=parts[0]).SerializeToString()])
+        await self.submit("wrong_step", self.parts(self.valid_payload(run_config, r + 3), r, digest))
+        await self.submit("stale_round", self.parts(self.valid_payload(run_config, max(r - 1, 0)), max(r - 1, 0),
+                                                    digest))
+        await self.submit("future_round", self.parts(self.valid_payload(run_config, r + 5), r + 5, digest))
+        await self.submit("bad_peer_id", self.parts(good, r, digest, peer_id="../../etc/passwd"))
+        await self.submit("not_a_member", self.parts(good, r, digest, peer_id="stranger"))
+
+    async def replays(self, run_config: dict[str, Any]) -> int:
+        """A valid payload for the open round (accepted: this id is a member), then replayed: again for
+        the same round, for the next one. Returns how many valid ones were accepted (the control)."""
+        st = await self.status()
+        r, digest = st.round, st.param_digest
+        good = self.parts(self.valid_payload(run_config, r), r, digest)
+        code, replies = await self.call("Submit", good, self.meta())
+        control = int(code == "OK" and pb.SubmitReply.FromString(replies[0]).accepted)
+        await self.submit("replay_same_round", good)
+        deadline = time.monotonic() + 30
+        while (await self.status()).round == r and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        st = await self.status()
+        await self.submit("replay_next_round", [pb.SubmitPart(
+            peer_id=self.peer_id, round=st.round, param_digest=st.param_digest, loss=1.0,
+            part=pb.SubmitPart.FromString(p).part).SerializeToString() for p in good])
+        return control
+
+    async def heartbeats(self) -> None:
+        while True:
+            await self.call("Heartbeat", pb.HeartbeatRequest(peer_id=self.peer_id).SerializeToString(), self.meta())
+            await asyncio.sleep(0.5)
+
+    async def other_rounds(self) -> None:
+        """Stale and future rounds where a peer asks for data: answered or refused, never a change."""
+        r = (await self.status()).round
+        for n in (r + 1000, 2**63, 0):
+            for method, msg in (("GetParameters", pb.ParametersRequest(peer_id=self.peer_id, round=n)),
+                                ("GetAggregate", pb.AggregateRequest(peer_id=self.peer_id, round=n)),
+                                ("Heartbeat", pb.HeartbeatRequest(peer_id=self.peer_id, round=n))):
+                code, _ = await self.call(method, msg.SerializeToString(), self.meta())
+                self.record(f"round_{method}", False, code)
+        for bad in ("", "x" * 200, "a b", "ünï"):
+            code, _ = await self.call("Join", pb.JoinRequest(peer_id=bad).SerializeToString(), self.meta())
+            self.record("join_bad_peer_id", code == "OK", code)
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    it = Intruder(args.coordinator, args.token, args.seed)
+    await it.tokens()
+    await it.garbage()
+    run_config = await it.join()
+    beats = asyncio.create_task(it.heartbeats())  # stay a member, so payloads reach the decoder
+    try:
+        it._payload = await asyncio.to_thread(it._compress, run_config)  # seconds of torch: not in the loop
+        await it.join()  # again (a member's join is idempotent; a dropped one is admitted again)
+        await it.payloads(run_config)
+        control = await it.replays(run_config)
+    finally:
+        beats.cancel()
+    await it.other_rounds()
+    await it.channel.close()
+    return {"tried": dict(it.tried), "accepted": dict(it.accepted), "codes": dict(it.codes), "control": control}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos.intruder")
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--token", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result = asyncio.run(_main(args))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
