@@ -41,8 +41,8 @@ def _peer_main(argv: list[str]) -> None:
 class _Coordinator:
     """A `demonet coordinator` child process; `address` once it listens."""
 
-    def __init__(self, tmp: Path, steps: int, timeout_s: float = 5.0) -> None:
-        (tmp / "tiny.toml").write_text(tiny_config(round_timeout_s=timeout_s))
+    def __init__(self, tmp: Path, steps: int, timeout_s: float = 5.0, **net: float) -> None:
+        (tmp / "tiny.toml").write_text(tiny_config(round_timeout_s=timeout_s, **net))
         self.log = open(tmp / "coordinator.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "demonet.cli", "coordinator", "--listen", "127.0.0.1:0", "--steps", str(steps),
@@ -128,7 +128,9 @@ def test_three_peer_processes_agree_every_round(tmp_path: Path, spawn: Any) -> N
 
 def test_a_peer_stopped_by_sigterm_saves_and_resumes(tmp_path: Path, spawn: Any) -> None:
     out = tmp_path / "out"
-    coordinator = _Coordinator(tmp_path, steps=40, timeout_s=5.0)
+    # The round the peer leaves in waits for it (and its membership holds) long enough for a restart,
+    # which on a loaded machine takes more than the few seconds of importing torch.
+    coordinator = _Coordinator(tmp_path, steps=40, timeout_s=60.0, heartbeat_timeout_s=60.0)
     argv = ["--coordinator", coordinator.address, "--out", str(out), "--threads", "1", "--checkpoint-every", "0"]
     try:
         stays = spawn([*argv, "--peer-id", "stays"])
