@@ -13,8 +13,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -37,6 +41,46 @@ logger = logging.getLogger(__name__)
 _MAX_DONORS = 4
 _POLL_S = 0.05
 _START_TIMEOUT_S = 600.0  # how long the first round waits for its start_peers
+
+
+def _children() -> list[int]:
+    """This process's child processes (Linux; elsewhere none are known)."""
+    pids: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def _end(*_: object) -> None:
+    """End the DHT process now, and its p2pd daemon with it."""
+    for pid in _children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    os._exit(0)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    _end()
+
+
+class _DhtProcess(hivemind.DHT):  # type: ignore[misc]
+    """hivemind's DHT process, made to end with the peer that started it.
+
+    The fork copies the peer's asyncio signal handlers, which only wake the peer's own event loop: a
+    SIGTERM would leave the DHT process (and its p2pd daemon) running after the peer is gone, and so
+    would a peer killed with SIGKILL. Here SIGTERM and SIGINT end it, and so does its parent's death.
+    """
+
+    def run(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _end)
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="dht-watch").start()
+        super().run()
 
 
 class DhtGatherer(_Streams):
@@ -79,7 +123,7 @@ class DhtGatherer(_Streams):
         while True:
             try:
                 self.dht = await asyncio.to_thread(
-                    hivemind.DHT, initial_peers=list(opts.initial_peers) or None, host_maddrs=list(opts.host_maddrs),
+                    _DhtProcess, initial_peers=list(opts.initial_peers) or None, host_maddrs=list(opts.host_maddrs),
                     announce_maddrs=list(opts.announce_maddrs) or None, client_mode=opts.client_mode,
                     identity_path=opts.identity_path, record_validators=[HmacValidator(self._token)], start=True)
                 break
@@ -105,6 +149,9 @@ class DhtGatherer(_Streams):
                 await self.p2p.remove_protobuf_handler(HANDLER, stream_input=True, stream_output=True)
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
+            if self.dht.is_alive():  # not even SIGTERM ended it
+                self.dht.kill()
+                await asyncio.to_thread(self.dht.join, 5.0)
             self.dht = None
 
     async def check_initial_peers(self) -> int:

@@ -238,3 +238,53 @@ async def test_wrong_token_records_and_messages_refused() -> None:
     finally:
         for node in reversed(nodes):
             await asyncio.wait_for(node.close(), 30)
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_stopped_peer_leaves_no_dht_process_behind(tmp_path: Path, sig: int) -> None:
+    """The DHT process and its p2pd end with the peer: stopped (SIGTERM) or killed (SIGKILL)."""
+    (tmp_path / "tiny.toml").write_text(tiny_config(round_timeout_s=5.0))
+    log = open(tmp_path / "peer.log", "w")
+    # Not in a session of its own: nothing but the peer itself is signalled.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "demonet.cli", "peer", "--dht", "--run", "alone",
+         "--config", str(tmp_path / "tiny.toml"), "--host-maddr", "/ip4/127.0.0.1/tcp/0",
+         "--start-peers", "2", "--steps", "5", "--out", str(tmp_path / "out")],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, "DEMONET_TOKEN": TOKEN})
+    left: list[int] = []
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while "starting the run" not in (tmp_path / "peer.log").read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "peer.log").read_text()
+            time.sleep(0.2)
+        kids = _descendants(proc.pid)
+        assert kids, "the peer runs its DHT in a child process"
+        os.kill(proc.pid, sig)
+        code = proc.wait(timeout=WAIT_S)
+        assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while (left := [k for k in kids if Path(f"/proc/{k}").exists() and
+                        Path(f"/proc/{k}/stat").read_text().split()[2] != "Z"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == [], [Path(f"/proc/{k}/cmdline").read_bytes()[:80] for k in left]
+    finally:
+        for pid in [proc.pid, *left]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=10)
+        log.close()
