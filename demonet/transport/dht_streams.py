@@ -33,6 +33,7 @@ _PART_BYTES = 1 << 20
 _MAC_BYTES = 32
 _KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
 _REPLAY_S = 600.0  # messages sent longer ago than this (by the sender's clock) are refused
+_MAX_DRAIN = 64  # messages read after a refused one, so that the refusal reaches its sender
 
 
 def now() -> float:
@@ -242,6 +243,13 @@ class _Streams:
             if why:
                 self.refused += 1
                 logger.warning("[%s] refused a message from %s: %s", self.peer_id, context.remote_id, why)
+                # Read what the caller still sends (a bounded number of messages) before answering: a
+                # stream closed early breaks the caller's pipe, and the refusal would never reach it.
+                drained = 0
+                async for _ in requests:
+                    drained += 1
+                    if drained >= _MAX_DRAIN:
+                        break
                 yield self._message(pb.DHT_KIND_REPLY, msg.round, error=why, last=True)
                 return
             head = head or msg
