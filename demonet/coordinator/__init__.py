@@ -17,12 +17,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from .._proto import demonet_pb2_grpc as pb_grpc
 from ..config import Config, load_config
 from ..log import setup_logging
 from ..transport.grpc import load_token
 from .metrics import Metrics
-from .server import CoordinatorOptions, CoordinatorServicer
+from .server import CoordinatorOptions, CoordinatorServicer, add_to_server
 
 __all__ = ["CoordinatorOptions", "add_arguments", "main", "run", "serve", "total_rounds"]
 
@@ -52,7 +51,7 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
     servicer = CoordinatorServicer(cfg, opts, metrics)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", _MESSAGE_BYTES)])
-    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     host = listen.rsplit(":", 1)[0]

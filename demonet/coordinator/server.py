@@ -30,7 +30,7 @@ from ..rounds import RoundConfig, Rounds, SubmitRejected
 from .metrics import Metrics
 from .state import CanonicalState, ClosedAggregate, data_seed
 
-__all__ = ["CoordinatorOptions", "CoordinatorServicer"]
+__all__ = ["CoordinatorOptions", "CoordinatorServicer", "Malformed", "add_to_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,54 @@ class CoordinatorOptions:
     """The run ends after this many rounds (0: no end)."""
     max_payload_bytes: int = 1 << 30
     """Largest serialized payload a peer may submit."""
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request whose bytes are not the message its RPC takes; the RPC refuses it with INVALID_ARGUMENT."""
+
+    message: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"the request is not a valid {self.message} message ({self.error})"
+
+
+def _parser(cls: Any) -> Any:
+    """`cls.FromString`, except that undecodable bytes give a `Malformed` the servicer answers, instead of
+    gRPC's own UNKNOWN status and a logged traceback."""
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError (and any parse failure) is bad input
+            return Malformed(cls.DESCRIPTOR.name, str(e) or type(e).__name__)
+    return parse
+
+
+def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer as the generated code does, with request parsers that never raise."""
+    handlers = {
+        "Join": grpc.unary_unary_rpc_method_handler(
+            servicer.Join, request_deserializer=_parser(pb.JoinRequest),
+            response_serializer=pb.JoinReply.SerializeToString),
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(
+            servicer.Heartbeat, request_deserializer=_parser(pb.HeartbeatRequest),
+            response_serializer=pb.HeartbeatReply.SerializeToString),
+        "GetParameters": grpc.unary_stream_rpc_method_handler(
+            servicer.GetParameters, request_deserializer=_parser(pb.ParametersRequest),
+            response_serializer=pb.PayloadPart.SerializeToString),
+        "Submit": grpc.stream_unary_rpc_method_handler(
+            servicer.Submit, request_deserializer=_parser(pb.SubmitPart),
+            response_serializer=pb.SubmitReply.SerializeToString),
+        "GetAggregate": grpc.unary_stream_rpc_method_handler(
+            servicer.GetAggregate, request_deserializer=_parser(pb.AggregateRequest),
+            response_serializer=pb.AggregateChunk.SerializeToString),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status, request_deserializer=_parser(pb.StatusRequest),
+            response_serializer=pb.StatusReply.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
 
 def _now() -> float:
@@ -81,6 +129,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.metrics.set_round(self.rounds.round, len(self.rounds.members), 0)
 
     # -- helpers -------------------------------------------------------------------------------------
+
+    async def _admit(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Refuse a call without the run token, then one whose request did not parse."""
+        await self._authorize(context)
+        if isinstance(request, Malformed):
+            self.metrics.add("rejected")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
 
     async def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         given = dict(context.invocation_metadata() or ()).get("authorization", "")
@@ -113,7 +168,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     # -- RPCs ----------------------------------------------------------------------------------------
 
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.JoinReply:
-        await self._authorize(context)
+        await self._admit(request, context)
         peer_id = await self._peer_id(request.peer_id, context)
         async with self.cond:
             first = self.rounds.join(peer_id, _now())
@@ -128,14 +183,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Heartbeat(self, request: pb.HeartbeatRequest,
                         context: grpc.aio.ServicerContext[Any, Any]) -> pb.HeartbeatReply:
-        await self._authorize(context)
+        await self._admit(request, context)
         async with self.cond:
             member = self.rounds.heartbeat(request.peer_id, _now())
             return pb.HeartbeatReply(round=self.rounds.round, member=member)
 
     async def GetParameters(self, request: pb.ParametersRequest,
                             context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.PayloadPart]:
-        await self._authorize(context)
+        await self._admit(request, context)
         async with self.cond:
             await self._wait(lambda: self.rounds.round >= request.round, self._wait_s, context,
                              f"round {request.round} to open")
@@ -155,6 +210,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         data: bytes | None = None
         try:
             async for part in request_iterator:
+                if isinstance(part, Malformed):
+                    raise InvalidPayload(str(part))
                 if head is None:
                     head = part
                     await self._peer_id(part.peer_id, context)
@@ -200,7 +257,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def GetAggregate(self, request: pb.AggregateRequest,
                            context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.AggregateChunk]:
-        await self._authorize(context)
+        await self._admit(request, context)
         async with self.cond:
             r = self.rounds
             if request.round == r.round and request.peer_id in r.members and request.peer_id not in r.submitted:
@@ -225,7 +282,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 yield pb.AggregateChunk(part=msg)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatusReply:
-        await self._authorize(context)
+        await self._admit(request, context)
         r, t = self.rounds, self.metrics.totals
         return pb.StatusReply(round=r.round, phase="open", members=sorted(r.members), submitted=len(r.submitted),
                               seconds_left=r.seconds_left(_now()), param_digest=self.state.digest,

@@ -163,7 +163,19 @@ async def test_every_rpc_refuses_a_wrong_or_missing_token(coordinator: Coordinat
         assert reply.status == health_pb2.HealthCheckResponse.SERVING  # the health check needs no token
 
 
-async def test_bad_payloads_are_rejected_and_change_nothing(coordinator: Coordinator) -> None:
+@pytest.fixture
+def slow_rounds(tmp_path: Path) -> Iterator[Coordinator]:
+    """A coordinator whose rounds last long enough for several calls in one round on a busy machine."""
+    c = Coordinator(tmp_path, timeout_s=10.0)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.kill()
+
+
+async def test_bad_payloads_are_rejected_and_change_nothing(slow_rounds: Coordinator) -> None:
+    coordinator = slow_rounds
     honest, evil = Peer(coordinator.address, "honest"), Peer(coordinator.address, "evil")
     assert await honest.join() == 0
     assert await evil.join() == 1
@@ -191,6 +203,42 @@ async def test_bad_payloads_are_rejected_and_change_nothing(coordinator: Coordin
     reply, header = await honest.step(1)  # the honest peer carries on; "evil" straggles past the deadline
     assert reply.accepted and list(header.contributors) == ["honest"]
     assert honest.digest() == header.param_digest
+
+
+async def test_requests_that_do_not_parse_get_a_clear_error_and_change_nothing(coordinator: Coordinator) -> None:
+    honest = Peer(coordinator.address, "honest")
+    assert await honest.join() == 0
+    before = await honest.status()
+    junk = b"\xff\xff\xff\xff\x0f"  # a truncated varint: no protobuf message parses from it
+    md = honest.md
+    async with grpc.aio.insecure_channel(coordinator.address) as channel:
+        for method, message in (("Join", "JoinRequest"), ("Heartbeat", "HeartbeatRequest"),
+                                ("Status", "StatusRequest")):
+            call = channel.unary_unary(f"/demonet.v1.Coordinator/{method}")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(junk, metadata=md, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert f"not a valid {message} message" in (err.value.details() or "")
+        for method, message in (("GetParameters", "ParametersRequest"), ("GetAggregate", "AggregateRequest")):
+            stream = channel.unary_stream(f"/demonet.v1.Coordinator/{method}")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stream(junk, metadata=md, timeout=10):
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert f"not a valid {message} message" in (err.value.details() or "")
+        submit = channel.stream_unary("/demonet.v1.Coordinator/Submit")
+        raw = await submit(iter([junk]), metadata=md, timeout=10)
+        reply = pb.SubmitReply.FromString(raw)
+        assert not reply.accepted and reply.refusal == pb.REFUSAL_INVALID
+        assert "not a valid SubmitPart message" in reply.reason
+        # Without the token the answer is the token's, whatever the bytes.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await channel.unary_unary("/demonet.v1.Coordinator/Status")(junk, timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    after = await honest.status()
+    assert (after.round, after.members, after.param_digest) == (before.round, before.members, before.param_digest)
+    assert after.rejected == before.rejected + 6
+    assert "Exception deserializing" not in (coordinator.tmp / "coordinator.log").read_text()
 
 
 async def test_coordinator_killed_and_restarted_resumes(coordinator: Coordinator) -> None:
