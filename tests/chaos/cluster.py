@@ -27,21 +27,13 @@ from typing import IO, Any
 import pytest
 
 from demonet import netlab
+from tests.integration.common import GATE
 
 TOKEN = "chaos-test-token"
 PORT = 7450
 PROXY_PORT = 7000
 WAIT_S = 90.0
 """Bound of every wait for progress (a scenario's run takes tens of seconds)."""
-GATE = """
-import sys
-from demonet.cli import main
-from demonet.peer import _warm_up
-_warm_up()
-print("gate: ready", file=sys.stderr, flush=True)
-sys.stdin.readline()
-raise SystemExit(main(sys.argv[1:]))
-"""
 # A peer process spends seconds importing torch; one held at this gate enters the run at once.
 
 

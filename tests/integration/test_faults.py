@@ -30,7 +30,7 @@ from typing import IO, Any
 
 import pytest
 
-from tests.integration.common import tiny_config
+from tests.integration.common import GATE, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -39,15 +39,6 @@ ROUND_TIMEOUT_S = 2.0
 LISTEN_TIMEOUT_S = 60.0
 WAIT_S = 60.0
 """Bound of every wait for progress in the run (the whole run takes seconds)."""
-GATE = """
-import sys
-from demonet.cli import main
-from demonet.peer import _warm_up
-_warm_up()
-print("gate: ready", file=sys.stderr, flush=True)
-sys.stdin.readline()
-raise SystemExit(main(sys.argv[1:]))
-"""
 
 
 def _free_port() -> int:
