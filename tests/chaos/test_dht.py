@@ -1,0 +1,133 @@
+"""Crashes and partitions in DHT mode (no coordinator) over the lab: a peer SIGKILLed mid-run with its
+DHT and p2pd processes and restarted, and a peer cut off for several rounds and healed.
+
+The coordinator-mode scenarios that have no DHT counterpart are not run here: a coordinator restart
+(there is none), RPC fuzzing and the token checks of the coordinator's gRPC service (the DHT's
+wrong-token records and messages are tested in tests/integration/test_dht.py).
+
+Assertions are about progress, digests (every peer that did a round has the same digest after it)
+and losses, not timings; the figures go to `cluster.report`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from demonet import netlab
+from tests.chaos.cluster import loss_fell, report, run_config
+from tests.chaos.dht_cluster import DhtCluster, digest_after
+
+pytest.importorskip("hivemind")
+
+SEED = 1234  # the kill point; printed with the figures
+PEERS = ["a", "b", "c"]
+
+
+@pytest.fixture
+def dht(lab: netlab.Lab, tmp_path: Path) -> Iterator[DhtCluster]:
+    c = DhtCluster(lab, tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _config() -> str:
+    return run_config(round_timeout_s=2.0)
+
+
+def test_dht_a_peer_killed_mid_run_rejoins_from_the_others_and_agrees(dht: DhtCluster) -> None:
+    rounds = 40
+    rng = random.Random(SEED)
+    dht.start(_config(), steps=rounds, start_peers=3)
+    spare = dht.peer("c", mbit=100, gated=True)  # the restart, warmed up beforehand
+    dht.release_ready(spare)
+    a, b, c = (dht.peer(p, mbit=100) for p in PEERS)
+    dht.wait_for(lambda: dht.last_round("c") >= 4, "c's first rounds")
+    before = dht.last_round("c")
+    dht.wait_for(lambda: dht.last_round("c") > before, "c to finish a round")  # a round just began
+    time.sleep(rng.uniform(0.0, 0.3))
+    dht.kill(c)  # the peer, its DHT process and its p2pd
+    t_kill = time.monotonic()
+    killed = dht.last_round("c") + 1
+    ahead = dht.last_round("a")
+    dht.wait_for(lambda: min(dht.last_round("a"), dht.last_round("b")) >= ahead + 3, "a and b to carry on without c")
+    assert dht.last_round("c") == killed - 1  # nothing from c while it is dead
+    t_release = time.monotonic()
+    dht.release(spare)
+    dht.wait_for(lambda: dht.last_round("c") >= killed, "c to be back")
+    rejoin_s = time.monotonic() - t_release
+    back = [r["round"] for r in dht.rows("c") if r["round"] >= killed][0]
+    assert back < rounds - 5, "the run was too short to see c train after its restart"
+    dht.finish([a, b, spare])
+
+    by_round = dht.by_round(PEERS)  # one digest per round across the peers
+    for p in ("a", "b"):
+        assert [r["round"] for r in dht.rows(p)] == list(range(rounds)), p
+    c_rounds = [r["round"] for r in dht.rows("c")]
+    assert c_rounds == sorted(set(c_rounds)) and c_rounds[-1] == rounds - 1, c_rounds
+    without_c = [n for n in range(killed, back) if set(by_round[n]) == {"a", "b"}]
+    assert without_c, "no round went on without c"
+    for n in without_c:
+        assert by_round[n]["a"]["contributors"] == 2, by_round[n]
+    # The restart loaded the parameters from the others: the digest they agreed on after the round before.
+    loads = dht.loaded("c")
+    assert loads and loads[0][0] <= back, loads
+    for round_, digest in loads:
+        assert digest == digest_after(by_round, round_ - 1), (round_, digest)
+    for n in range(rounds - 5, rounds):
+        assert set(by_round[n]) == set(PEERS) and by_round[n]["a"]["contributors"] == 3, by_round[n]
+    losses = dht.mean_losses(by_round, PEERS)
+    assert loss_fell(losses), losses
+    report("dht_peer_sigkill_restart", {
+        "seed": SEED, "rounds": rounds, "kills": 1, "killed_in_round": killed, "back_in_round": back,
+        "rounds_completed": {p: len(dht.rows(p)) for p in PEERS}, "rounds_without_c": len(without_c),
+        "rounds_lost": rounds - len(by_round), "parameter_loads": len(loads),
+        "dead_s": round(t_release - t_kill, 2), "rejoin_s": round(rejoin_s, 2),
+        "loss_first5": round(sum(losses[:5]) / 5, 3), "loss_last5": round(sum(losses[-5:]) / 5, 3)})
+
+
+def test_dht_a_partitioned_peer_heals_and_is_in_sync_again(dht: DhtCluster) -> None:
+    rounds, cut_rounds = 50, 8
+    dht.start(_config(), steps=rounds, start_peers=3)
+    procs = [dht.peer(p, mbit=100) for p in PEERS]
+    dht.wait_for(lambda: min(dht.last_round(p) for p in PEERS) >= 4, "the first rounds")
+    host = dht.peers["c"].host
+    host.set_link(up=False)
+    t_cut = time.monotonic()
+    cut_round = dht.last_round("c")
+    at_cut = dht.last_round("a")
+    dht.wait_for(lambda: min(dht.last_round("a"), dht.last_round("b")) >= at_cut + cut_rounds,
+                 "a and b to go on without c")
+    during = dht.last_round("a") - at_cut
+    assert dht.last_round("c") <= cut_round + 1  # at most the round it was already in
+    host.set_link(up=True)
+    t_heal = time.monotonic()
+    recover_s = dht.wait_for(lambda: dht.last_round("c") > cut_round + 1, "c to be back after the heal")
+    back = [r["round"] for r in dht.rows("c") if r["round"] > cut_round + 1][0]
+    assert back < rounds - 5, back
+    dht.finish(procs)
+
+    by_round = dht.by_round(PEERS)
+    for p in ("a", "b"):
+        assert [r["round"] for r in dht.rows(p)] == list(range(rounds)), p
+    c_rounds = [r["round"] for r in dht.rows("c")]
+    assert c_rounds[-1] == rounds - 1 and len(c_rounds) <= rounds - cut_rounds, c_rounds  # missed the cut, back
+    loads = [x for x in dht.loaded("c") if x[0] > cut_round]
+    assert loads, dht.log("c")  # it caught up by loading the parameters from the others...
+    for round_, digest in loads:
+        assert digest == digest_after(by_round, round_ - 1), (round_, digest)  # ...the ones they agreed on
+    for n in range(rounds - 5, rounds):
+        assert set(by_round[n]) == set(PEERS) and by_round[n]["a"]["contributors"] == 3, by_round[n]
+    losses = dht.mean_losses(by_round, PEERS)
+    assert loss_fell(losses), losses
+    report("dht_partition_heal", {
+        "rounds": rounds, "partition_s": round(t_heal - t_cut, 1), "rounds_during_partition": during,
+        "rounds_completed": {p: len(dht.rows(p)) for p in PEERS}, "rounds_lost": rounds - len(by_round),
+        "back_in_round": back, "parameter_loads": len(loads), "time_to_recover_s": round(recover_s, 2),
+        "loss_first5": round(sum(losses[:5]) / 5, 3), "loss_last5": round(sum(losses[-5:]) / 5, 3)})
