@@ -1,5 +1,5 @@
 """Crashes and partitions in DHT mode (no coordinator) over the lab: a peer SIGKILLed mid-run with its
-DHT and p2pd processes and restarted, and a peer cut off for several rounds and healed.
+DHT and p2pd processes and restarted, and a peer cut off (the heal is an expected failure: no quorum).
 
 The coordinator-mode scenarios that have no DHT counterpart are not run here: a coordinator restart
 (there is none), RPC fuzzing and the token checks of the coordinator's gRPC service (the DHT's
