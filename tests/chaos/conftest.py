@@ -13,7 +13,8 @@ from tests.chaos.cluster import CoordinatorCluster
 OK, WHY = netlab.available()
 
 LAUNCHERS = {"coordinator": CoordinatorCluster}
-"""Modes the scenarios run in; a DHT launcher with the same methods is added here."""
+"""Modes the scenarios run in. DHT mode (`tests.chaos.dht_cluster.DhtCluster`) runs its own scenarios in
+test_dht.py: these ones assert on the coordinator (its digests, drops, restart, RPCs), which it has not."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -18,6 +18,8 @@ ROWS = [  # figures file, scenario
     ("late_joiner_slow_link", "a late joiner over 2 Mbit/s"),
     ("bad_input", "bad input at every RPC, wrong/no token"),
     ("poisoning", "a poisoner (random x1000), clipping on / off"),
+    ("dht_peer_sigkill_restart", "DHT mode: a peer SIGKILLed (with its DHT and p2pd), restarted"),
+    ("dht_partition", "DHT mode: a peer cut off until the run ends"),
 ]
 
 
@@ -36,6 +38,12 @@ def _row(name: str, f: dict[str, Any]) -> tuple[str, str, str, str, str]:
         recover = f"{f['time_to_recover_s']} s from the kill (down {f['down_s']} s)"
     elif name == "partition_heal":
         recover = f"{f['time_to_recover_s']} s after the heal; {f['rounds_during_partition']} rounds went on meanwhile"
+    elif name == "dht_peer_sigkill_restart":
+        recover = f"back in round {f['back_in_round']} (killed in {f['killed_in_round']}), {f['rejoin_s']} s after " \
+                  f"restart; {f['rounds_without_c']} rounds went on meanwhile"
+    elif name == "dht_partition":
+        recover = f"{f['rounds_during_partition']}+ rounds went on without it; it closed {f['c_rounds_alone']} " \
+                  f"rounds alone (split brain)"
     elif name == "late_joiner_slow_link":
         recover = f"{f['parameter_bytes']} B downloaded, first round {f['time_to_first_round_s']} s after joining"
     elif name == "bad_input":

@@ -1,0 +1,143 @@
+"""A demonet run in DHT mode over a network lab: no coordinator, every peer a real `demonet peer --dht`
+process in its own namespace on a tbf-shaped link.
+
+`DhtCluster` is the DHT-mode launcher. Peer 0 (the `bootstrap` peer) starts the DHT at a fixed lab
+address and port with an identity generated beforehand, so its multiaddr is known before it runs
+and every other peer (restarts included) is given it as `--initial-peers`. A peer's process group
+holds its hivemind DHT process and its p2pd daemon: `kill` SIGKILLs the whole group, as a machine
+dies. The scenarios are in test_dht.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from demonet import netlab
+from tests.chaos.cluster import TOKEN, WAIT_S, CoordinatorCluster, PeerHandle
+
+DHT_PORT = 7460
+GATE = """
+import sys
+from demonet.cli import main
+from demonet.peer import _warm_up
+import demonet.transport.dht
+_warm_up()
+print("gate: ready", file=sys.stderr, flush=True)
+sys.stdin.readline()
+raise SystemExit(main(sys.argv[1:]))
+"""
+# A peer process spends seconds importing torch and hivemind; one held at this gate enters the run at once.
+
+
+class DhtCluster(CoordinatorCluster):
+    """One run in DHT mode over a lab. `close()` stops every peer's process group."""
+
+    mode = "dht"
+
+    def start(self, config: str, *, steps: int, start_peers: int, bootstrap: str = "a",  # type: ignore[override]
+              mbit: float | None = 100.0, exchange_timeout_s: float = 2.0) -> None:
+        """Write the run config, make peer 0's namespace and identity: its multiaddr is known from here on."""
+        from hivemind.p2p import P2P, PeerID
+
+        (self.tmp / "run.toml").write_text(config)
+        self.steps, self.start_peers, self.bootstrap = steps, start_peers, bootstrap
+        self.exchange_timeout_s = exchange_timeout_s
+        host = self.host(bootstrap, mbit)
+        self.identity = self.tmp / f"{bootstrap}.identity"
+        P2P.generate_identity(str(self.identity))
+        peer_id = PeerID.from_identity(self.identity.read_bytes())
+        self.maddr = f"/ip4/{host.addr}/tcp/{DHT_PORT}/p2p/{peer_id}"
+
+    def host(self, name: str, mbit: float | None) -> netlab.Host:
+        """The peer's namespace (made once per peer id, kept across restarts)."""
+        if name not in self.peers:
+            self.peers[name] = PeerHandle(name, self.lab.add_host(f"{self.prefix}{name}", mbit=mbit))
+        return self.peers[name].host
+
+    def peer(self, name: str, *, mbit: float | None = None, gated: bool = False,  # type: ignore[override]
+             extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+        """Start `demonet peer --dht --peer-id name` in the peer's namespace (log <name>[-n].log).
+
+        The bootstrap peer listens at its fixed address with its identity; the others join it.
+        A gated peer imports torch and hivemind, then waits for `release`.
+        """
+        host = self.host(name, mbit)
+        handle = self.peers[name]
+        if name == self.bootstrap:
+            where = ["--identity", str(self.identity), "--host-maddr", f"/ip4/{host.addr}/tcp/{DHT_PORT}"]
+        else:
+            where = ["--initial-peers", self.maddr, "--host-maddr", f"/ip4/{host.addr}/tcp/0"]
+        argv = ["peer", "--dht", "--run", "chaos", "--config", str(self.tmp / "run.toml"), "--steps", str(self.steps),
+                "--start-peers", str(self.start_peers), "--exchange-timeout-s", str(self.exchange_timeout_s),
+                "--peer-id", name, "--out", str(self.out), "--threads", "1", *where, *extra]
+        log = name if not handle.procs else f"{name}-{len(handle.procs) + 1}"
+        cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet.cli", *argv]
+        proc = host.popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
+                          stdout=self._logfile(log), stderr=subprocess.STDOUT, env={**self.env, "DEMONET_TOKEN": TOKEN})
+        proc.log_name = log  # type: ignore[attr-defined]
+        handle.procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL the peer's process group (the peer, its DHT process, its p2pd) and reap."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait(timeout=10)
+
+    def finish(self, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = WAIT_S) -> None:
+        """Wait for the peers to end the run (exit 0)."""
+        codes = self.wait_exit(procs, timeout_s)
+        assert codes == [0] * len(procs), f"exit codes {codes}\n{self.logs()}"
+
+    def close(self) -> None:
+        for proc in (p for h in self.peers.values() for p in h.procs):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the group each popen made: the peer and its children
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for f in self.files:
+            f.close()
+
+    # -- what the run did ------------------------------------------------------------------------------
+
+    def by_round(self, peers: Sequence[str]) -> dict[int, dict[str, dict[str, Any]]]:  # type: ignore[override]
+        """round -> peer -> row, checking: one row per peer and round, finite losses, no resync, and one
+        digest per round across the peers that did it (no coordinator: the peers must agree)."""
+        by_round: dict[int, dict[str, dict[str, Any]]] = {}
+        for p in peers:
+            for row in self.rows(p):
+                assert math.isfinite(row["loss"]), row
+                assert not row.get("resynced"), row
+                assert p not in by_round.setdefault(row["round"], {}), f"two rows of {p} for round {row['round']}"
+                by_round[row["round"]][p] = row
+        for round_, rows in sorted(by_round.items()):
+            digests = {p: r["param_digest"] for p, r in rows.items()}
+            assert len(set(digests.values())) == 1, f"round {round_}: {digests}"
+        return by_round
+
+    def loaded(self, peer: str) -> list[tuple[int, str]]:
+        """(round, digest prefix) of every parameter download the peer logged, across restarts."""
+        text = "".join(self.log(p.log_name) for p in self.peers[peer].procs)  # type: ignore[attr-defined]
+        return [(int(m[1]), m[2]) for m in re.finditer(
+            r"parameters of round (\d+) loaded from \d+ donors \(.*?; \d+ bytes, digest (\w+)\)", text)]
+
+
+def digest_after(by_round: dict[int, dict[str, dict[str, Any]]], round_: int) -> str:
+    """The (agreed) digest prefix after `round_`, as the download logs print it."""
+    return next(iter(by_round[round_].values()))["param_digest"][:12]
+
+
+__all__ = ["DhtCluster", "digest_after"]
