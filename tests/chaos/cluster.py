@@ -10,14 +10,11 @@ same methods) can be added by parametrizing the `cluster` fixture in conftest.py
 from __future__ import annotations
 
 import json
-import math
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +24,7 @@ from typing import IO, Any
 import pytest
 
 from demonet import netlab
-from tests.integration.common import GATE
+from tests.integration.common import GATE, listening_line, rows_by_round
 
 TOKEN = "chaos-test-token"
 PORT = 7450
@@ -112,14 +109,7 @@ class CoordinatorCluster:
              "--start-peers", str(self.start_peers), "--state-dir", str(self.tmp / "state")],
             stdout=subprocess.PIPE, stderr=self._logfile(name), stdin=subprocess.DEVNULL, env=self.env)
         self.coordinators.append(proc)
-        lines: queue.Queue[bytes] = queue.Queue()
-        assert proc.stdout is not None
-        stdout = proc.stdout
-        threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
-        try:
-            line = lines.get(timeout=WAIT_S).decode()
-        except queue.Empty:
-            line = ""
+        line = listening_line(proc, WAIT_S)
         assert line.startswith("listening on "), self.log(name)
         return proc
 
@@ -252,13 +242,7 @@ class CoordinatorCluster:
         """round -> peer -> row, checking what must hold in every scenario: one row per peer and round,
         finite losses, no resync, and every peer's digest after a round equal to the coordinator's."""
         canonical = self.canonical()
-        by_round: dict[int, dict[str, dict[str, Any]]] = {}
-        for p in peers:
-            for row in self.rows(p):
-                assert math.isfinite(row["loss"]), row
-                assert not row.get("resynced"), row
-                assert p not in by_round.setdefault(row["round"], {}), f"two rows of {p} for round {row['round']}"
-                by_round[row["round"]][p] = row
+        by_round = rows_by_round(self.rows, peers)
         for round_, rows in sorted(by_round.items()):
             digests = {p: r["param_digest"][:12] for p, r in rows.items()}
             assert set(digests.values()) == {canonical[round_][0]}, f"round {round_}: {digests} vs {canonical[round_]}"

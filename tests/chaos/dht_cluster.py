@@ -10,7 +10,6 @@ dies. The scenarios are in test_dht.py.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import signal
@@ -21,18 +20,9 @@ from typing import Any
 
 from demonet import netlab
 from tests.chaos.cluster import TOKEN, WAIT_S, CoordinatorCluster, PeerHandle
+from tests.integration.common import DHT_GATE, rows_by_round
 
 DHT_PORT = 7460
-GATE = """
-import sys
-from demonet.cli import main
-from demonet.peer import _warm_up
-import demonet.transport.dht
-_warm_up()
-print("gate: ready", file=sys.stderr, flush=True)
-sys.stdin.readline()
-raise SystemExit(main(sys.argv[1:]))
-"""
 # A peer process spends seconds importing torch and hivemind; one held at this gate enters the run at once.
 
 
@@ -78,7 +68,7 @@ class DhtCluster(CoordinatorCluster):
                 "--start-peers", str(self.start_peers), "--exchange-timeout-s", str(self.exchange_timeout_s),
                 "--peer-id", name, "--out", str(self.out), "--threads", "1", *where, *extra]
         log = name if not handle.procs else f"{name}-{len(handle.procs) + 1}"
-        cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet.cli", *argv]
+        cmd = [sys.executable, "-c", DHT_GATE, *argv] if gated else [sys.executable, "-m", "demonet.cli", *argv]
         proc = host.popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                           stdout=self._logfile(log), stderr=subprocess.STDOUT, env={**self.env, "DEMONET_TOKEN": TOKEN})
         proc.log_name = log  # type: ignore[attr-defined]
@@ -116,13 +106,7 @@ class DhtCluster(CoordinatorCluster):
     def by_round(self, peers: Sequence[str]) -> dict[int, dict[str, dict[str, Any]]]:  # type: ignore[override]
         """round -> peer -> row, checking: one row per peer and round, finite losses, no resync, and one
         digest per round across the peers that did it (no coordinator: the peers must agree)."""
-        by_round: dict[int, dict[str, dict[str, Any]]] = {}
-        for p in peers:
-            for row in self.rows(p):
-                assert math.isfinite(row["loss"]), row
-                assert not row.get("resynced"), row
-                assert p not in by_round.setdefault(row["round"], {}), f"two rows of {p} for round {row['round']}"
-                by_round[row["round"]][p] = row
+        by_round = rows_by_round(self.rows, peers)
         for round_, rows in sorted(by_round.items()):
             digests = {p: r["param_digest"] for p, r in rows.items()}
             assert len(set(digests.values())) == 1, f"round {round_}: {digests}"

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import queue
+import subprocess
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
 
 def tiny_config(*, round_timeout_s: float, steps: int | None = None, **net: float) -> str:
     """A TOML run config with a 1-layer, 32-wide model (rounds take milliseconds) and the given [net] fields."""
@@ -24,3 +31,32 @@ print("gate: ready", file=sys.stderr, flush=True)
 sys.stdin.readline()
 raise SystemExit(main(sys.argv[1:]))
 """
+DHT_GATE = GATE.replace("_warm_up()\n", "import demonet.transport.dht\n_warm_up()\n")
+"""The same gate, with the DHT transport (and hivemind) imported before the peer is let in."""
+
+
+def listening_line(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
+    """The first stdout line of a starting coordinator ("listening on HOST:PORT"), or "" if none came
+    within ``timeout_s`` (a hung process fails the test instead of blocking it)."""
+    lines: queue.Queue[bytes] = queue.Queue()
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout_s).decode()
+    except queue.Empty:
+        return ""
+
+
+def rows_by_round(rows: Callable[[str], list[dict[str, Any]]], peers: Sequence[str]
+                  ) -> dict[int, dict[str, dict[str, Any]]]:
+    """round -> peer -> metrics row, checking what holds in every process test: one row per peer and
+    round, finite losses, no resync. Each caller then checks the digests against its own reference."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for p in peers:
+        for row in rows(p):
+            assert math.isfinite(row["loss"]), row
+            assert not row.get("resynced"), row
+            assert p not in by_round.setdefault(row["round"], {}), f"two rows of {p} for round {row['round']}"
+            by_round[row["round"]][p] = row
+    return by_round

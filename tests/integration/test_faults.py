@@ -14,15 +14,12 @@ log, and runs `demonet peer` (demonet.cli.main) only once the test writes a line
 from __future__ import annotations
 
 import json
-import math
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +27,7 @@ from typing import IO, Any
 
 import pytest
 
-from tests.integration.common import GATE, tiny_config
+from tests.integration.common import GATE, listening_line, rows_by_round, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -81,14 +78,7 @@ class _Run:
              "--state-dir", str(self.tmp / "state")],
             stdout=subprocess.PIPE, stderr=self._log(name), stdin=subprocess.DEVNULL, env=self.env)
         self.procs.append(proc)
-        lines: queue.Queue[bytes] = queue.Queue()
-        assert proc.stdout is not None
-        stdout = proc.stdout
-        threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
-        try:
-            line = lines.get(timeout=LISTEN_TIMEOUT_S).decode()
-        except queue.Empty:
-            line = ""
+        line = listening_line(proc, LISTEN_TIMEOUT_S)
         assert line.startswith("listening on "), self.log(name)
         self.address = line.split()[-1]
         return proc
@@ -186,15 +176,8 @@ def run_factory(tmp_path: Path) -> Iterator[Callable[[int, int], _Run]]:
 
 
 def _by_round(run: _Run, peers: list[str]) -> dict[int, dict[str, dict[str, Any]]]:
-    """round -> peer -> row; checks what holds in every test: one row per peer and round, finite
-    losses, no resync, and one parameter digest per round across the peers that completed it."""
-    by_round: dict[int, dict[str, dict[str, Any]]] = {}
-    for p in peers:
-        for row in run.rows(p):
-            assert math.isfinite(row["loss"]), row
-            assert not row.get("resynced"), row
-            assert p not in by_round.setdefault(row["round"], {}), f"two rows of {p} for round {row['round']}"
-            by_round[row["round"]][p] = row
+    """`rows_by_round`, plus one parameter digest per round across the peers that completed it."""
+    by_round = rows_by_round(run.rows, peers)
     for round_, rows in sorted(by_round.items()):
         digests = {p: r["param_digest"] for p, r in rows.items()}
         assert len(set(digests.values())) == 1, f"round {round_}: digests differ: {digests}"
