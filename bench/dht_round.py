@@ -16,29 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from round_overhead import measure  # noqa: E402  (a sibling script, not a package)
+from round_overhead import measure, run_up  # noqa: E402  (a sibling script, not a package)
 
 GOAL_DOWN_UP = 2.0
 GOAL_PEERS = 8
-
-
-def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool) -> tuple[int, float, str]:
-    """`demonet up [--dht]` with N peers; returns (exit code, wall seconds, the tail of its stderr)."""
-    cmd = [sys.executable, "-m", "demonet.cli", "up", "--peers", str(peers), "--steps", str(steps), "--out",
-           str(out), "--no-progress", *(["--dht"] if dht else [])]
-    if config:
-        cmd += ["--config", config]
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    return proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]
 
 
 def main() -> None:

@@ -32,10 +32,10 @@ GOAL_OVERHEAD_PEERS = 4
 GOAL_BYTES = 1.5
 
 
-def run_up(peers: int, steps: int, config: str | None, out: Path) -> tuple[int, float, str]:
-    """`demonet up` with N peers; returns (exit code, wall seconds, the tail of its stderr)."""
+def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = False) -> tuple[int, float, str]:
+    """`demonet up [--dht]` with N peers; returns (exit code, wall seconds, the tail of its stderr)."""
     cmd = [sys.executable, "-m", "demonet.cli", "up", "--peers", str(peers), "--steps", str(steps), "--out",
-           str(out), "--no-progress"]
+           str(out), "--no-progress", *(["--dht"] if dht else [])]
     if config:
         cmd += ["--config", config]
     start = time.perf_counter()

@@ -24,7 +24,7 @@ from typing import IO, Any
 import pytest
 
 from demonet import netlab
-from tests.integration.common import GATE, listening_line, rows_by_round
+from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round
 
 TOKEN = "chaos-test-token"
 PORT = 7450
@@ -218,10 +218,7 @@ class CoordinatorCluster:
 
     def rows(self, peer: str) -> list[dict[str, Any]]:
         """The peer's metrics.jsonl rows (one per round it completed), across restarts."""
-        path = self.out / f"metrics-{peer}.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return metrics_rows(self.out, peer)
 
     def last_round(self, peer: str) -> int:
         rows = self.rows(peer)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import queue
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -46,6 +48,14 @@ def listening_line(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
         return lines.get(timeout=timeout_s).decode()
     except queue.Empty:
         return ""
+
+
+def metrics_rows(out: Path, peer: str) -> list[dict[str, Any]]:
+    """A peer's `metrics-<peer>.jsonl` rows in run folder ``out`` (one per round it completed; [] before any)."""
+    path = out / f"metrics-{peer}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def rows_by_round(rows: Callable[[str], list[dict[str, Any]]], peers: Sequence[str]

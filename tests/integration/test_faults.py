@@ -13,7 +13,6 @@ log, and runs `demonet peer` (demonet.cli.main) only once the test writes a line
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -27,7 +26,7 @@ from typing import IO, Any
 
 import pytest
 
-from tests.integration.common import GATE, listening_line, rows_by_round, tiny_config
+from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -133,10 +132,7 @@ class _Run:
                          for p in sorted(self.tmp.glob("*.log")))
 
     def rows(self, peer_id: str) -> list[dict[str, Any]]:
-        path = self.out / f"metrics-{peer_id}.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return metrics_rows(self.out, peer_id)
 
     def last_round(self, peer_id: str) -> int:
         rows = self.rows(peer_id)
