@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,12 @@ class _DhtPeer(_Peer):
         """Register for the next rounds, wait to be admitted to one, and load its parameters."""
         opts = self.dht.opts
         wait_s = opts.window_s + 3 * opts.exchange_timeout_s + 30.0
-        for _ in range(_MAX_CATCH_UP):
+        # Bounded by time, not by tries: while rounds are shorter than a DHT store, a registration
+        # can miss the rounds it names several times in a row before one lands in time.
+        give_up_at = time.monotonic() + wait_s
+        tries = 0
+        while tries < _MAX_CATCH_UP or time.monotonic() < give_up_at:
+            tries += 1
             head = await self.dht.head_round()
             if head is None:
                 raise PeerUnavailable("the DHT knows no round of this run")
@@ -101,7 +107,7 @@ class _DhtPeer(_Peer):
                     except DemonetError as e:
                         self._log(logging.WARNING, "could not load the parameters of round %d: %s", r, e)
                         break
-        raise PeerUnavailable(f"not admitted to the run after {_MAX_CATCH_UP} tries")
+        raise PeerUnavailable(f"not admitted to the run after {tries} tries in {wait_s:.0f} s")
 
 
 async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path, total_rounds: int,

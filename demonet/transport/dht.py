@@ -228,8 +228,8 @@ class DhtGatherer(_Streams):
 
     async def register(self, rounds: Iterable[int]) -> None:
         """Ask to be admitted at these rounds (the members of the round before decide at its freeze)."""
-        for r in rounds:
-            await self._store(self._key("join", r), {"t": _now()}, self._ttl_s)
+        # At once: rounds of a small model last tens of milliseconds, less than a store takes.
+        await asyncio.gather(*(self._store(self._key("join", r), {"t": _now()}, self._ttl_s) for r in rounds))
 
     async def publish_state(self, round: int, digest: str,
                             named_params: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
