@@ -7,29 +7,88 @@ R x Cc = a tensor's 2-D view, Y x X = its grid of chunks.
 A block's coefficients are ``D_h @ block @ D_w.T`` (the reference's ``f_dict[n] = D.T``); the
 inverse is ``D_h.T @ coef @ D_w``. A 1-D tensor is a 1 x n view: D_1 = [[1]], so only the columns
 are transformed, as in the reference's 1-D path.
+
+Two halves with two contracts. `encode` (a peer's compress) uses the fastest kernels there are: its
+bits may differ between machines. `decode_exact` (every peer's and the coordinator's apply) gives
+the same bits on every IEEE-754 machine, whatever the vector width, thread count, BLAS or GPU:
+it computes in float64 on integers small enough that no sum is ever rounded (see its docstring).
 """
 
 from __future__ import annotations
 
-import math
+import functools
+from decimal import ROUND_HALF_EVEN, Decimal, localcontext
 
 import torch
 
-__all__ = ["add_blocks_", "block_view", "dct_matrix", "decode_dense", "decode_sparse", "encode", "to_blocks"]
+__all__ = ["BASIS_BITS", "add_blocks_", "block_view", "dct_matrix", "decode_exact", "encode", "pow2", "to_blocks"]
+
+
+BASIS_BITS = 23
+"""The basis lives on the grid 2^-23: every entry is an integer times 2^-23, so it is exact in float32
+and float64 alike, and a product with it has a known quantum (what `decode_exact` builds on)."""
+
+_PI = Decimal("3.14159265358979323846264338327950288419716939937510582097494459230781640628620899863")
+_DIGITS = 50  # decimal digits for the basis; the grid keeps 7 of them
+
+
+def _cos(x: Decimal) -> Decimal:
+    """cos(x) for 0 <= x <= pi/2 by its Taylor series, in the decimal context's precision."""
+    term, total, x2, i = Decimal(1), Decimal(1), x * x, 0
+    while True:
+        i += 2
+        term = -term * x2 / (i * (i - 1))
+        if abs(term) < Decimal(10) ** -(_DIGITS + 5):
+            return total
+        total += term
+
+
+@functools.lru_cache(maxsize=64)
+def _basis_integers(n: int) -> tuple[tuple[int, ...], ...]:
+    """round(D[k, j] * 2^BASIS_BITS) for the orthonormal n x n DCT-II, computed in decimal arithmetic.
+
+    Python's decimal module implements a fully specified arithmetic (no libm, no FMA, no vector
+    kernels), so these integers are the same on every machine; ties round to even.
+    """
+    with localcontext() as ctx:
+        ctx.prec = _DIGITS + 10
+        ctx.rounding = ROUND_HALF_EVEN
+        # cos(pi * m / 2n) for m in [0, 4n): fold onto [0, pi/2] by the symmetries of cos.
+        table = []
+        for m in range(4 * n):
+            q, r = divmod(m, n)  # angle = q * pi/2 + r * pi/2n
+            if r == 0:
+                table.append((Decimal(1), Decimal(0), Decimal(-1), Decimal(0))[q])
+                continue
+            c = _cos(_PI * r / (2 * n))
+            s = _cos(_PI * (n - r) / (2 * n))  # sin(pi r / 2n)
+            table.append((c, -s, -c, s)[q])
+        grid = Decimal(2) ** BASIS_BITS
+        c0, ck = (Decimal(1) / n).sqrt(), (Decimal(2) / n).sqrt()
+        rows = []
+        for k in range(n):
+            scale = c0 if k == 0 else ck
+            rows.append(tuple(int((scale * table[(2 * j + 1) * k % (4 * n)] * grid).to_integral_value())
+                              for j in range(n)))
+    return tuple(rows)
+
+
+def _basis_max(n: int) -> int:
+    """The largest |D[k, j]| * 2^BASIS_BITS of the n x n basis."""
+    return max(abs(x) for row in _basis_integers(n) for x in row)
 
 
 def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
-    """The n x n orthonormal DCT-II matrix ``D[k, j] = c_k cos(pi (2j + 1) k / 2n)``.
+    """The n x n orthonormal DCT-II matrix ``D[k, j] = c_k cos(pi (2j + 1) k / 2n)`` on the 2^-23 grid.
 
-    Built in float64 from the closed form (no FFT), then cast, so every peer holds the same bits.
+    The same bits on every machine: computed in decimal arithmetic (no libm ``cos``, whose last bit
+    varies by platform), rounded to the nearest multiple of 2^-23 (|error| <= 2^-24 per entry, so
+    ``D @ D.T`` is the identity to about 1e-7), exact in float32 and float64.
     """
     if n < 1:
         raise ValueError(f"n should be >= 1, got {n}")
-    k = torch.arange(n, dtype=torch.float64)[:, None]
-    j = torch.arange(n, dtype=torch.float64)[None, :]
-    d = torch.cos(math.pi * (2 * j + 1) * k / (2 * n)) * math.sqrt(2.0 / n)
-    d[0] = math.sqrt(1.0 / n)
-    return d.to(dtype=dtype, device=device)
+    ints = torch.tensor(_basis_integers(n), dtype=torch.float64)
+    return (ints * 2.0**-BASIS_BITS).to(dtype=dtype, device=device)
 
 
 def block_view(x2d: torch.Tensor, h: int, w: int) -> torch.Tensor | None:
@@ -52,16 +111,19 @@ def to_blocks(x2d: torch.Tensor, h: int, w: int, out_BHW: torch.Tensor) -> None:
     out_BHW.view(grid_y, grid_x, h, w).copy_(padded.view(grid_y, h, grid_x, w).permute(0, 2, 1, 3))
 
 
-def add_blocks_(x2d: torch.Tensor, blocks_BHW: torch.Tensor, alpha: float) -> None:
-    """``x2d += alpha * blocks`` where the blocks tile x2d (R, Cc) row-major; padding is dropped."""
+def add_blocks_(x2d: torch.Tensor, blocks_BHW: torch.Tensor) -> None:
+    """``x2d += blocks`` where the blocks tile x2d (R, Cc) row-major; padding is dropped.
+
+    A plain add, one rounding per element (no fused multiply-add): the same bits on every machine.
+    """
     rows, cols = x2d.shape
     _, h, w = blocks_BHW.shape
     grid_y, grid_x = -(-rows // h), -(-cols // w)
     blocks_YhXw = blocks_BHW.view(grid_y, grid_x, h, w).permute(0, 2, 1, 3)  # (Y, h, X, w)
     if rows == grid_y * h and cols == grid_x * w:
-        x2d.view(grid_y, h, grid_x, w).add_(blocks_YhXw, alpha=alpha)
+        x2d.view(grid_y, h, grid_x, w).add_(blocks_YhXw)
         return
-    x2d.add_(blocks_YhXw.reshape(grid_y * h, grid_x * w)[:rows, :cols], alpha=alpha)  # rare: padded grid
+    x2d.add_(blocks_YhXw.reshape(grid_y * h, grid_x * w)[:rows, :cols])  # rare: padded grid
 
 
 def encode(x_BHW: torch.Tensor, d_h: torch.Tensor, d_wt: torch.Tensor, scratch_BHW: torch.Tensor,
@@ -88,41 +150,50 @@ def encode(x_BHW: torch.Tensor, d_h: torch.Tensor, d_wt: torch.Tensor, scratch_B
         acc_BHW.mul_(beta).add_(scratch_BHW, alpha=alpha)
 
 
-def decode_dense(coef_BHW: torch.Tensor, d_ht: torch.Tensor, d_w: torch.Tensor, scratch_BHW: torch.Tensor,
-                 out_BHW: torch.Tensor) -> None:
-    """``out = D_h.T @ coef @ D_w`` over all blocks, in place. `d_ht` is D_h.T (contiguous)."""
-    num_blocks, h, w = coef_BHW.shape
-    if w > 1:
-        torch.mm(coef_BHW.view(num_blocks * h, w), d_w, out=scratch_BHW.view(num_blocks * h, w))
-    else:
-        scratch_BHW.copy_(coef_BHW)
-    if h > 1:
-        torch.bmm(d_ht.expand(num_blocks, h, h), scratch_BHW, out=out_BHW)
-    else:
-        out_BHW.copy_(scratch_BHW)
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2.0 ** exponent in float64, exactly, for integer exponents in [-1022, 1023] (built from the bits:
+    no ``exp2``/``ldexp`` kernel whose rounding could vary)."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
-def decode_sparse(idx_BS: torch.Tensor, val_BS: torch.Tensor, d_h: torch.Tensor, d_w: torch.Tensor,
-                  rows_buf: torch.Tensor, cols_buf: torch.Tensor, out_BHW: torch.Tensor) -> None:
-    """Decode S sparse coefficients per block: ``out[b] = sum_s val * outer(D_h[i_s], D_w[j_s])``.
+def decode_exact(idx_BS: torch.Tensor, val_BS: torch.Tensor, d_h: torch.Tensor, d_w: torch.Tensor,
+                 out_BHW: torch.Tensor, work: torch.Tensor) -> None:
+    """``out[b] = sum_s val[b, s] * outer(D_h[i_s], D_w[j_s])``, the same bits on every machine.
 
-    One bmm with inner size S: 2*h*w*S flops per block against 2*h*w*(h + w) for `decode_dense`
-    (2.4x faster at S = 32 on CPU). Entries with value 0 (aggregate padding) add exact zeros, so
-    their repeated indices are harmless.
+    Why it is exact. Let R[b, s, :] = val[b, s] * D_h[i_s] (float64: a 24-bit value times a 24-bit
+    basis entry is exact). Per block, R is rounded to a multiple of a power of two q_b chosen so that
+    |R| / q_b <= 2^(53 - e_S - e_M), where S <= 2^e_S and every |D_w| * 2^23 < 2^e_M. Every product
+    R[s, y] * D_w[j_s, x] is then a multiple of q_b * 2^-23 below 2^(53 - e_S) of those quanta, and
+    any sum of at most S of them is below 2^53 quanta: an integer float64 represents exactly. So the
+    batched matrix product ``R^T @ D_w[j]`` is exact whatever order, blocking, FMA or thread split a
+    BLAS or GPU uses, and the final cast to the output dtype is one correctly rounded operation.
+    The rounding of R is the only approximation: |R| keeps 53 - e_S - e_M bits (27 at S = 32, h = 64)
+    relative to the block's largest entry, finer than float32.
 
     Args:
-        idx_BS, val_BS: (B, S) coefficient indices ``i * w + j`` and values.
-        d_h, d_w: (h, h) and (w, w) DCT matrices.
-        rows_buf, cols_buf: flat work space of at least B * S * h and B * S * w elements.
-        out_BHW: (B, h, w) output.
+        idx_BS, val_BS: (B, S) coefficient indices ``i * w + j`` and values (padding: value 0).
+        d_h, d_w: (h, h) and (w, w) float64 bases on the 2^-23 grid (`dct_matrix`).
+        out_BHW: (B, h, w) output, any float dtype.
+        work: flat float64 work space of at least B * S * (h + w) + B * h * w elements.
     """
     num_blocks, h, w = out_BHW.shape
     width = idx_BS.shape[1]
+    e_s = max(width - 1, 0).bit_length()  # S <= 2^e_s
+    e_m = _basis_max(w).bit_length()  # |D_w| * 2^23 < 2^e_m
+    r_BSH = work[: num_blocks * width * h].view(num_blocks, width, h)
+    c_BSW = work[r_BSH.numel(): r_BSH.numel() + num_blocks * width * w].view(num_blocks, width, w)
+    u_BHW = work[r_BSH.numel() + c_BSW.numel(): r_BSH.numel() + c_BSW.numel() + out_BHW.numel()].view(out_BHW.shape)
     i_BS = torch.div(idx_BS, w, rounding_mode="floor")
-    rows_BSH = rows_buf[: num_blocks * width * h].view(num_blocks, width, h)
-    cols_BSW = cols_buf[: num_blocks * width * w].view(num_blocks, width, w)
-    torch.index_select(d_h, 0, i_BS.view(-1), out=rows_BSH.view(-1, h))
-    torch.index_select(d_w, 0, (idx_BS - i_BS * w).view(-1), out=cols_BSW.view(-1, w))
-    cols_BSW.mul_(val_BS.unsqueeze(-1))
-    torch.bmm(rows_BSH.transpose(1, 2), cols_BSW, out=out_BHW)
+    torch.index_select(d_h, 0, i_BS.view(-1), out=r_BSH.view(-1, h))
+    torch.index_select(d_w, 0, (idx_BS - i_BS * w).view(-1), out=c_BSW.view(-1, w))
+    val_BS1 = val_BS.to(torch.float64).unsqueeze(-1)
+    r_BSH.mul_(val_BS1)  # exact: 24 x 24 bits
+    # q_b from an exact bound on |R|: max |val| * max |D_h| < 2^e (frexp's exponent).
+    bound_B = val_BS1.abs().amax(dim=(1, 2)) * (_basis_max(h) * 2.0**-BASIS_BITS)  # exact: 24 x 24 bits
+    _, e_B = torch.frexp(bound_B)
+    shift_B11 = (e_B.to(torch.int64) + e_s + e_m - 53).view(-1, 1, 1)
+    r_BSH.mul_(pow2(-shift_B11)).round_().mul_(pow2(shift_B11))  # powers of two: exact; ties to even
+    torch.bmm(r_BSH.transpose(1, 2), c_BSW, out=u_BHW)
+    out_BHW.copy_(u_BHW)
+
 

@@ -21,7 +21,7 @@ import torch
 
 from .aggregate import aggregate
 from .chunking import CHUNK_POLICIES, chunk_shape
-from .dct import add_blocks_, block_view, dct_matrix, decode_dense, decode_sparse, encode, to_blocks
+from .dct import add_blocks_, block_view, dct_matrix, decode_exact, encode, to_blocks
 from .payload import ENCODINGS, Compressed, Payload, matrix_shape, num_chunks, quantize
 
 __all__ = ["BASES", "DeMo"]
@@ -60,7 +60,8 @@ class _Bucket:
     momentum_BN: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     exp_avg_BN: torch.Tensor | None = None
     exp_avg_sq_BN: torch.Tensor | None = None
-    bases: tuple[torch.Tensor, ...] = ()  # (D_h, D_h.T, D_w, D_w.T), contiguous
+    bases: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))  # (D_h, D_w.T) for encode
+    exact_bases: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))  # (D_h, D_w), float64
 
 
 class DeMo(torch.optim.Optimizer):
@@ -128,6 +129,7 @@ class DeMo(torch.optim.Optimizer):
         self.data_receive = 0
         self._bucket_cap = max(1, int(bucket_cap_mb * 2**20 / 4))
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._exact_work: dict[torch.device, torch.Tensor] = {}  # float64 work space of the exact decode
         self._build_buckets()
 
     # -- construction --------------------------------------------------------------------------------
@@ -169,9 +171,10 @@ class DeMo(torch.optim.Optimizer):
             if self.base == "adamw":
                 bucket.exp_avg_BN = torch.zeros(shape, dtype=dtype, device=p.device)
                 bucket.exp_avg_sq_BN = torch.zeros(shape, dtype=dtype, device=p.device)
-            d_h = dct_matrix(bucket.h, dtype, p.device)
-            d_w = dct_matrix(bucket.w, dtype, p.device)
-            bucket.bases = (d_h, d_h.t().contiguous(), d_w, d_w.t().contiguous())
+            bucket.bases = (dct_matrix(bucket.h, dtype, p.device),
+                            dct_matrix(bucket.w, dtype, p.device).t().contiguous())
+            bucket.exact_bases = (dct_matrix(bucket.h, torch.float64, p.device),
+                                  dct_matrix(bucket.w, torch.float64, p.device))
             for slot in bucket.slots:
                 self._bind_state(bucket, slot)
 
@@ -235,7 +238,7 @@ class DeMo(torch.optim.Optimizer):
             if dst:
                 torch._foreach_copy_(dst, src)
             m_BN = bucket.momentum_BN
-            d_h, _, _, d_wt = bucket.bases
+            d_h, d_wt = bucket.bases
             encode(x_BHW, d_h, d_wt, t_BHW, m_BN.view_as(x_BHW), beta=self.compression_decay, alpha=lr)
             k = min(self.compression_topk, bucket.h * bucket.w)
             idx_BK = _topk_abs(m_BN, k, abs_BHW.view_as(m_BN), bucket.w)
@@ -272,22 +275,28 @@ class DeMo(torch.optim.Optimizer):
     def apply(self, aggregate: Payload) -> None:
         """Decode an aggregate and take the base optimizer's step with decoupled weight decay.
 
-        Two peers that apply the same aggregate to the same parameters end with the same bits: the
-        decode path depends only on the aggregate, and no step uses atomics or thread races.
+        The same bits on every IEEE-754 machine (CPU of any vector width or thread count, CUDA):
+        two peers that apply the same aggregate to the same parameters end with the same parameters
+        and base-optimizer state. The decode is exact in float64 (`decode_exact`); everything after it
+        is elementwise, one rounding per operation, with no fused multiply-add (``add_(x, alpha=a)``,
+        ``addcmul``, ``lerp`` fuse on some kernels and not on others), no division by a scalar (CUDA
+        turns it into a multiplication by the reciprocal), and scalars rounded to the tensor's dtype
+        first. Python scalars (lr, bias corrections) come from IEEE double arithmetic alone.
         """
         self._check_payload(aggregate)
         for bucket in self._buckets:
             group = self.param_groups[bucket.group]
             lr, wd = group["lr"], group["weight_decay"]
-            u_BHW, t_BHW, c_BHW = self._scratch_for(bucket)
-            self._decode(bucket, aggregate, u_BHW, t_BHW, c_BHW)
+            u_BHW, t_BHW, _ = self._scratch_for(bucket)
+            self._decode(bucket, aggregate, u_BHW)
             if self.base == "sign":
                 u_BHW.sign_()
             elif self.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)
+            u_BHW.mul_(_as(-lr, u_BHW.dtype))  # the update, -lr * u, rounded once
             locals_ = [_local(slot.param) for slot in bucket.slots]
             if wd != 0.0:
-                torch._foreach_mul_(locals_, 1.0 - lr * wd)
+                torch._foreach_mul_(locals_, _as(1.0 - lr * wd, locals_[0].dtype))
             params, updates = [], []  # parameters that tile exactly: one batched add per bucket
             for slot, p in zip(bucket.slots, locals_, strict=True):
                 u_CHW = u_BHW[slot.start:slot.stop]
@@ -296,51 +305,50 @@ class DeMo(torch.optim.Optimizer):
                     params.append(p_blocks)
                     updates.append(u_CHW.view(p_blocks.shape))
                 elif p.is_contiguous():
-                    add_blocks_(p.view(slot.rows, slot.cols), u_CHW, -lr)
+                    add_blocks_(p.view(slot.rows, slot.cols), u_CHW)
                 else:
                     delta = torch.zeros(slot.rows, slot.cols, dtype=u_CHW.dtype, device=p.device)
-                    add_blocks_(delta, u_CHW, -lr)
+                    add_blocks_(delta, u_CHW)
                     p.add_(delta.view(p.shape))
             if params:
-                torch._foreach_add_(params, updates, alpha=-lr)
+                torch._foreach_add_(params, updates)
 
-    def _decode(self, bucket: _Bucket, agg: Payload, u_BHW: torch.Tensor, t_BHW: torch.Tensor,
-                c_BHW: torch.Tensor) -> None:
-        """u = IDCT(aggregate) for the bucket's blocks.
-
-        Few entries per block (S <= min(h, w), e.g. one or two peers' top-32 of 64x64): one bmm of
-        inner size S. Otherwise two dense GEMMs over coefficients scatter-added one tensor at a
-        time into zeros. Both are free of atomics, and the choice depends only on the aggregate, so
-        every peer computes the same bits.
-        """
-        d_h, d_ht, d_w, _ = bucket.bases
+    def _decode(self, bucket: _Bucket, agg: Payload, u_BHW: torch.Tensor) -> None:
+        """u = IDCT(aggregate) for the bucket's blocks, exactly (`decode_exact`): the same bits everywhere."""
+        d_h, d_w = bucket.exact_bases
         parts = [agg.tensors[s.name] for s in bucket.slots]
         width = max(c.k for c in parts)
-        dtype = u_BHW.dtype
-        if bucket.h > 1 and width <= min(bucket.h, bucket.w):
-            idx_BS = torch.cat([_pad_cols(c.idx, width, c.idx[:, :1]) for c in parts])
-            val_BS = torch.cat([_pad_cols(c.val.to(dtype), width, 0.0) for c in parts])
-            decode_sparse(idx_BS, val_BS, d_h, d_w, t_BHW.view(-1), c_BHW.view(-1), u_BHW)
-            return
-        coef_BN = c_BHW.view(bucket.num_blocks, bucket.h * bucket.w).zero_()
-        for slot, c in zip(bucket.slots, parts, strict=True):
-            coef_BN[slot.start:slot.stop].scatter_add_(1, c.idx, c.val.to(dtype))
-        decode_dense(c_BHW, d_ht, d_w, t_BHW, u_BHW)
+        idx_BS = torch.cat([_pad_cols(c.idx, width, c.idx[:, :1]) for c in parts])
+        val_BS = torch.cat([_pad_cols(c.val, width, 0.0) for c in parts])
+        need = bucket.num_blocks * (width * (bucket.h + bucket.w) + bucket.h * bucket.w)
+        work = self._exact_work.get(u_BHW.device)
+        if work is None or work.numel() < need:
+            work = self._exact_work[u_BHW.device] = torch.empty(need, dtype=torch.float64, device=u_BHW.device)
+        decode_exact(idx_BS, val_BS, d_h, d_w, u_BHW, work)
 
     def _adam_direction(self, bucket: _Bucket, u_BHW: torch.Tensor, t_BHW: torch.Tensor) -> None:
-        """Replace u by Adam's bias-corrected m / (sqrt(v) + eps), updating the moments."""
+        """Replace u by Adam's bias-corrected m / (sqrt(v) + eps), updating the moments.
+
+        One rounding per operation, in a fixed order (see `apply`): ``m = beta1*m + (1-beta1)*u``,
+        ``v = beta2*v + (1-beta2)*u*u``, ``u = m / (sqrt(v) / sqrt(1-beta2^t) + eps) / (1-beta1^t)``
+        with the two divisions by scalars done as multiplications by their reciprocals.
+        """
         assert bucket.exp_avg_BN is not None and bucket.exp_avg_sq_BN is not None
         beta1, beta2 = self.betas
         step_t = self.state[bucket.slots[0].param]["step"]
         for slot in bucket.slots:
             self.state[slot.param]["step"] += 1
-        step = float(step_t)
+        step = int(step_t)
+        dtype = u_BHW.dtype
         u_BN = u_BHW.view_as(bucket.exp_avg_BN)
-        bucket.exp_avg_BN.lerp_(u_BN, 1.0 - beta1)
-        bucket.exp_avg_sq_BN.mul_(beta2).addcmul_(u_BN, u_BN, value=1.0 - beta2)
-        denom_BN = t_BHW.view_as(u_BN)
-        torch.sqrt(bucket.exp_avg_sq_BN, out=denom_BN).div_(math.sqrt(1.0 - beta2**step)).add_(self.eps)
-        torch.div(bucket.exp_avg_BN, denom_BN, out=u_BN).div_(1.0 - beta1**step)
+        t_BN = t_BHW.view_as(u_BN)
+        m_BN, v_BN = bucket.exp_avg_BN, bucket.exp_avg_sq_BN
+        m_BN.mul_(_as(beta1, dtype)).add_(torch.mul(u_BN, _as(1.0 - beta1, dtype), out=t_BN))
+        torch.mul(u_BN, u_BN, out=t_BN).mul_(_as(1.0 - beta2, dtype))
+        v_BN.mul_(_as(beta2, dtype)).add_(t_BN)
+        inv_bias2 = _as(1.0 / math.sqrt(1.0 - _ipow(beta2, step)), dtype)  # math.sqrt is correctly rounded
+        torch.sqrt(v_BN, out=t_BN).mul_(inv_bias2).add_(_as(self.eps, dtype))
+        torch.div(m_BN, t_BN, out=u_BN).mul_(_as(1.0 / (1.0 - _ipow(beta1, step)), dtype))
 
     @torch.no_grad()
     def restore(self, payload: Payload, kept: Payload | None = None) -> None:
@@ -422,6 +430,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         local: torch.Tensor = to_local()
     return local
+
+
+def _as(x: float, dtype: torch.dtype) -> float:
+    """x rounded to the dtype a kernel on `dtype` tensors computes in (as a Python float).
+
+    A kernel that multiplies in float64 and one that multiplies in the tensor's dtype then give the
+    same bits: a product of two 24-bit significands is exact in float64, so rounding it once to
+    float32 is the float32 product."""
+    if dtype == torch.float64:
+        return x
+    # half-precision kernels compute in float32 (PyTorch's "opmath" type) and round the result once
+    return float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
+
+
+def _ipow(x: float, n: int) -> float:
+    """x ** n for an integer n >= 0 by repeated squaring in IEEE double: the same bits on every
+    machine (``**`` on floats calls the C library's pow, whose last bit varies by platform)."""
+    result = 1.0
+    while n:
+        if n & 1:
+            result *= x
+        x *= x
+        n >>= 1
+    return result
 
 
 def _momentum_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from demonet.flex.shard import chunk_plan, join_shards, local_rows
-from demonet.optim import DeMo, Payload
+from demonet.optim import DeMo, Payload, aggregate
 
 SHAPES = {"w": (64, 48), "b": (32,)}
 CHUNKS = {"w": (16, 16), "b": (1, 16)}
@@ -38,7 +38,17 @@ def _half(t: torch.Tensor, r: int) -> torch.Tensor:
 
 
 def test_shard_payloads_join_into_the_unsharded_payload() -> None:
-    """Two shards of whole chunks compress, join, and apply exactly as the unsharded DeMo does."""
+    """Two shards of whole chunks compress and join into the unsharded payload, and apply exactly as
+    the unsharded DeMo does.
+
+    What the design needs, and so what is asserted:
+    - The apply must give the same bits on a shard as on the whole parameter, or a FlexDeMo node's
+      digest would leave the coordinator's: applying one aggregate is compared with `torch.equal`.
+    - `compress` is each node's own business (DESIGN.md): a shard runs its transform as a smaller GEMM,
+      which may round differently in the last bit on another CPU, so the joined payload is compared to
+      float tolerance. Its indices must match: the inputs are Gaussian, whose top-k choices have no
+      near-ties within rounding error.
+    """
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
     whole = _demo(full)
@@ -57,11 +67,12 @@ def test_shard_payloads_join_into_the_unsharded_payload() -> None:
             assert j.shape == c.shape and j.chunk == c.chunk
             order_j, order_c = j.idx.argsort(dim=1), c.idx.argsort(dim=1)
             assert torch.equal(j.idx.gather(1, order_j), c.idx.gather(1, order_c))
-            assert torch.equal(j.val.gather(1, order_j), c.val.gather(1, order_c))
+            torch.testing.assert_close(j.val.gather(1, order_j), c.val.gather(1, order_c), rtol=1e-5, atol=1e-7)
+        agg = aggregate([joined, ref])  # one aggregate, applied by the shards and by the whole
         for r, opt in enumerate(shards):
             opt.apply(Payload({n: local_rows(c, r, 2, tuple(_half(full[n], r).shape))
-                               for n, c in joined.tensors.items()}))
-        whole.apply(ref)
+                               for n, c in agg.tensors.items()}))
+        whole.apply(agg)
         for name, want in _named(whole).items():
             got = torch.cat([_named(opt)[name].detach() for opt in shards])
             assert torch.equal(got, want.detach())

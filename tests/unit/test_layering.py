@@ -7,7 +7,7 @@ from pathlib import Path
 
 import demonet.optim
 
-ALLOWED = {"torch", "math", "dataclasses", "typing", "collections", "__future__"}
+ALLOWED = {"torch", "math", "dataclasses", "typing", "collections", "__future__", "functools", "decimal"}
 
 
 def test_optim_imports_no_network_code() -> None:

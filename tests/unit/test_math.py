@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from demonet.optim import Compressed, Payload, aggregate, chunk_size, dct_matrix, merge_tensor, quantize
 from demonet.optim.chunking import divisors, reference_chunk_size
-from demonet.optim.dct import add_blocks_, decode_dense, encode, to_blocks
+from demonet.optim.dct import BASIS_BITS, add_blocks_, decode_exact, encode, to_blocks
 from demonet.optim.demo import _topk_abs
 
 
@@ -36,14 +36,28 @@ def test_chunk_rule_rejects_bad_input() -> None:
     assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
 
 
-def test_dct_matrix_is_the_orthonormal_dct2() -> None:
+def _true_dct(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II from libm's cos in float64: an independent path to check the basis against."""
+    k = torch.arange(n, dtype=torch.float64)[:, None]
+    j = torch.arange(n, dtype=torch.float64)[None, :]
+    d = torch.cos(math.pi * (2 * j + 1) * k / (2 * n)) * math.sqrt(2.0 / n)
+    d[0] = math.sqrt(1.0 / n)
+    return d
+
+
+def test_dct_matrix_is_the_orthonormal_dct2_on_its_grid() -> None:
     # The reference's f_dict[4] (= D.T), from research notes section 1.3.
     truth_f = torch.tensor([[0.5, 0.6533, 0.5, 0.2706], [0.5, 0.2706, -0.5, -0.6533],
                             [0.5, -0.2706, -0.5, 0.6533], [0.5, -0.6533, 0.5, -0.2706]])
     assert torch.allclose(dct_matrix(4).t(), truth_f, atol=1e-4)
-    for n in (1, 3, 33, 64):
+    for n in (1, 2, 3, 33, 64, 100):
         d = dct_matrix(n, torch.float64)
-        assert torch.allclose(d @ d.t(), torch.eye(n, dtype=torch.float64), atol=1e-12)
+        grid = d * 2**BASIS_BITS
+        assert torch.equal(grid, grid.round())  # integers times 2^-23
+        # Nearest grid point of the true value: within half a step (plus libm's own error, << 2^-40).
+        assert (d - _true_dct(n)).abs().max() <= 2.0 ** -(BASIS_BITS + 1) + 2.0**-40
+        assert torch.allclose(d @ d.t(), torch.eye(n, dtype=torch.float64), atol=n * 2.0**-BASIS_BITS)
+        assert torch.equal(dct_matrix(n), d.float())  # the float32 basis holds the same values
 
 
 @settings(max_examples=30, deadline=None)
@@ -60,12 +74,52 @@ def test_blockwise_dct_round_trip_with_padding(rows: int, cols: int, h: int, w: 
     encode(blocks, d_h, d_w.t().contiguous(), torch.empty_like(blocks), coef, beta=0.0, alpha=1.0)
     assert torch.allclose(coef, d_h @ blocks @ d_w.t(), atol=1e-12)  # per block: D_h B D_w^T
     energy = (coef**2).sum()
-    assert torch.allclose(energy, (x**2).sum())  # orthonormal: Parseval
+    assert torch.allclose(energy, (x**2).sum(), rtol=1e-5)  # orthonormal to the grid's precision: Parseval
+    # Every coefficient, sparse: the exact decode inverts the transform (to the grid's precision).
+    idx = torch.arange(h * w).expand(grid, -1).contiguous()
     out = torch.empty_like(blocks)
-    decode_dense(coef, d_h.t().contiguous(), d_w, torch.empty_like(blocks), out)
+    decode_exact(idx, coef.view(grid, h * w), d_h, d_w, out, torch.empty(grid * (h * w * (h + w) + h * w),
+                                                                         dtype=torch.float64))
     back = torch.zeros_like(x)
-    add_blocks_(back, out, 1.0)
-    assert torch.allclose(back, x, atol=1e-12)
+    add_blocks_(back, out)
+    assert torch.allclose(back, x, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(blocks=st.integers(1, 6), h=st.sampled_from([1, 2, 3, 8, 16]), w=st.sampled_from([1, 4, 7, 16]),
+       width=st.integers(1, 40), seed=st.integers(0, 2**16), spread=st.integers(0, 60))
+def test_decode_exact_is_the_exact_sum_rounded_once(blocks: int, h: int, w: int, width: int, seed: int,
+                                                     spread: int) -> None:
+    """decode_exact against the same sum done in exact rational arithmetic (Python ints)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, h * w, (blocks, width), generator=g)
+    # values of very different magnitudes, some exact zeros (padding)
+    val = torch.randn(blocks, width, generator=g) * torch.pow(2.0, torch.randint(-spread, spread + 1, (blocks, width),
+                                                                                 generator=g).float())
+    val[:, ::5] = 0.0
+    d_h, d_w = dct_matrix(h, torch.float64), dct_matrix(w, torch.float64)
+    out = torch.empty(blocks, h, w)
+    decode_exact(idx, val, d_h, d_w, out, torch.empty(blocks * (width * (h + w) + h * w), dtype=torch.float64))
+    # Independent path: the same rounding of R (to the quantum decode_exact documents), then exact sums.
+    from fractions import Fraction
+    e_s = max(width - 1, 0).bit_length()
+    e_m = int((d_w.abs().max() * 2**BASIS_BITS).item()).bit_length()
+    e_h = int((d_h.abs().max() * 2**BASIS_BITS).item())
+    for b in range(blocks):
+        vmax = max(abs(Fraction(float(v))) for v in val[b])
+        bound = vmax * e_h / 2**BASIS_BITS
+        e = math.frexp(float(bound))[1] if bound else 0
+        q = Fraction(2) ** (e + e_s + e_m - 53)
+        for y in range(h):
+            for x in range(w):
+                total = Fraction(0)
+                for s in range(width):
+                    i, j = divmod(int(idx[b, s]), w)
+                    r = Fraction(float(val[b, s])) * Fraction(float(d_h[i, y]))
+                    r_q = round(r / q) * q  # Python's round: half to even, as torch.round
+                    total += r_q * Fraction(float(d_w[j, x]))
+                assert Fraction(float(total)) == total  # the claim: the exact sum is a float64
+                assert float(out[b, y, x]) == float(torch.tensor(float(total), dtype=torch.float64).float())
 
 
 def test_encode_accumulates_momentum() -> None:
