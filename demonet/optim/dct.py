@@ -186,14 +186,15 @@ def decode_exact(idx_BS: torch.Tensor, val_BS: torch.Tensor, d_h: torch.Tensor, 
     i_BS = torch.div(idx_BS, w, rounding_mode="floor")
     torch.index_select(d_h, 0, i_BS.view(-1), out=r_BSH.view(-1, h))
     torch.index_select(d_w, 0, (idx_BS - i_BS * w).view(-1), out=c_BSW.view(-1, w))
-    val_BS1 = val_BS.to(torch.float64).unsqueeze(-1)
-    r_BSH.mul_(val_BS1)  # exact: 24 x 24 bits
     # q_b from an exact bound on |R|: max |val| * max |D_h| < 2^e (frexp's exponent).
-    bound_B = val_BS1.abs().amax(dim=(1, 2)) * (_basis_max(h) * 2.0**-BASIS_BITS)  # exact: 24 x 24 bits
+    val_BS = val_BS.to(torch.float64, copy=True)
+    bound_B = val_BS.abs().amax(dim=1) * (_basis_max(h) * 2.0**-BASIS_BITS)  # exact: 24 x 24 bits
     _, e_B = torch.frexp(bound_B)
-    shift_B11 = (e_B.to(torch.int64) + e_s + e_m - 53).view(-1, 1, 1)
-    r_BSH.mul_(pow2(-shift_B11)).round_().mul_(pow2(shift_B11))  # powers of two: exact; ties to even
+    shift_B1 = (e_B.to(torch.int64) + e_s + e_m - 53).view(-1, 1)
+    # R / q_b = D_h[i] * (val / q_b): dividing by a power of two is exact, so is the product; then
+    # round half to even onto the integers. The quantum goes back in as the output is written.
+    r_BSH.mul_(val_BS.mul_(pow2(-shift_B1)).unsqueeze(-1)).round_()
     torch.bmm(r_BSH.transpose(1, 2), c_BSW, out=u_BHW)
-    out_BHW.copy_(u_BHW)
+    torch.mul(u_BHW, pow2(shift_B1).unsqueeze(-1), out=out_BHW)  # exact scaling, then one rounding
 
 
