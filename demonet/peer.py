@@ -303,8 +303,9 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
         info = await client.join()
         cfg = load_config(None, {}, overrides=info.run_config)
         peer = _Peer(client, info, cfg, out, torch.device(device), accumulate, checkpoint_every, stop=stop)
-        peer._log(logging.INFO, "joined %s: %d parameters, %d rounds in the run", coordinator,
-                  peer.model.num_params(), info.total_rounds)
+        peer._log(logging.INFO, "joined %s: %d parameters, %d rounds in the run; CPU kernels %s, %d threads",
+                  coordinator, peer.model.num_params(), info.total_rounds, torch.backends.cpu.get_cpu_capability(),
+                  torch.get_num_threads())  # kernels that differ between peers are what makes them resync
         if info.total_rounds and info.round >= info.total_rounds:
             peer._log(logging.INFO, "the run is over")
             return 0
