@@ -73,6 +73,9 @@ class _Peer:
     batches: Batches = field(init=False)
     round: int = 0
     digest: str = ""
+    resyncs: int = 0
+    """Whole-parameter downloads because this peer's digest differed from the canonical one (the
+    `resyncs` field of every metrics row): each is the dense transfer the compressed rounds avoid."""
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -101,10 +104,11 @@ class _Peer:
 
     # -- state -----------------------------------------------------------------------------------------
 
-    async def load_parameters(self, round: int) -> None:
-        """Download the canonical parameters at the start of `round` into the model."""
+    async def load_parameters(self, round: int, *, resync: bool = False) -> None:
+        """Download the canonical parameters at the start of `round` into the model; `resync`: because
+        the digest after applying round - 1 differed (the coordinator counts it)."""
         expected = {name: (tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()}
-        got, tensors, size = await self.client.get_parameters(round, expected)
+        got, tensors, size = await self.client.get_parameters(round, expected, resync=resync)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(tensors[name])
@@ -117,20 +121,22 @@ class _Peer:
         tmp = self.checkpoint_path.with_suffix(".pt.tmp")
         torch.save({"peer_id": self.peer_id, "round": self.round, "param_digest": self.digest,
                     "model": self.model.state_dict(), "optim": self.opt.state_dict(),
-                    "data": self.batches.state_dict()}, tmp)
+                    "data": self.batches.state_dict(), "resyncs": self.resyncs}, tmp)
         os.replace(tmp, self.checkpoint_path)
 
     def resume(self) -> None:
         """Take the momentum from the checkpoint if it was saved at the round the parameters are at.
 
         Otherwise the momentum starts at zero, as a late joiner's does. The data stream continues
-        where it stopped either way (same seed), so a restarted peer does not see its batches again.
+        where it stopped either way (same seed), so a restarted peer does not see its batches again,
+        and so does the count of resyncs its metrics rows carry.
         """
         if not self.checkpoint_path.exists():
             return
         ckpt = torch.load(self.checkpoint_path, map_location=self.device, weights_only=True)
         with contextlib.suppress(ValueError):  # another data seed: keep the fresh stream
             self.batches.load_state_dict(ckpt["data"])
+        self.resyncs = int(ckpt.get("resyncs", 0))
         if ckpt.get("peer_id") == self.peer_id and ckpt["round"] == self.round:
             self.opt.load_state_dict(ckpt["optim"])
             self._log(logging.INFO, "resumed the momentum from %s", self.checkpoint_path)
@@ -185,6 +191,8 @@ class _Peer:
             await asyncio.to_thread(self.opt.restore, payload)
             if isinstance(e, PeerUnavailable):
                 raise
+            if isinstance(e, Resync):  # the coordinator (or the DHT's majority) holds other parameters
+                self.resyncs += 1
             self._log(logging.WARNING, "%s: %s; catching up", type(e).__name__, e)
             await self.catch_up(e)
             return True
@@ -202,10 +210,12 @@ class _Peer:
         if result.param_digest and self.digest != result.param_digest:
             self._log(logging.WARNING, "digest %s after applying, the coordinator has %s: downloading parameters",
                       self.digest[:12], result.param_digest[:12])
-            await self.load_parameters(self.round + 1)
+            await self.load_parameters(self.round + 1, resync=True)
+            self.resyncs += 1
             line["param_digest"], line["resynced"] = self.digest, True
         else:
             self.round += 1
+        line["resyncs"] = self.resyncs
         metrics.write(json.dumps(line) + "\n")
         metrics.flush()
         self._log(logging.INFO, "loss %.4f, up %d B, down %d B, %d contributors%s", loss, result.bytes_up,
@@ -293,8 +303,9 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
         info = await client.join()
         cfg = load_config(None, {}, overrides=info.run_config)
         peer = _Peer(client, info, cfg, out, torch.device(device), accumulate, checkpoint_every, stop=stop)
-        peer._log(logging.INFO, "joined %s: %d parameters, %d rounds in the run", coordinator,
-                  peer.model.num_params(), info.total_rounds)
+        peer._log(logging.INFO, "joined %s: %d parameters, %d rounds in the run; CPU kernels %s, %d threads",
+                  coordinator, peer.model.num_params(), info.total_rounds, torch.backends.cpu.get_cpu_capability(),
+                  torch.get_num_threads())  # kernels that differ between peers are what makes them resync
         if info.total_rounds and info.round >= info.total_rounds:
             peer._log(logging.INFO, "the run is over")
             return 0

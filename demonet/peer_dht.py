@@ -68,8 +68,9 @@ class _DhtPeer(_Peer):
         """Nothing to do: a DHT peer's announcements each round are its heartbeat."""
         await asyncio.Event().wait()
 
-    async def load_parameters(self, round: int) -> None:
-        """Load the parameters at the start of `round` from several donors into the model."""
+    async def load_parameters(self, round: int, *, resync: bool = False) -> None:
+        """Load the parameters at the start of `round` from several donors into the model (`resync`
+        only matters to a coordinator; the donors keep no count)."""
         expected = {name: (tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()}
         tensors, size, donors = await self.dht.load_parameters(round, expected)
         with torch.no_grad():

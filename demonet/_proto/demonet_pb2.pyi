@@ -181,12 +181,14 @@ class HeartbeatReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., member: bool = ...) -> None: ...
 
 class ParametersRequest(_message.Message):
-    __slots__ = ("peer_id", "round")
+    __slots__ = ("peer_id", "round", "resync")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    resync: bool
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ...) -> None: ...
 
 class SubmitPart(_message.Message):
     __slots__ = ("peer_id", "round", "param_digest", "loss", "part")
@@ -249,7 +251,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("round", "phase", "members", "submitted", "seconds_left", "param_digest", "bytes_up", "bytes_down", "last_loss", "rounds_closed", "rounds_aborted", "rejected")
+    __slots__ = ("round", "phase", "members", "submitted", "seconds_left", "param_digest", "bytes_up", "bytes_down", "last_loss", "rounds_closed", "rounds_aborted", "rejected", "resyncs")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +264,7 @@ class StatusReply(_message.Message):
     ROUNDS_CLOSED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_ABORTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
     round: int
     phase: str
     members: _containers.RepeatedScalarFieldContainer[str]
@@ -274,7 +277,8 @@ class StatusReply(_message.Message):
     rounds_closed: int
     rounds_aborted: int
     rejected: int
-    def __init__(self, round: _Optional[int] = ..., phase: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., submitted: _Optional[int] = ..., seconds_left: _Optional[float] = ..., param_digest: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., last_loss: _Optional[float] = ..., rounds_closed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+    resyncs: int
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., submitted: _Optional[int] = ..., seconds_left: _Optional[float] = ..., param_digest: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., last_loss: _Optional[float] = ..., rounds_closed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., rejected: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
 
 class DhtMessage(_message.Message):
     __slots__ = ("run", "round", "sender", "kind", "slice", "num_slices", "members_digest", "contributors", "data", "last", "error", "sent_at", "mac")

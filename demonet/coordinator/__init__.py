@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..config import Config, load_config
@@ -64,6 +65,9 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # The canonical apply runs on these kernels; peers whose kernels round differently resync.
+    logger.info("[coordinator] listening on %s:%d; CPU kernels %s, %d threads", host, port,
+                torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     if on_listening is not None:
         on_listening(f"{host}:{port}")
     ticker = asyncio.create_task(servicer.tick_forever())

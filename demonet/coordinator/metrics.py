@@ -30,6 +30,8 @@ class Metrics:
                 ("rejected", "Payloads that failed validation"),
                 ("clipped", "Payloads scaled down to their round's median norm"),
                 ("late", "Payloads for a round that had closed"),
+                ("resyncs", "Members whose parameter digest differed from the canonical one, so that they "
+                            "downloaded the whole parameters again"),
                 ("unauthorized", "Calls with a missing or wrong token"),
                 ("bytes_up", "Payload bytes received"),
                 ("bytes_down", "Aggregate and parameter bytes sent"),

@@ -118,6 +118,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.aggregates: OrderedDict[int, ClosedAggregate] = OrderedDict()
         self.payloads: dict[str, Payload] = {}
         self.losses: dict[str, float] = {}
+        self.resynced_at: dict[str, int] = {}
+        """Peer -> the round of its last resync, so that a retried call is not counted twice."""
         self.cond = asyncio.Condition()
         self.finished = asyncio.Event()
         saved = self.state.load(opts.state_dir) if opts.state_dir is not None else None
@@ -191,6 +193,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def GetParameters(self, request: pb.ParametersRequest,
                             context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.PayloadPart]:
         await self._admit(request, context)
+        if request.resync:
+            self._resynced(await self._peer_id(request.peer_id, context), request.round,
+                           f"its digest after applying round {request.round - 1} differed from the canonical one")
         async with self.cond:
             await self._wait(lambda: self.rounds.round >= request.round, self._wait_s, context,
                              f"round {request.round} to open")
@@ -236,6 +241,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                   open_round=self.rounds.round)
         async with self.cond:
             if head.param_digest != self.state.digest and head.round == self.rounds.round:
+                self._resynced(head.peer_id, head.round, f"it submitted with digest {head.param_digest[:12]}, "
+                               f"the canonical one is {self.state.digest[:12]}")
                 return pb.SubmitReply(accepted=False, resync=True, refusal=pb.REFUSAL_RESYNC,
                                       reason="parameter digest differs from the canonical one",
                                       open_round=self.rounds.round)
@@ -249,6 +256,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
             self.cond.notify_all()
         return pb.SubmitReply(accepted=True, open_round=self.rounds.round)
+
+    def _resynced(self, peer_id: str, round: int, why: str) -> None:
+        """Count and log one resync: a member whose parameters differ from the canonical ones downloads
+        them whole, the dense transfer the compressed rounds exist to avoid. A peer finds the difference
+        after applying an aggregate (its GetParameters says so) or is told at its next Submit; either
+        way the download happens once and is counted once."""
+        if self.resynced_at.get(peer_id) == round:
+            return  # the same call again (the client retries a call that timed out or lost its connection)
+        self.resynced_at[peer_id] = round
+        self.metrics.add("resyncs")
+        logger.warning("[coordinator round=%d] %s resyncs at round %d (resync %d of the run): %s; it downloads "
+                       "the whole parameters", self.rounds.round, peer_id, round, self.metrics.totals["resyncs"],
+                       why)
 
     def _refused(self, e: SubmitRejected) -> pb.SubmitReply:
         if e.stale:
@@ -288,7 +308,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                               seconds_left=r.seconds_left(_now()), param_digest=self.state.digest,
                               bytes_up=t["bytes_up"], bytes_down=t["bytes_down"], last_loss=self.metrics.last_loss,
                               rounds_closed=t["rounds_closed"], rounds_aborted=t["rounds_aborted"],
-                              rejected=t["rejected"])
+                              rejected=t["rejected"], resyncs=t["resyncs"])
 
     # -- the clock -----------------------------------------------------------------------------------
 

@@ -71,6 +71,8 @@ class _Node:
         self.stop = asyncio.Event()
         self.round = 0
         self.digest = ""
+        self.resyncs = 0
+        """Whole-parameter downloads because the node's digest differed from the canonical one."""
         self.trainer: FlexTrainer | None = None
 
     @property
@@ -95,10 +97,10 @@ class _Node:
 
     # -- parameters ----------------------------------------------------------------------------------
 
-    async def download(self, round: int) -> tuple[int, dict[str, torch.Tensor]]:
+    async def download(self, round: int, *, resync: bool = False) -> tuple[int, dict[str, torch.Tensor]]:
         assert self.client is not None and self.trainer is not None
         expected = {n: (s, torch.float32) for n, s in self.trainer.full_shapes.items()}
-        got, tensors, size = await self.client.get_parameters(round, expected)
+        got, tensors, size = await self.client.get_parameters(round, expected, resync=resync)
         self._log(logging.INFO, "parameters of round %d downloaded (%d bytes)", got, size)
         return got, tensors
 
@@ -124,7 +126,7 @@ class _Node:
             return {"kind": "unavailable"}
         except DemonetError as e:  # the payload reached no aggregate: restore it, get back in step
             self._log(logging.WARNING, "%s: %s; catching up", type(e).__name__, e)
-            return {"kind": "catch_up", "params": await self.catch_up(e)}
+            return {"kind": "catch_up", "params": await self.catch_up(e), "resync": isinstance(e, Resync)}
         return {"kind": "result", "result": result, "loss": loss,
                 "contributed": self.opts.peer_id in result.contributors}
 
@@ -159,6 +161,8 @@ class _Node:
             await self.run(trainer.opt.restore, payload)
             raise PeerUnavailable("the coordinator stayed unreachable")
         if outcome["kind"] == "catch_up":
+            if outcome["resync"]:  # told to: the coordinator holds other parameters
+                self.resyncs += 1
             await self.run(trainer.opt.restore, payload)
             got, tensors = outcome["params"]
             self.round = got
@@ -175,10 +179,12 @@ class _Node:
         if await self.bcast(value=self.digest != result.param_digest):  # every rank takes the same branch
             self._log(logging.WARNING, "digest %s after applying, the coordinator has %s: downloading parameters",
                       self.digest[:12], result.param_digest[:12])
-            await self.load_parameters(lambda: self.download(self.round + 1))
+            await self.load_parameters(lambda: self.download(self.round + 1, resync=True))
+            self.resyncs += 1
             line["param_digest"], line["resynced"] = self.digest, True
         else:
             self.round += 1
+        line["resyncs"] = self.resyncs
         trainer.step = self.round
         line["round_time_s"] = time.perf_counter() - t0
         if self.rank == 0:
@@ -204,17 +210,22 @@ class _Node:
         await self.run(self.trainer.save, self.ckpt)
 
     async def resume(self) -> None:
-        """Take the node's checkpoint (momentum, data streams) if it was saved at the current round."""
+        """Take the node's checkpoint (momentum, data streams) if it was saved at the current round;
+        the count of resyncs continues either way."""
         assert self.trainer is not None
-        saved = await self.bcast(lambda: _saved_round(self.ckpt))
-        if saved == self.round:
+        saved = await self.bcast(lambda: _saved(self.ckpt))
+        if saved is None:
+            return
+        self.resyncs = int(saved.get("resyncs", 0))
+        if saved["round"] == self.round:
             await self.run(self.trainer.load, self.ckpt)
             self._log(logging.INFO, "resumed the momentum from %s", self.ckpt)
 
 
-async def _saved_round(folder: Path) -> int | None:
+async def _saved(folder: Path) -> dict[str, Any] | None:
+    """The node checkpoint's round.json ({"round": N, "resyncs": M}), None without one."""
     path = folder / "round.json"
-    return int(json.loads(path.read_text())["round"]) if path.exists() else None
+    return dict(json.loads(path.read_text())) if path.exists() else None
 
 
 async def run_node(mesh: DeviceMesh, opts: NodeOptions, *, device: torch.device) -> int:
@@ -287,7 +298,7 @@ async def run_node(mesh: DeviceMesh, opts: NodeOptions, *, device: torch.device)
 async def _checkpoint(node: _Node) -> None:
     await node.save()
     if node.rank == 0:
-        (node.ckpt / "round.json").write_text(json.dumps({"round": node.round}))
+        (node.ckpt / "round.json").write_text(json.dumps({"round": node.round, "resyncs": node.resyncs}))
 
 
 async def _heartbeats(node: _Node, client: GrpcClient, interval_s: float) -> None:

@@ -101,6 +101,8 @@ class CoordinatorStatus:
     rounds_closed: int
     rounds_aborted: int
     rejected: int
+    resyncs: int
+    """Members that downloaded the whole parameters again because their digest differed."""
 
 
 class GrpcClient:
@@ -239,17 +241,19 @@ class GrpcClient:
             seconds_left=float(reply.seconds_left), param_digest=reply.param_digest, bytes_up=int(reply.bytes_up),
             bytes_down=int(reply.bytes_down), last_loss=float(reply.last_loss),
             rounds_closed=int(reply.rounds_closed), rounds_aborted=int(reply.rounds_aborted),
-            rejected=int(reply.rejected))
+            rejected=int(reply.rejected), resyncs=int(reply.resyncs))
 
     # -- streams ---------------------------------------------------------------------------------------
 
-    async def get_parameters(self, round: int, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-                             ) -> tuple[int, dict[str, torch.Tensor], int]:
+    async def get_parameters(self, round: int, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
+                             resync: bool = False) -> tuple[int, dict[str, torch.Tensor], int]:
         """Download the canonical parameters at the start of `round` (waits until it has opened).
 
         Args:
             round: the round to start.
             expected: name -> (shape, dtype) of the model's parameters, in order.
+            resync: this peer's digest after applying round - 1 differed from the canonical one (the
+                coordinator counts and logs the download as a resync).
 
         Returns:
             (the round they belong to, which may be later than asked, tensors by name, bytes received).
@@ -258,7 +262,7 @@ class GrpcClient:
             StaleRound, NotMember: the coordinator no longer serves that round.
             InvalidPayload: the parameters do not fit the model or fail their digest.
         """
-        request = pb.ParametersRequest(peer_id=self.peer_id, round=round)
+        request = pb.ParametersRequest(peer_id=self.peer_id, round=round, resync=resync)
 
         async def attempt() -> bytes:
             parts = wire.Reassembler(max_bytes=wire_params.MAX_PARAMETER_BYTES)

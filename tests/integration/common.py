@@ -7,17 +7,21 @@ import math
 import queue
 import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 
-def tiny_config(*, round_timeout_s: float, steps: int | None = None, **net: float) -> str:
-    """A TOML run config with a 1-layer, 32-wide model (rounds take milliseconds) and the given [net] fields."""
+def tiny_config(*, round_timeout_s: float, steps: int | None = None, optim: Mapping[str, float | str] | None = None,
+                **net: float) -> str:
+    """A TOML run config with a 1-layer, 32-wide model (rounds take milliseconds), the given [optim]
+    fields (e.g. {"base": "sgd", "lr": 0.05}) and the given [net] fields."""
     lines = ["[model]", "d_model = 32", "n_layers = 1", "n_heads = 2", "seq_len = 32",
              "[train]", "seq_len = 32", "batch_size = 2"]
     if steps is not None:
         lines.append(f"steps = {steps}")
+    if optim:
+        lines += ["[optim]", *(f"{k} = {json.dumps(v)}" for k, v in optim.items())]
     lines += ["[net]", f"round_timeout_s = {round_timeout_s}", *(f"{k} = {v}" for k, v in net.items())]
     return "\n".join(lines) + "\n"
 

@@ -3,6 +3,7 @@ stragglers, and kill -9 with a restart from the persisted state."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from demonet.data import Batches, load_corpus
 from demonet.digest import param_digest
 from demonet.model import GPT
 from demonet.optim import DeMo
+from demonet.transport.grpc import GrpcClient
 from tests.integration.common import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -205,6 +207,46 @@ async def test_bad_payloads_are_rejected_and_change_nothing(slow_rounds: Coordin
     assert honest.digest() == header.param_digest
 
 
+async def test_a_member_with_other_parameters_resyncs_and_each_resync_is_counted_once(
+        slow_rounds: Coordinator) -> None:
+    """Both ways a resync reaches the coordinator (a Submit refused for its digest; a GetParameters of a
+    peer whose digest differed after applying) count once each in `demonet_resyncs`, are logged, and
+    survive a restart."""
+    coordinator = slow_rounds
+    a, b = Peer(coordinator.address, "a"), Peer(coordinator.address, "b")
+    assert await a.join() == 0
+    assert await b.join() == 1
+    await a.step(0)
+    await b.load_parameters(1)
+    assert (await a.status()).resyncs == 0
+    x, y = next(b.batches)
+    b.model(x, y)[1].backward()  # type: ignore[union-attr]
+    data = wire.encode(b.opt.compress(), step=1)
+    for _ in range(2):  # the second is the same refusal again (a peer that did not download), not a resync
+        reply = await b.submit_bytes(1, data, digest="0" * 32)
+        assert not reply.accepted and reply.resync and reply.refusal == pb.REFUSAL_RESYNC
+    assert (await a.status()).resyncs == 1
+    b.opt.zero_grad()
+    (_, header), _ = await asyncio.gather(a.step(1), b.step(1))
+    assert sorted(header.contributors) == ["a", "b"]
+    # b's digest after applying round 1 differs (so it says): it downloads round 2's parameters.
+    client = GrpcClient(coordinator.address, token=TOKEN, peer_id="b")
+    expected = {n: (tuple(p.shape), p.dtype) for n, p in b.model.named_parameters()}
+    for _ in range(2):  # a retried call is the same resync
+        got, tensors, _ = await client.get_parameters(2, expected, resync=True)
+        assert got == 2 and param_digest(tensors.items()) == a.digest()
+    await client.get_parameters(2, expected)  # a download that is no resync (a late peer, a joiner)
+    assert (await client.status()).resyncs == 2
+    await client.close()
+    log = (coordinator.tmp / "coordinator.log").read_text()
+    assert "WARNING" in log and "b resyncs at round 1 (resync 1 of the run)" in log, log
+    assert "b resyncs at round 2 (resync 2 of the run)" in log and "resync 3" not in log, log
+    await asyncio.gather(a.step(2), b.step(2))  # the counters are persisted when a round closes
+    coordinator.kill()
+    a = Peer(coordinator.start(), "a")
+    assert (await a.status()).resyncs == 2
+
+
 async def test_requests_that_do_not_parse_get_a_clear_error_and_change_nothing(coordinator: Coordinator) -> None:
     honest = Peer(coordinator.address, "honest")
     assert await honest.join() == 0
@@ -293,6 +335,7 @@ async def test_prometheus_metrics(tmp_path: Path) -> None:
                   if line.startswith("demonet_") and " " in line}
         assert values["demonet_round"] == 1 and values["demonet_members"] == 1 and values["demonet_phase"] == 0
         assert values["demonet_rounds_closed_total"] == 1 and values["demonet_bytes_up_total"] > 0
+        assert values["demonet_resyncs_total"] == 0
         for name in ("demonet_loss", "demonet_rejected_total", "demonet_late_total", "demonet_bytes_down_total",
                      "demonet_close_seconds_count", "demonet_submitted", "demonet_unauthorized_total"):
             assert name in values

@@ -213,6 +213,7 @@ def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path) -> None:
     for rows in lines.values():
         assert [r["round"] for r in rows] == list(range(ROUNDS))
         assert all(r["contributors"] == 2 and r["ranks"] == RANKS and not r.get("resynced") for r in rows)
+        assert all(r["resyncs"] == 0 for r in rows)
         assert all(r["param_digest"] == r["canonical_digest"] for r in rows)
     final = {name: rows[-1]["param_digest"] for name, rows in lines.items()}
     assert final["nodeA"] == final["nodeB"]
@@ -220,4 +221,5 @@ def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path) -> None:
     state = torch.load(tmp_path / "state" / "coordinator-state.pt", weights_only=False)
     assert param_digest(state["params"].items()) == final["nodeA"]
     for name in ("nodeA", "nodeB"):  # each node wrote its sharded checkpoint at the end
-        assert json.loads((tmp_path / name / f"node-{name}" / "round.json").read_text()) == {"round": ROUNDS}
+        saved = json.loads((tmp_path / name / f"node-{name}" / "round.json").read_text())
+        assert saved == {"round": ROUNDS, "resyncs": 0}

@@ -286,6 +286,8 @@ class _FakeClient:
     def __init__(self, outcomes: list[Any], params: dict[str, torch.Tensor]) -> None:
         self.outcomes, self.params = outcomes, params
         self.asked: list[int] = []
+        self.resyncs: list[int] = []
+        """The rounds whose parameters were asked for as a resync (the coordinator counts those)."""
         self.joins = 0
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
@@ -295,8 +297,11 @@ class _FakeClient:
         return RoundResult(round=round, aggregate=aggregate([payload]), contributors=("me",), param_digest=outcome,
                            aborted=False, bytes_up=10, bytes_down=12)
 
-    async def get_parameters(self, round: int, expected: Any) -> tuple[int, dict[str, torch.Tensor], int]:
+    async def get_parameters(self, round: int, expected: Any, *, resync: bool = False
+                             ) -> tuple[int, dict[str, torch.Tensor], int]:
         self.asked.append(round)
+        if resync:
+            self.resyncs.append(round)
         return round, {name: t + 0.01 * round for name, t in self.params.items()}, 1
 
     async def join(self) -> JoinInfo:
@@ -333,6 +338,9 @@ async def test_peer_catches_up_after_each_kind_of_refusal(tmp_path: Path) -> Non
         assert await peer.run_round(metrics)
     assert client.asked == [3, 3, 7, 9] and client.joins == 1 and peer.round == 9
     assert metrics.getvalue() == ""  # no round completed
+    # Told to resync at its Submit: the coordinator counted it there, so the download does not say so
+    # again; the peer counts it (its next row carries it). Being late or dropped is no resync.
+    assert client.resyncs == [] and peer.resyncs == 1
 
 
 async def test_peer_resyncs_when_its_digest_differs_after_applying(tmp_path: Path) -> None:
@@ -342,16 +350,26 @@ async def test_peer_resyncs_when_its_digest_differs_after_applying(tmp_path: Pat
 
     peer, client = _peer([], tmp_path)
     await peer.load_parameters(3)
-    momentum_before = [m.clone() for m in (peer.opt.state[p]["momentum"] for p in peer.model.parameters())]
-    client.outcomes = ["not-the-digest-after-applying"]
+    # "": no canonical digest to compare with (as in DHT mode); then one that differs; then none again.
+    client.outcomes = ["", "not-the-digest-after-applying", ""]
     metrics = io.StringIO()
     assert await peer.run_round(metrics)
-    line = json.loads(metrics.getvalue())
-    assert (line["round"], line["resynced"], peer.round, client.asked) == (3, True, 4, [3, 4])
-    assert line["param_digest"] == peer.digest == param_digest(peer.model.named_parameters())
+    momentum_before = [m.clone() for m in (peer.opt.state[p]["momentum"] for p in peer.model.parameters())]
+    assert await peer.run_round(metrics)
+    assert peer.digest == param_digest(peer.model.named_parameters())
+    downloaded = peer.digest
     moved = [not torch.equal(a, peer.opt.state[p]["momentum"]) for a, p in zip(momentum_before, peer.model.parameters(),
                                                                                    strict=True)]
     assert any(moved)  # the round's gradient went into the momentum
+    assert await peer.run_round(metrics)
+    first, line, after = (json.loads(row) for row in metrics.getvalue().splitlines())
+    assert (first["round"], first["resyncs"], "resynced" in first) == (3, 0, False)
+    assert (line["round"], line["resynced"], line["resyncs"], line["param_digest"]) == (4, True, 1, downloaded)
+    assert (after["round"], after["resyncs"], "resynced" in after) == (5, 1, False)  # the count is cumulative
+    assert (peer.round, client.asked, client.resyncs) == (6, [3, 5], [5])  # the download says it is a resync
     peer.save_checkpoint()
     saved = torch.load(peer.checkpoint_path, weights_only=True)
-    assert saved["round"] == 4 and saved["param_digest"] == peer.digest
+    assert saved["round"] == 6 and saved["resyncs"] == 1
+    restarted, _ = _peer([], tmp_path)  # the same peer id and folder: its rows go on counting from 1
+    restarted.resume()
+    assert restarted.resyncs == 1
