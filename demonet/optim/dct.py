@@ -192,9 +192,10 @@ def decode_exact(idx_BS: torch.Tensor, val_BS: torch.Tensor, d_h: torch.Tensor, 
     _, e_B = torch.frexp(bound_B)
     shift_B1 = (e_B.to(torch.int64) + e_s + e_m - 53).view(-1, 1)
     # R / q_b = D_h[i] * (val / q_b): dividing by a power of two is exact, so is the product; then
-    # round half to even onto the integers. The quantum goes back in as the output is written.
+    # round half to even onto the integers.
     r_BSH.mul_(val_BS.mul_(pow2(-shift_B1)).unsqueeze(-1)).round_()
+    c_BSW.mul_(pow2(shift_B1).unsqueeze(-1))  # exact: the quantum goes back in through D_w
     torch.bmm(r_BSH.transpose(1, 2), c_BSW, out=u_BHW)
-    torch.mul(u_BHW, pow2(shift_B1).unsqueeze(-1), out=out_BHW)  # exact scaling, then one rounding
+    out_BHW.copy_(u_BHW)  # one rounding
 
 
