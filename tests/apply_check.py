@@ -54,8 +54,10 @@ def make_optimizer(params: dict[str, torch.Tensor], base: str) -> DeMo:
 
 
 def make_aggregates(opt: DeMo, device: str = "cpu") -> list[Payload]:
-    """ROUNDS aggregates for `opt`'s parameters: unique indices per row, values of widely spread
-    magnitudes, a zero padding entry per row, widths that vary between rounds."""
+    """ROUNDS aggregates for `opt`'s parameters: indices unique per row, values of widely spread
+    magnitudes, a zero padding entry per row, widths that vary between rounds; in one round, a third
+    of the rows hold pairs of values that cancel exactly or to 2^-20, so that decoded values are 0
+    or within any float32 GEMM's rounding of it (where `sign`'s fast path must ask the exact sum)."""
     rng = random.Random(99)
     aggregates = []
     for r in range(ROUNDS):
@@ -66,9 +68,13 @@ def make_aggregates(opt: DeMo, device: str = "cpu") -> list[Payload]:
             width = min(n, (6, 13, 33, 3)[r])
             idx = [rng.sample(range(n), width) for _ in range(rows)]
             val = [_exact_floats(rng, width, 30) for _ in range(rows)]
-            for row_i, row_v in zip(idx, val, strict=True):
+            for row, (row_i, row_v) in enumerate(zip(idx, val, strict=True)):
                 if width > 1:
                     row_i[-1], row_v[-1] = row_i[0], 0.0  # padding repeats a real index with value 0
+                if r == 1 and row % 3 == 0:  # values that cancel: decoded values exactly 0 or next to it
+                    for s in range(0, width - 2, 2):
+                        row_i[s + 1] = row_i[s]
+                        row_v[s + 1] = -row_v[s] * (1.0 if row % 2 else 1.0 - 2.0**-20)
             tensors[name] = Compressed(idx=torch.tensor(idx, dtype=torch.int64, device=device),
                                        val=torch.tensor(val, dtype=torch.float32, device=device),
                                        shape=shape, chunk=chunk)
@@ -94,9 +100,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--matmul-precision", default="highest", choices=("highest", "high", "medium"),
+                        help="torch.set_float32_matmul_precision: below highest, the sign base takes its exact path")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision(args.matmul_precision)
     print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
                       "digests": apply_digests(args.device)}))
 

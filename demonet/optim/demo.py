@@ -21,7 +21,7 @@ import torch
 
 from .aggregate import aggregate
 from .chunking import CHUNK_POLICIES, chunk_shape
-from .dct import add_blocks_, block_view, dct_matrix, decode_exact, encode, to_blocks
+from .dct import add_blocks_, block_view, dct_matrix, decode_exact, decode_sign, encode, fast_float32_gemm, to_blocks
 from .payload import ENCODINGS, Compressed, Payload, matrix_shape, num_chunks, quantize
 
 __all__ = ["BASES", "DeMo"]
@@ -288,12 +288,14 @@ class DeMo(torch.optim.Optimizer):
             group = self.param_groups[bucket.group]
             lr, wd = group["lr"], group["weight_decay"]
             u_BHW, t_BHW, _ = self._scratch_for(bucket)
-            self._decode(bucket, aggregate, u_BHW)
-            if self.base == "sign":
-                u_BHW.sign_()
-            elif self.base == "adamw":
+            self._decode(bucket, aggregate, u_BHW, sign=self.base == "sign")
+            if self.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)
-            u_BHW.mul_(_as(-lr, u_BHW.dtype))  # the update, -lr * u, rounded once
+            step = _as(-lr, u_BHW.dtype)
+            if self.base != "sign":
+                u_BHW.mul_(step)  # the update, -lr * u, rounded once
+                step = 1.0
+            # else u is -1, 0 or 1: step * u is exact, so a fused multiply-add rounds as add does
             locals_ = [_local(slot.param) for slot in bucket.slots]
             if wd != 0.0:
                 torch._foreach_mul_(locals_, _as(1.0 - lr * wd, locals_[0].dtype))
@@ -305,16 +307,17 @@ class DeMo(torch.optim.Optimizer):
                     params.append(p_blocks)
                     updates.append(u_CHW.view(p_blocks.shape))
                 elif p.is_contiguous():
-                    add_blocks_(p.view(slot.rows, slot.cols), u_CHW)
+                    add_blocks_(p.view(slot.rows, slot.cols), u_CHW, step)
                 else:
                     delta = torch.zeros(slot.rows, slot.cols, dtype=u_CHW.dtype, device=p.device)
-                    add_blocks_(delta, u_CHW)
+                    add_blocks_(delta, u_CHW, step)
                     p.add_(delta.view(p.shape))
             if params:
-                torch._foreach_add_(params, updates)
+                torch._foreach_add_(params, updates, alpha=step)
 
-    def _decode(self, bucket: _Bucket, agg: Payload, u_BHW: torch.Tensor) -> None:
-        """u = IDCT(aggregate) for the bucket's blocks, exactly (`decode_exact`): the same bits everywhere."""
+    def _decode(self, bucket: _Bucket, agg: Payload, u_BHW: torch.Tensor, sign: bool) -> None:
+        """u = IDCT(aggregate) for the bucket's blocks, exactly (`decode_exact`), or sign(u) with `sign`
+        (`decode_sign` where float32 GEMMs are IEEE: the same bits, faster): the same bits everywhere."""
         d_h, d_w = bucket.exact_bases
         parts = [agg.tensors[s.name] for s in bucket.slots]
         width = max(c.k for c in parts)
@@ -324,7 +327,12 @@ class DeMo(torch.optim.Optimizer):
         work = self._exact_work.get(u_BHW.device)
         if work is None or work.numel() < need:
             work = self._exact_work[u_BHW.device] = torch.empty(need, dtype=torch.float64, device=u_BHW.device)
+        if sign and u_BHW.dtype == torch.float32 and fast_float32_gemm(u_BHW.device):
+            decode_sign(idx_BS, val_BS, d_h, d_w, u_BHW, work)
+            return
         decode_exact(idx_BS, val_BS, d_h, d_w, u_BHW, work)
+        if sign:
+            u_BHW.sign_()
 
     def _adam_direction(self, bucket: _Bucket, u_BHW: torch.Tensor, t_BHW: torch.Tensor) -> None:
         """Replace u by Adam's bias-corrected m / (sqrt(v) + eps), updating the moments.

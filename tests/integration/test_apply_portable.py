@@ -1,5 +1,8 @@
 """The apply gives the same bits under every CPU kernel level and thread count (and on CUDA, where there is one).
 
+The sign base has two paths to the same bits: a float32 GEMM whose sign is checked against its error
+bound (where float32 GEMMs are IEEE) and the exact float64 decode (elsewhere); both are run.
+
 Each setting runs `tests/apply_check.py` in its own process, since ATen picks its kernels when it
 loads. The digests cover every base (sign, sgd, adamw) after several aggregates of varying widths,
 with weight decay, on tiled, padded, 1-D, 4-D, bfloat16 and 0-d parameters.
@@ -29,13 +32,15 @@ def _settings() -> list[dict[str, str]]:
     out = [{"ATEN_CPU_CAPABILITY": level.lower(), "THREADS": threads} for level in levels for threads in ("1", "2")]
     out.append({"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41",
                 "THREADS": "1"})
+    out.append({"THREADS": "2", "PRECISION": "medium"})  # float32 GEMMs may use bf16: the sign base's exact path
     return out
 
 
 def _run(setting: dict[str, str], device: str = "cpu") -> dict[str, object]:
-    env = {**os.environ, **{k: v for k, v in setting.items() if k != "THREADS"}, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **{k: v for k, v in setting.items() if k not in ("THREADS", "PRECISION")},
+           "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "tests" / "apply_check.py"), "--threads", setting.get("THREADS", "1"),
-           "--device", device]
+           "--device", device, "--matmul-precision", setting.get("PRECISION", "highest")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from demonet.optim import Compressed, Payload, aggregate, chunk_size, dct_matrix, merge_tensor, quantize
 from demonet.optim.chunking import divisors, reference_chunk_size
-from demonet.optim.dct import BASIS_BITS, add_blocks_, decode_exact, encode, to_blocks
+from demonet.optim.dct import BASIS_BITS, add_blocks_, decode_exact, decode_sign, encode, to_blocks
 from demonet.optim.demo import _topk_abs
 
 
@@ -120,6 +120,32 @@ def test_decode_exact_is_the_exact_sum_rounded_once(blocks: int, h: int, w: int,
                     total += r_q * Fraction(float(d_w[j, x]))
                 assert Fraction(float(total)) == total  # the claim: the exact sum is a float64
                 assert float(out[b, y, x]) == float(torch.tensor(float(total), dtype=torch.float64).float())
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.integers(1, 5), hw=st.sampled_from([(1, 8), (4, 4), (8, 16), (64, 64)]), width=st.integers(1, 40),
+       seed=st.integers(0, 2**16), spread=st.integers(0, 40), cancel=st.sampled_from([0.0, 1.0, 2.0**-20, 2.0**-40]))
+def test_decode_sign_is_the_sign_of_the_exact_decode(blocks: int, hw: tuple[int, int], width: int, seed: int,
+                                                      spread: int, cancel: float) -> None:
+    """The fast sign (a float32 GEMM, exact sums only within its error bound) against the sign of
+    `decode_exact`, on values that cancel exactly (cancel = 1) or nearly, where a float32 sum's sign
+    depends on its order."""
+    h, w = hw
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, h * w, (blocks, width), generator=g)
+    val = torch.randn(blocks, width, generator=g) * torch.pow(2.0, torch.randint(-spread, spread + 1, (blocks, width),
+                                                                                 generator=g).float())
+    if cancel:  # every entry s in the first half is undone by entry s + half (to within `cancel`)
+        half = width // 2
+        idx[:, half:2 * half] = idx[:, :half]
+        val[:, half:2 * half] = -val[:, :half] * (1.0 if cancel == 1.0 else 1.0 - cancel)
+    d_h, d_w = dct_matrix(h, torch.float64), dct_matrix(w, torch.float64)
+    work = torch.empty(blocks * (width * (h + w) + h * w), dtype=torch.float64)
+    want = torch.empty(blocks, h, w)
+    decode_exact(idx, val, d_h, d_w, want, work)
+    got = torch.empty(blocks, h, w)
+    decode_sign(idx, val, d_h, d_w, got, work)
+    assert torch.equal(got, want.sign())
 
 
 def test_encode_accumulates_momentum() -> None:
