@@ -78,6 +78,10 @@ class DeMo(torch.optim.Optimizer):
         opt.apply(agg)                   # decode, base optimizer, weight decay
         opt.restore(payload)             # instead of apply, if the payload missed the aggregate
 
+    `apply` gives the same bits on every IEEE-754 machine (any CPU vector width or thread count, CUDA):
+    peers on different hardware that apply the same aggregate stay bit-identical. `compress` and the
+    model's forward/backward run on each machine's own kernels and need not agree (docs/determinism.md).
+
     Args:
         params: parameters or param groups (names allowed: ``model.named_parameters()``). Groups may
             set ``lr`` and ``weight_decay``.
