@@ -63,3 +63,13 @@ def test_train_command_runs_a_local_cluster(tmp_path: Path) -> None:
         assert len({line["param_digest"] for line in lines if line["round"] == r}) == 1
     assert all(0 < line["bytes_up"] < summary["dense_fp32_bytes"] / 10 for line in lines)
     assert set(summary["val_loss"]) == {"3", "6"}
+
+
+def test_python_dash_m_demonet_is_the_demonet_command() -> None:
+    proc = subprocess.run([sys.executable, "-m", "demonet", "train", "--help"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: demonet train")
+    bad = subprocess.run([sys.executable, "-m", "demonet", "nosuchcommand"], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
