@@ -26,6 +26,7 @@ from .config import Config, load_config
 from .coordinator.state import data_seed
 from .digest import param_digest
 from .errors import DemonetError, PeerUnavailable
+from .merge import MergeRules
 from .peer import _MAX_CATCH_UP, _Peer, _rounds, _warm_up
 from .transport.grpc import JoinInfo, load_token
 
@@ -233,8 +234,7 @@ def run(args: argparse.Namespace) -> int:
                           identity_path=args.identity,
                           window_s=cfg.net.round_timeout_s, exchange_timeout_s=args.exchange_timeout_s,
                           settle_s=args.settle_s, start_peers=cfg.net.start_peers,
-                          aggregate_topk=cfg.net.aggregate_topk or cfg.optim.compression_topk,
-                          aggregate_encoding=cfg.net.aggregate_encoding)
+                          rules=MergeRules.from_config(cfg))
     except (ValueError, OSError) as e:
         print(f"demonet peer: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from .._proto import demonet_pb2 as pb
 from .._proto import demonet_pb2_grpc as pb_grpc
 from ..config import Config
 from ..errors import InvalidPayload
+from ..merge import decode_contribution
 from ..optim import Payload
 from ..rounds import RoundConfig, Rounds, SubmitRejected
 from .metrics import Metrics
@@ -229,8 +230,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 data = reassembler.add(part.part.SerializeToString())
             if head is None or data is None:
                 raise InvalidPayload("the submission ended before its payload was complete")
-            step, payload = await asyncio.to_thread(wire.decode, data, expected=self.state.specs,
-                                                    max_norm=self.cfg.net.max_payload_norm or None)
+            step, payload = await asyncio.to_thread(decode_contribution, data, expected=self.state.specs,
+                                                    rules=self.state.rules)
             if step != head.round:
                 raise InvalidPayload(f"payload says round {step}, submission says {head.round}")
         except InvalidPayload as e:

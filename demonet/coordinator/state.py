@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from .. import wire, wire_params
+from .. import wire_params
 from ..config import Config
 from ..digest import param_digest
+from ..merge import MergeRules, merge
 from ..model import GPT
-from ..optim import Compressed, DeMo, Payload, aggregate_clipped, quantize
+from ..optim import DeMo, Payload
 
 __all__ = ["CanonicalState", "ClosedAggregate", "data_seed"]
 
@@ -61,7 +62,7 @@ class CanonicalState:
                         weight_decay=o.weight_decay, base=o.base, alpha=o.alpha, encoding=o.encoding,
                         chunk_policy=o.chunk_policy)
         self.specs = self.opt.param_specs()
-        self.topk = cfg.net.aggregate_topk or o.compression_topk
+        self.rules = MergeRules.from_config(cfg)
         self.digest = param_digest(self.params.items())
         self._blob: tuple[int, bytes] | None = None
 
@@ -76,19 +77,13 @@ class CanonicalState:
         """Merge the round's payloads, round the values as peers will decode them, apply, return it."""
         if aborted or not payloads:
             return ClosedAggregate(round, True, contributors, self.digest, b"")
-        merged, factors = aggregate_clipped(payloads, topk=self.topk, clip=self.cfg.net.clip_to_median_norm)
-        clipped = tuple(p for p, f in zip(contributors, factors, strict=True) if f < 1.0)
-        for peer, factor in zip(contributors, factors, strict=True):
+        merged = merge(payloads, step=round, rules=self.rules, expected=self.specs)
+        clipped = tuple(p for p, f in zip(contributors, merged.factors, strict=True) if f < 1.0)
+        for peer, factor in zip(contributors, merged.factors, strict=True):
             if factor < 0.01:  # far above the others: worth a line in the log
                 logger.warning("[coordinator round=%d] %s's payload norm is %.3g times the median: clipped",
                                round, peer, 1 / factor)
-        tensors = {}
-        for name, c in merged.tensors.items():
-            val, scale = quantize(c.val.float(), self.cfg.net.aggregate_encoding)
-            tensors[name] = Compressed(idx=c.idx, val=val, shape=c.shape, chunk=c.chunk, scale=scale)
-        agg = Payload(tensors=tensors, encoding=self.cfg.net.aggregate_encoding)
-        data = wire.encode(agg, step=round, index_coding="entropy")
-        _, applied = wire.decode(data, expected=self.specs)  # apply exactly what peers will decode
+        data, applied = merged.data, merged.payload
         self.opt.apply(applied)
         self.digest = param_digest(self.params.items())
         self._blob = None

@@ -29,7 +29,8 @@ from .. import dht_rounds, wire, wire_params
 from .._proto import demonet_pb2 as pb
 from ..digest import param_digest
 from ..errors import InvalidPayload, PeerUnavailable
-from ..optim import Compressed, Payload, aggregate, quantize
+from ..merge import decode_contribution, merge
+from ..optim import Payload
 from . import NotMember, Resync, RoundResult
 from .dht_streams import HANDLER, DhtOptions, HmacValidator, _Round, _Streams
 from .dht_streams import now as _now
@@ -473,7 +474,7 @@ class DhtGatherer(_Streams):
                                sender)
                 continue
             try:
-                step, part = await asyncio.to_thread(wire.decode, data, expected=specs)
+                step, part = await asyncio.to_thread(decode_contribution, data, expected=specs, rules=self.opts.rules)
                 if step != r:
                     raise InvalidPayload(f"part says round {step}")
                 decoded[sender] = part
@@ -482,25 +483,17 @@ class DhtGatherer(_Streams):
         if not decoded:
             return
         senders = tuple(sorted(decoded))
-        data, payload = await asyncio.to_thread(self._merged_slice, r, [decoded[p] for p in senders], specs)
+        merged = await asyncio.to_thread(merge, [decoded[p] for p in senders], step=r, rules=self.opts.rules,
+                                         expected=specs)
         async with self._cond:
-            st.merged[s] = (senders, data, payload)
+            st.merged[s] = (senders, merged.data, merged.payload)
             self._cond.notify_all()
         if len(senders) < len(st.members):
             logger.info("[%s round=%d] slice %d merged without %s", self.peer_id, r, s,
                         ", ".join(sorted(set(st.members) - set(senders))))
-
-    def _merged_slice(self, r: int, parts: list[Payload], specs: Mapping[str, Any]) -> tuple[bytes, Payload]:
-        """The owner's merge: `aggregate` semantics, values rounded as they travel (blocking torch work)."""
-        merged = aggregate(parts, topk=self.opts.aggregate_topk)
-        tensors = {}
-        for name, c in merged.tensors.items():
-            val, scale = quantize(c.val.float(), self.opts.aggregate_encoding)
-            tensors[name] = Compressed(idx=c.idx, val=val, shape=c.shape, chunk=c.chunk, scale=scale)
-        data = wire.encode(Payload(tensors=tensors, encoding=self.opts.aggregate_encoding), step=r,
-                           index_coding="entropy")
-        _, applied = wire.decode(data, expected=specs)  # keep exactly what the others decode
-        return data, applied
+        clipped = [p for p, f in zip(senders, merged.factors, strict=True) if f < 1.0]
+        if clipped:
+            logger.info("[%s round=%d] slice %d: clipped %s to the median norm", self.peer_id, r, s, ", ".join(clipped))
 
     async def _fetch_from_owner(self, r: int, st: _Round, s: int, address: str) -> None:
         error = await self._retry(lambda timeout_s: self._fetch(r, st, s, address, timeout_s=timeout_s),

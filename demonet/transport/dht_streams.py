@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time
 from .. import dht_rounds, wire_params
 from .._proto import demonet_pb2 as pb
 from ..errors import InvalidPayload, PeerUnavailable
+from ..merge import MergeRules
 from ..optim import Payload
 
 __all__ = ["DhtOptions", "HmacValidator"]
@@ -98,10 +99,8 @@ class DhtOptions:
     """Store latency allowed: a freeze at the deadline is read again this long after it."""
     start_peers: int = 1
     """The first round freezes once this many peers announced."""
-    aggregate_topk: int = 32
-    """Merged coefficients kept per chunk."""
-    aggregate_encoding: str = "bf16"
-    """Value encoding of the merged slices."""
+    rules: MergeRules = field(default_factory=lambda: MergeRules(topk=32))
+    """How a slice owner merges: the coordinator's rules (top-k, encoding, median-norm clipping, norm bound)."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -110,8 +109,8 @@ class DhtOptions:
             raise ValueError("run should be a non-empty name without '/'")
         if self.window_s <= 0 or self.exchange_timeout_s <= 0 or self.settle_s < 0:
             raise ValueError("window_s and exchange_timeout_s should be > 0, settle_s >= 0")
-        if self.start_peers < 1 or self.aggregate_topk < 1:
-            raise ValueError("start_peers and aggregate_topk should be >= 1")
+        if self.start_peers < 1:
+            raise ValueError("start_peers should be >= 1")
 
 
 @dataclass(eq=False)

@@ -29,3 +29,12 @@ def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
                 continue
             for name in names:
                 assert name.split(".")[0] in ALLOWED, f"{path.name} imports {name}"
+
+
+def test_the_merge_is_wire_layer_code() -> None:
+    """The one merge (coordinator and DHT slice owners alike) knows the math and the wire, no transport or service."""
+    code = ("import sys, demonet.merge; "
+            "print(','.join(m for m in ('grpc', 'hivemind', 'demonet.transport', 'demonet.coordinator', "
+            "'demonet.peer', 'demonet.rounds') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "", f"demonet.merge pulled in {out.stdout.strip()}"

@@ -1,0 +1,84 @@
+"""The one merge of a round's payloads, as the coordinator and every DHT slice owner do it.
+
+Wire layer: the math's `aggregate_clipped`, the values rounded through the aggregate's encoding,
+encoded as peers download it, and decoded back, so that the merger applies exactly what the others
+will. Both modes defend against poisoned but well-formed updates the same way: a payload (or a
+slice's part of one) above `MergeRules.max_norm` is refused when it is decoded, and each one above
+the round's median norm is scaled down to it before the merge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import wire
+from .optim import Compressed, Payload, aggregate_clipped, quantize
+
+__all__ = ["MergeRules", "Merged", "decode_contribution", "merge"]
+
+
+@dataclass(frozen=True)
+class MergeRules:
+    """How a round's payloads become its aggregate (the `[net]` settings of the run)."""
+
+    topk: int
+    """Merged coefficients kept per chunk (the largest means): the aggregate does not grow with the peers."""
+    encoding: str = "bf16"
+    """Value encoding of the merged payload."""
+    clip: bool = True
+    """Scale every payload whose norm exceeds the round's median norm down to it."""
+    max_norm: float | None = 1e6
+    """Refuse an inbound payload whose values' L2 norm exceeds this (None: no bound)."""
+
+    def __post_init__(self) -> None:
+        if self.topk < 1:
+            raise ValueError(f"topk should be >= 1, got {self.topk}")
+        if self.encoding not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"encoding should be fp32, bf16 or fp16, got {self.encoding!r}")
+        if self.max_norm is not None and not self.max_norm > 0:
+            raise ValueError(f"max_norm should be > 0 or None, got {self.max_norm}")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> MergeRules:
+        """The rules of a run config (`demonet.config.Config`)."""
+        net = cfg.net
+        return cls(topk=net.aggregate_topk or cfg.optim.compression_topk, encoding=net.aggregate_encoding,
+                   clip=net.clip_to_median_norm, max_norm=net.max_payload_norm or None)
+
+
+@dataclass(frozen=True)
+class Merged:
+    """A merged round (or slice), ready to serve."""
+
+    data: bytes
+    """The encoded aggregate, as peers download it."""
+    payload: Payload
+    """What peers decode from `data`: the merger applies exactly this."""
+    factors: tuple[float, ...]
+    """Each payload's clip factor in (0, 1], in the order given (1.0: not clipped)."""
+
+
+def decode_contribution(data: bytes, *, expected: Mapping[str, Any], rules: MergeRules) -> tuple[int, Payload]:
+    """Validate and decode a peer's payload (or its part of a slice) for a merge; raises `InvalidPayload`."""
+    return wire.decode(data, expected=expected, max_norm=rules.max_norm)
+
+
+def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected: Mapping[str, Any]) -> Merged:
+    """Merge validated payloads (same tensors, in `expected`'s order) into the round's aggregate.
+
+    Each coefficient is averaged over the peers that sent it, after median-norm clipping (with
+    `rules.clip`); the `rules.topk` largest means per chunk are kept, rounded through
+    `rules.encoding`, and encoded with entropy-coded indices. Deterministic: the same payloads in the
+    same order give the same bytes on every machine, except that clipping's factors come from a
+    float64 sum of squares.
+    """
+    merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip)
+    tensors = {}
+    for name, c in merged.tensors.items():
+        val, scale = quantize(c.val.float(), rules.encoding)
+        tensors[name] = Compressed(idx=c.idx, val=val, shape=c.shape, chunk=c.chunk, scale=scale)
+    data = wire.encode(Payload(tensors=tensors, encoding=rules.encoding), step=step, index_coding="entropy")
+    _, applied = wire.decode(data, expected=expected)  # exactly what the others will decode
+    return Merged(data=data, payload=applied, factors=tuple(factors))
