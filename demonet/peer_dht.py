@@ -154,6 +154,9 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
                         accumulate, checkpoint_every, stop=stop)
         gatherer.specs = dict(peer.opt.param_specs())
         peer.digest = param_digest(peer.model.named_parameters())
+        # kernels that differ between peers are what would make them resync
+        peer._log(logging.INFO, "CPU kernels %s, %d threads", torch.backends.cpu.get_cpu_capability(),
+                  torch.get_num_threads())
         head = await gatherer.head_round()
         if head is None or head == 0:  # a new run: every peer starts from the seeded init
             peer._log(logging.INFO, "starting the run (%d parameters, digest %s)", peer.model.num_params(),
