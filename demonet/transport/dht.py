@@ -128,7 +128,12 @@ class DhtGatherer(_Streams):
                     announce_maddrs=list(opts.announce_maddrs) or None, client_mode=opts.client_mode,
                     identity_path=opts.identity_path, record_validators=[HmacValidator(self._token)], start=True)
                 break
-            except P2PDaemonError as e:  # hivemind's error for "failed to connect to bootstrap peers"
+            except (P2PDaemonError, RuntimeError) as e:
+                # P2PDaemonError: no connection to the bootstrap peers; RuntimeError("DHTNode bootstrap
+                # failed: none of the initial_peers responded to a ping"): connected, but their DHT node
+                # does not answer yet (it starts a moment after its daemon listens).
+                if isinstance(e, RuntimeError) and "bootstrap failed" not in str(e):
+                    raise
                 if time.monotonic() >= give_up_at:
                     raise PeerUnavailable(f"could not join the DHT through {', '.join(opts.initial_peers)}: {e}"
                                           ) from None

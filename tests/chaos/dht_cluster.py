@@ -52,11 +52,13 @@ class DhtCluster(CoordinatorCluster):
         return self.peers[name].host
 
     def peer(self, name: str, *, mbit: float | None = None, gated: bool = False,  # type: ignore[override]
-             extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+             extra: Sequence[str] = (), script: str | None = None,
+             script_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         """Start `demonet peer --dht --peer-id name` in the peer's namespace (log <name>[-n].log).
 
         The bootstrap peer listens at its fixed address with its identity; the others join it.
-        A gated peer imports torch and hivemind, then waits for `release`.
+        A gated peer imports torch and hivemind, then waits for `release`; `script` replaces the
+        gate (e.g. a poisoner).
         """
         host = self.host(name, mbit)
         handle = self.peers[name]
@@ -68,7 +70,12 @@ class DhtCluster(CoordinatorCluster):
                 "--start-peers", str(self.start_peers), "--exchange-timeout-s", str(self.exchange_timeout_s),
                 "--peer-id", name, "--out", str(self.out), "--threads", "1", *where, *extra]
         log = name if not handle.procs else f"{name}-{len(handle.procs) + 1}"
-        cmd = [sys.executable, "-c", DHT_GATE, *argv] if gated else [sys.executable, "-m", "demonet.cli", *argv]
+        if script is not None:
+            cmd = [sys.executable, "-c", script, *script_args, *argv]
+        elif gated:
+            cmd = [sys.executable, "-c", DHT_GATE, *argv]
+        else:
+            cmd = [sys.executable, "-m", "demonet.cli", *argv]
         proc = host.popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                           stdout=self._logfile(log), stderr=subprocess.STDOUT, env={**self.env, "DEMONET_TOKEN": TOKEN})
         proc.log_name = log  # type: ignore[attr-defined]

@@ -9,9 +9,9 @@ and mixed parts, stale and future rounds, replays; and stale or future rounds in
 It writes per category how many were tried and how many were accepted (a Submit the coordinator
 took, a Join it admitted, a call a wrong token got through): every one of those must stay 0.
 
-`POISONER` is the other intruder: a real `demonet peer` whose submitted payloads are scaled by
-1000 or replaced by large random values (argv[1]: scale or random); it applies the aggregate like
-everyone else, so its digest stays canonical and its payloads are well formed.
+`POISONER` is the other intruder: a real `demonet peer` (or `demonet peer --dht`) whose payloads are
+scaled by 1000 or replaced by large random values (argv[1]: scale or random); it applies the aggregate
+like everyone else, so its digest stays canonical and its payloads are well formed.
 """
 
 from __future__ import annotations
@@ -41,10 +41,13 @@ POISONER = """
 import sys
 import torch
 from demonet.optim import Compressed, Payload
-from demonet.transport import grpc as transport
 
 MODE = sys.argv.pop(1)
-_gather = transport.GrpcClient.gather
+if "--dht" in sys.argv:
+    from demonet.transport.dht import DhtGatherer as Gatherer
+else:
+    from demonet.transport.grpc import GrpcClient as Gatherer
+_gather = Gatherer.gather
 
 
 async def gather(self, round, payload, *, loss, param_digest):
@@ -61,7 +64,7 @@ async def gather(self, round, payload, *, loss, param_digest):
                          param_digest=param_digest)
 
 
-transport.GrpcClient.gather = gather
+Gatherer.gather = gather
 from demonet.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """

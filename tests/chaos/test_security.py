@@ -1,15 +1,22 @@
 """Bad input at every RPC while honest peers train, intruders with a wrong token, and poisoned but
-well-formed updates bounded by median-norm clipping (net.clip_to_median_norm).
+well-formed updates bounded by median-norm clipping (net.clip_to_median_norm), in coordinator mode and
+in DHT mode.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from demonet import netlab
 from tests.chaos.cluster import PORT, TOKEN, CoordinatorCluster, loss_fell, report, run_config
+from tests.chaos.dht_cluster import DhtCluster
 from tests.chaos.intruder import POISONER
 
 HONEST = ["a", "b", "c"]
@@ -109,3 +116,40 @@ def test_poisoned_updates_are_bounded_by_median_norm_clipping(cluster: Coordinat
     assert on["loss_last5"] < on["loss_first5"] - 0.3, on  # the honest peers still learn
     assert off["loss_last5"] > on["loss_last5"] + 0.2, (on, off)  # without clipping: visibly worse
     report("poisoning", {"rounds": rounds, "poison": mode, "clip_on": on, "clip_off": off})
+
+
+def _dht_poisoned_run(dht: DhtCluster, mode: str, clip: bool, rounds: int) -> dict[str, Any]:
+    """Three honest DHT peers and one poisoner, to the end of the run; the honest losses and in how many
+    rounds a slice owner clipped the poisoner's part."""
+    dht.start(run_config(round_timeout_s=2.0, clip_to_median_norm=clip), steps=rounds, start_peers=4)
+    procs = [dht.peer(p, mbit=100) for p in HONEST]
+    procs.append(dht.peer("mallory", mbit=100, script=POISONER, script_args=[mode]))
+    dht.finish(procs, timeout_s=300)
+    by_round = dht.by_round([*HONEST, "mallory"])  # one digest per round: it applies the aggregate too
+    for n, rows in by_round.items():
+        assert rows["a"]["contributors"] == 4, (n, rows["a"])  # well formed: its parts were taken
+    losses = dht.mean_losses(by_round, HONEST)
+    text = "".join(dht.log(p) for p in [*HONEST, "mallory"])
+    clipped_rounds = {int(m[1]) for m in re.finditer(r"round=(\d+)\] slice \d+: clipped [^\n]*?mallory", text)}
+    return {"loss_first5": round(sum(losses[:5]) / 5, 3), "loss_last5": round(sum(losses[-5:]) / 5, 3),
+            "mallory_clipped_rounds": len(clipped_rounds)}
+
+
+def test_dht_poisoned_updates_are_bounded_by_the_slice_owners_clipping(lab: netlab.Lab, tmp_path: Path) -> None:
+    """The coordinator-mode scenario above in DHT mode: every slice owner merges with the coordinator's
+    rules (`demonet.merge`), so the poisoner's part of each slice is scaled to that slice's median norm."""
+    pytest.importorskip("hivemind")
+    rounds, mode = 30, "random"
+    figures = {}
+    for clip in (True, False):
+        dht = DhtCluster(lab, tmp_path / ("on" if clip else "off"), prefix="" if clip else "off-")
+        try:
+            figures[clip] = _dht_poisoned_run(dht, mode, clip, rounds)
+        finally:
+            dht.close()
+    on, off = figures[True], figures[False]
+    assert on["mallory_clipped_rounds"] >= rounds - 1, on  # bounded in every round
+    assert off["mallory_clipped_rounds"] == 0, off
+    assert on["loss_last5"] < on["loss_first5"] - 0.3, on  # the honest peers still learn
+    assert off["loss_last5"] > on["loss_last5"] + 0.2, (on, off)  # without clipping: visibly worse
+    report("dht_poisoning", {"rounds": rounds, "poison": mode, "clip_on": on, "clip_off": off})
