@@ -1,7 +1,7 @@
 """demonet vs AdamW-DDP and hivemind.Optimizer, 4 peers in network namespaces over tbf-shaped links.
 
 The same as `demonet bench` (needs root): `python bench/evidence.py --out runs/bench --plots docs`.
-Prints the table of README.md's "Evidence" section; see demonet/evidence/ for what is measured and how.
+Prints the table of docs/evidence.md; see demonet/evidence/ for what is measured and how.
 """
 
 import sys

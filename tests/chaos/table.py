@@ -1,4 +1,4 @@
-"""Print the README's chaos table from the figures the chaos tests wrote:
+"""Print the chaos table of docs/testing.md from the figures the chaos tests wrote:
 
     DEMONET_CHAOS_REPORT=runs/chaos python -m pytest -q tests/chaos && python -m tests.chaos.table runs/chaos
 """

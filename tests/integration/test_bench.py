@@ -1,6 +1,6 @@
 """`demonet bench`, shortened: every system trains a few steps over 100 Mbit/s links and the report is written.
 
-The performance goals are read from the full run (README.md, "Evidence"), not asserted here.
+The performance goals are read from the full run (docs/evidence.md), not asserted here.
 """
 
 from __future__ import annotations
