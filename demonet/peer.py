@@ -30,14 +30,13 @@ from .errors import DemonetError, PeerUnavailable
 from .log import setup_logging
 from .model import GPT
 from .optim import DeMo, Payload
-from .transport import NotMember, Resync, RoundResult, StaleRound
-from .transport.grpc import GrpcClient, JoinInfo, load_token
+from .transport import Resync, RoundResult
+from .transport.grpc import GrpcClient, JoinInfo, catch_up, catch_up_timeout_s, keep_alive, load_token
 
 __all__ = ["add_arguments", "main", "run", "run_peer", "settle"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_CATCH_UP = 5
 STOP_GRACE_S = 5.0
 """After SIGTERM, how long the peer still waits for the open round's aggregate before abandoning it."""
 
@@ -229,33 +228,15 @@ class _Peer:
 
     async def catch_up(self, reason: DemonetError) -> None:
         """Get back in step after the round's payload was refused (the payload is already restored)."""
-        for _ in range(_MAX_CATCH_UP):
-            try:
-                if isinstance(reason, NotMember):
-                    self.info = await self.client.join()
-                    await self.load_parameters(self.info.round)
-                elif isinstance(reason, StaleRound):
-                    await self.load_parameters(reason.open_round)
-                elif isinstance(reason, Resync):
-                    await self.load_parameters(self.round)
-                else:  # an aggregate that failed validation: skip it and take the parameters after it
-                    await self.load_parameters(self.round + 1)
-                return
-            except (NotMember, StaleRound) as e:  # the run moved on while this peer caught up
-                reason = e
-        raise RuntimeError(f"could not get back in step with the coordinator after {_MAX_CATCH_UP} tries: {reason}")
+        async def join() -> JoinInfo:
+            self.info = await self.client.join()
+            return self.info
 
-    async def heartbeats(self) -> None:
-        """Tell the coordinator this peer is alive every heartbeat_interval_s; join again if dropped."""
-        while True:
-            await asyncio.sleep(max(self.info.heartbeat_interval_s, 0.1))
-            try:
-                _, member = await self.client.heartbeat(self.round)
-                if not member:
-                    self._log(logging.WARNING, "the coordinator dropped this peer: joining again")
-                    await self.client.join()
-            except DemonetError as e:
-                self._log(logging.WARNING, "heartbeat: %s", e)
+        await catch_up(reason, join=join, download=self.load_parameters, round=self.round,
+                       timeout_s=catch_up_timeout_s(self.info.round_timeout_s))
+
+    def _log_line(self, level: int, message: str) -> None:
+        self._log(level, "%s", message)
 
 
 def _warm_up() -> None:
@@ -309,9 +290,11 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
         if info.total_rounds and info.round >= info.total_rounds:
             peer._log(logging.INFO, "the run is over")
             return 0
+        # Alive from here on, the first download included (a joiner on a slow link is not dropped).
+        beats = asyncio.create_task(keep_alive(client, lambda: peer.round, info.heartbeat_interval_s, peer._log_line))
         await peer.load_parameters(info.round)
         await asyncio.to_thread(peer.resume)
-        return await _rounds(peer)
+        return await _rounds(peer, beats)
     except PeerUnavailable as e:
         logger.error("[%s] %s", peer_id, e)
         return 1
@@ -321,24 +304,24 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
         await client.close()
 
 
-async def _rounds(peer: _Peer) -> int:
-    """The round loop with its heartbeat task; saves a checkpoint however it ends."""
+async def _rounds(peer: _Peer, beats: asyncio.Task[None] | None) -> int:
+    """The round loop; cancels the heartbeat task (if any) and saves a checkpoint however it ends."""
     out, total = peer.out, peer.info.total_rounds
     out.mkdir(parents=True, exist_ok=True)
-    beats = asyncio.create_task(peer.heartbeats())
     try:
         with open(out / f"metrics-{peer.peer_id}.jsonl", "a") as metrics:
             while (not total or peer.round < total) and not peer.stop.is_set():
                 if not await peer.run_round(metrics):
                     break
-                if beats.done():
+                if beats is not None and beats.done():
                     beats.result()  # a bug in the heartbeat task: raise it here
         peer._log(logging.INFO, "stopping" if peer.stop.is_set() else "the run is over")
         return 0
     finally:
-        beats.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await beats
+        if beats is not None:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
         await asyncio.to_thread(peer.save_checkpoint)
 
 

@@ -27,7 +27,7 @@ from .coordinator.state import data_seed
 from .digest import param_digest
 from .errors import DemonetError, PeerUnavailable
 from .merge import MergeRules
-from .peer import _MAX_CATCH_UP, _Peer, _rounds, _warm_up
+from .peer import _Peer, _rounds, _warm_up
 from .transport.grpc import JoinInfo, load_token
 
 if TYPE_CHECKING:
@@ -65,10 +65,6 @@ class _DhtPeer(_Peer):
         self.publishing = asyncio.create_task(
             self.dht.publish_state(self.round, self.digest, lambda: list(self.model.named_parameters())))
 
-    async def heartbeats(self) -> None:
-        """Nothing to do: a DHT peer's announcements each round are its heartbeat."""
-        await asyncio.Event().wait()
-
     async def load_parameters(self, round: int, *, resync: bool = False) -> None:
         """Load the parameters at the start of `round` from several donors into the model (`resync`
         only matters to a coordinator; the donors keep no count)."""
@@ -94,7 +90,7 @@ class _DhtPeer(_Peer):
         # can miss the rounds it names several times in a row before one lands in time.
         give_up_at = time.monotonic() + wait_s
         tries = 0
-        while tries < _MAX_CATCH_UP or time.monotonic() < give_up_at:
+        while tries == 0 or time.monotonic() < give_up_at:
             tries += 1
             head = await self.dht.head_round()
             if head is None:
@@ -168,7 +164,7 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
                 return 0
             await peer.rejoin()
         await asyncio.to_thread(peer.resume)
-        return await _rounds(peer)
+        return await _rounds(peer, None)  # a DHT peer's announcements each round are its heartbeat
     except PeerUnavailable as e:
         logger.error("[%s] %s", peer_id, e)
         return 1

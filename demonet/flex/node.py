@@ -28,8 +28,8 @@ from ..config import load_config
 from ..digest import param_digest
 from ..errors import DemonetError, PeerUnavailable
 from ..optim import Payload
-from ..transport import NotMember, Resync, RoundResult, StaleRound
-from ..transport.grpc import GrpcClient
+from ..transport import Resync, RoundResult
+from ..transport.grpc import GrpcClient, catch_up, catch_up_timeout_s, keep_alive
 from .shard import FlexTrainer, join_shards
 
 __all__ = ["NodeOptions", "run_node"]
@@ -37,7 +37,6 @@ __all__ = ["NodeOptions", "run_node"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_MAX_CATCH_UP = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,19 +131,8 @@ class _Node:
 
     async def catch_up(self, reason: DemonetError) -> tuple[int, dict[str, torch.Tensor]]:
         assert self.client is not None
-        for _ in range(_MAX_CATCH_UP):
-            try:
-                if isinstance(reason, NotMember):
-                    info = await self.client.join()
-                    return await self.download(info.round)
-                if isinstance(reason, StaleRound):
-                    return await self.download(reason.open_round)
-                if isinstance(reason, Resync):
-                    return await self.download(self.round)
-                return await self.download(self.round + 1)  # an invalid aggregate: take the state after it
-            except (NotMember, StaleRound) as e:
-                reason = e
-        raise RuntimeError(f"could not get back in step with the coordinator after {_MAX_CATCH_UP} tries: {reason}")
+        return await catch_up(reason, join=self.client.join, download=self.download, round=self.round,
+                              timeout_s=catch_up_timeout_s(self.client.round_timeout_s))
 
     async def round_once(self, metrics: Any) -> bool:
         """Train, submit, apply one round on every rank; False when the node stops."""
@@ -265,10 +253,11 @@ async def run_node(mesh: DeviceMesh, opts: NodeOptions, *, device: torch.device)
         node._log(logging.INFO, "joined %s as one member of %d ranks", opts.coordinator, mesh.size())
         if info.total_rounds and info.round >= info.total_rounds:
             return 0
+        if client is not None:  # alive from here on, the first download included
+            beats = asyncio.create_task(keep_alive(client, lambda: node.round, info.heartbeat_interval_s,
+                                                   lambda level, message: node._log(level, "%s", message)))
         await node.load_parameters(lambda: node.download(info.round))
         await node.resume()
-        if client is not None:
-            beats = asyncio.create_task(_heartbeats(node, client, info.heartbeat_interval_s))
         opts.out.mkdir(parents=True, exist_ok=True)
         with open(opts.out / f"metrics-{opts.peer_id}.jsonl", "a") if rank == 0 else contextlib.nullcontext() as m:
             while True:
@@ -299,16 +288,3 @@ async def _checkpoint(node: _Node) -> None:
     await node.save()
     if node.rank == 0:
         (node.ckpt / "round.json").write_text(json.dumps({"round": node.round, "resyncs": node.resyncs}))
-
-
-async def _heartbeats(node: _Node, client: GrpcClient, interval_s: float) -> None:
-    """Rank 0 tells the coordinator the node is alive; joins again if it was dropped."""
-    while True:
-        await asyncio.sleep(max(interval_s, 0.1))
-        try:
-            _, member = await client.heartbeat(node.round)
-            if not member:
-                node._log(logging.WARNING, "the coordinator dropped this node: joining again")
-                await client.join()
-        except DemonetError as e:
-            node._log(logging.WARNING, "heartbeat: %s", e)
