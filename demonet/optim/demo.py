@@ -21,8 +21,10 @@ import torch
 
 from .aggregate import aggregate
 from .chunking import CHUNK_POLICIES, chunk_shape
-from .dct import add_blocks_, block_view, dct_matrix, decode_exact, decode_sign, encode, fast_float32_gemm, to_blocks
+from .dct import add_blocks_, block_view, dct_matrix, encode, to_blocks
+from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow
 from .payload import ENCODINGS, Compressed, Payload, matrix_shape, num_chunks, quantize
+from .topk import topk_abs
 
 __all__ = ["BASES", "DeMo"]
 
@@ -245,7 +247,7 @@ class DeMo(torch.optim.Optimizer):
             d_h, d_wt = bucket.bases
             encode(x_BHW, d_h, d_wt, t_BHW, m_BN.view_as(x_BHW), beta=self.compression_decay, alpha=lr)
             k = min(self.compression_topk, bucket.h * bucket.w)
-            idx_BK = _topk_abs(m_BN, k, abs_BHW.view_as(m_BN), bucket.w)
+            idx_BK = topk_abs(m_BN, k, abs_BHW.view_as(m_BN), bucket.w)
             val_BK = m_BN.gather(1, idx_BK)
             exact = self.encoding == "fp32" and self.alpha == 1.0
             if exact:
@@ -295,14 +297,14 @@ class DeMo(torch.optim.Optimizer):
             self._decode(bucket, aggregate, u_BHW, sign=self.base == "sign")
             if self.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)
-            step = _as(-lr, u_BHW.dtype)
+            step = as_opmath(-lr, u_BHW.dtype)
             if self.base != "sign":
                 u_BHW.mul_(step)  # the update, -lr * u, rounded once
                 step = 1.0
             # else u is -1, 0 or 1: step * u is exact, so a fused multiply-add rounds as add does
             locals_ = [_local(slot.param) for slot in bucket.slots]
             if wd != 0.0:
-                torch._foreach_mul_(locals_, _as(1.0 - lr * wd, locals_[0].dtype))
+                torch._foreach_mul_(locals_, as_opmath(1.0 - lr * wd, locals_[0].dtype))
             params, updates = [], []  # parameters that tile exactly: one batched add per bucket
             for slot, p in zip(bucket.slots, locals_, strict=True):
                 u_CHW = u_BHW[slot.start:slot.stop]
@@ -355,12 +357,12 @@ class DeMo(torch.optim.Optimizer):
         u_BN = u_BHW.view_as(bucket.exp_avg_BN)
         t_BN = t_BHW.view_as(u_BN)
         m_BN, v_BN = bucket.exp_avg_BN, bucket.exp_avg_sq_BN
-        m_BN.mul_(_as(beta1, dtype)).add_(torch.mul(u_BN, _as(1.0 - beta1, dtype), out=t_BN))
-        torch.mul(u_BN, u_BN, out=t_BN).mul_(_as(1.0 - beta2, dtype))
-        v_BN.mul_(_as(beta2, dtype)).add_(t_BN)
-        inv_bias2 = _as(1.0 / math.sqrt(1.0 - _ipow(beta2, step)), dtype)  # math.sqrt is correctly rounded
-        torch.sqrt(v_BN, out=t_BN).mul_(inv_bias2).add_(_as(self.eps, dtype))
-        torch.div(m_BN, t_BN, out=u_BN).mul_(_as(1.0 / (1.0 - _ipow(beta1, step)), dtype))
+        m_BN.mul_(as_opmath(beta1, dtype)).add_(torch.mul(u_BN, as_opmath(1.0 - beta1, dtype), out=t_BN))
+        torch.mul(u_BN, u_BN, out=t_BN).mul_(as_opmath(1.0 - beta2, dtype))
+        v_BN.mul_(as_opmath(beta2, dtype)).add_(t_BN)
+        inv_bias2 = as_opmath(1.0 / math.sqrt(1.0 - ipow(beta2, step)), dtype)  # math.sqrt is correctly rounded
+        torch.sqrt(v_BN, out=t_BN).mul_(inv_bias2).add_(as_opmath(self.eps, dtype))
+        torch.div(m_BN, t_BN, out=u_BN).mul_(as_opmath(1.0 / (1.0 - ipow(beta1, step)), dtype))
 
     @torch.no_grad()
     def restore(self, payload: Payload, kept: Payload | None = None) -> None:
@@ -444,30 +446,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def _as(x: float, dtype: torch.dtype) -> float:
-    """x rounded to the dtype a kernel on `dtype` tensors computes in (as a Python float).
-
-    A kernel that multiplies in float64 and one that multiplies in the tensor's dtype then give the
-    same bits: a product of two 24-bit significands is exact in float64, so rounding it once to
-    float32 is the float32 product."""
-    if dtype == torch.float64:
-        return x
-    # half-precision kernels compute in float32 (PyTorch's "opmath" type) and round the result once
-    return float(torch.tensor(x, dtype=torch.float64).to(torch.float32))
-
-
-def _ipow(x: float, n: int) -> float:
-    """x ** n for an integer n >= 0 by repeated squaring in IEEE double: the same bits on every
-    machine (``**`` on floats calls the C library's pow, whose last bit varies by platform)."""
-    result = 1.0
-    while n:
-        if n & 1:
-            result *= x
-        x *= x
-        n >>= 1
-    return result
-
-
 def _momentum_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 momentum under half-precision params: the reference's bf16 error feedback is lossy."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -480,38 +458,6 @@ def _pad_cols(x_CK: torch.Tensor, width: int, fill: torch.Tensor | float) -> tor
     extra = width - x_CK.shape[1]
     pad = fill.expand(-1, extra) if isinstance(fill, torch.Tensor) else x_CK.new_full((x_CK.shape[0], extra), fill)
     return torch.cat([x_CK, pad], dim=1)
-
-
-_SEGMENT = 16  # rows per column segment in `_topk_abs`
-
-
-def _topk_abs(m_BN: torch.Tensor, k: int, abs_BN: torch.Tensor, w: int) -> torch.Tensor:
-    """Indices of the k largest |m| per row (unordered), exact, about 3x faster than one topk on CPU.
-
-    Lemma: if elements are split into groups, the k largest elements all lie in the k groups with
-    the largest maxima (a group holding one of them has a max >= the k-th largest value; any other
-    group's max is below it). So, per block of h x w coefficients: (1) max over column segments of
-    16 rows, top-k segments; (2) max over pairs inside those segments, top-k pairs; (3) top-k of
-    the 2k survivors. Each level keeps the top-k set; ties may pick other elements of equal
-    magnitude. torch's topk costs about linearly in the row length, and reductions along a
-    contiguous inner dimension are cheap, which is what this trades on.
-    """
-    torch.abs(m_BN, out=abs_BN)
-    rows, n = m_BN.shape
-    h = n // w
-    if h % _SEGMENT or (h // _SEGMENT) * w < 4 * k:
-        return torch.topk(abs_BN, k, dim=1, sorted=False).indices
-    seg_max_BG = abs_BN.view(rows, h // _SEGMENT, _SEGMENT, w).amax(dim=2).view(rows, -1)  # (B, h/16 * w)
-    seg_BK = torch.topk(seg_max_BG, k, dim=1, sorted=False).indices  # segment (r, c) = r * w + c
-    first_BK = (seg_BK // w) * (_SEGMENT * w) + seg_BK % w  # index of the segment's top element
-    steps = torch.arange(_SEGMENT, device=m_BN.device) * w
-    cand_BC = (first_BK.unsqueeze(-1) + steps).view(rows, k * _SEGMENT)  # (B, 16k): whole segments
-    pair_max_BP = abs_BN.gather(1, cand_BC).view(rows, k * _SEGMENT // 2, 2).amax(dim=2)  # (B, 8k)
-    pair_BK = torch.topk(pair_max_BP, k, dim=1, sorted=False).indices
-    two = torch.arange(2, device=m_BN.device)
-    cand2_BC = cand_BC.gather(1, (2 * pair_BK.unsqueeze(-1) + two).view(rows, 2 * k))  # (B, 2k)
-    best_BK = torch.topk(abs_BN.gather(1, cand2_BC), k, dim=1, sorted=False).indices
-    return cand2_BC.gather(1, best_BK)
 
 
 def _world_size(group: Any) -> int:

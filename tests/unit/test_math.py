@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from demonet.optim import Compressed, Payload, aggregate, chunk_size, dct_matrix, merge_tensor, quantize
 from demonet.optim.chunking import divisors, reference_chunk_size
-from demonet.optim.dct import BASIS_BITS, add_blocks_, decode_exact, decode_sign, encode, to_blocks
-from demonet.optim.demo import _topk_abs
+from demonet.optim.dct import BASIS_BITS, add_blocks_, encode, to_blocks
+from demonet.optim.exact import decode_exact, decode_sign
+from demonet.optim.topk import topk_abs
 
 
 @pytest.mark.parametrize(("n", "target", "want"), [
@@ -167,7 +168,7 @@ def test_hierarchical_topk_finds_the_topk_set(rows: int, hw: tuple[int, int], k:
     m = torch.randn(rows, n, generator=g)
     if ties:
         m = torch.round(m * 2) / 2  # many equal magnitudes
-    idx = _topk_abs(m, k, torch.empty_like(m), hw[1])
+    idx = topk_abs(m, k, torch.empty_like(m), hw[1])
     assert idx.shape == (rows, k)
     assert all(len(set(r.tolist())) == k for r in idx)
     got = m.abs().gather(1, idx).sort(dim=1).values
