@@ -151,10 +151,14 @@ class Rounds:
             return False
         return True
 
+    def outcome(self) -> ClosedRound:
+        """How the open round ends if it closes now: applied with a quorum, aborted without. The one
+        place that decides it (the coordinator merges by it, then calls `close`)."""
+        return ClosedRound(self.round, tuple(sorted(self.submitted)), len(self.submitted) < self.cfg.min_peers)
+
     def close(self, now: float) -> ClosedRound:
-        """End the open round (applied with a quorum, aborted without) and open the next one."""
-        aborted = len(self.submitted) < self.cfg.min_peers
-        closed = ClosedRound(self.round, tuple(sorted(self.submitted)), aborted)
+        """End the open round (its `outcome`) and open the next one."""
+        closed = self.outcome()
         late = sorted(set(self.members) - set(self.submitted))
         if late:
             logger.info("[coordinator round=%d] closed without %s", self.round, ", ".join(late))

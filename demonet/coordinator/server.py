@@ -337,11 +337,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         r = self.rounds
         started = _now()
         self.metrics.phase.set(1)
-        contributors = tuple(sorted(r.submitted))
-        aborted = len(contributors) < r.cfg.min_peers
+        outcome = r.outcome()
+        contributors = outcome.contributors
         payloads = [self.payloads[p] for p in contributors]
-        closed = await asyncio.to_thread(self.state.close, r.round, payloads, contributors, aborted)
-        r.close(_now())
+        closed = await asyncio.to_thread(self.state.close, outcome.round, payloads, contributors, outcome.aborted)
+        r.close(_now())  # the same outcome: submissions wait on `cond`, which this holds
         self.aggregates[closed.round] = closed
         while len(self.aggregates) > _KEEP_AGGREGATES:
             self.aggregates.popitem(last=False)
