@@ -16,7 +16,7 @@ import grpc.aio
 import pytest
 import torch
 
-from demonet import cli, wire
+from demonet import cli, runfolder, wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import DeMo, Payload, aggregate
@@ -41,7 +41,7 @@ def test_merge_metrics_sorts_by_round_then_peer(tmp_path: Path) -> None:
     _write(tmp_path / "metrics-b.jsonl", [_row(0, "b", 5.0), _row(1, "b", 4.0)])
     _write(tmp_path / "metrics-a.jsonl", [_row(1, "a", 4.5), _row(2, "a", 3.0)])
     (tmp_path / "other.jsonl").write_text("not metrics\n")
-    rows = cli.merge_metrics(tmp_path)
+    rows = runfolder.merge_metrics(tmp_path)
     assert [(r["round"], r["peer"]) for r in rows] == [(0, "b"), (1, "a"), (1, "b"), (2, "a")]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == rows
@@ -50,22 +50,22 @@ def test_merge_metrics_sorts_by_round_then_peer(tmp_path: Path) -> None:
 def test_summary_losses_bytes_and_digest_agreement() -> None:
     rows = [_row(r, p, 5.0 - r + (0.5 if p == "b" else 0.0), up=100 + (p == "b"), down=200)
             for r in range(8) for p in ("a", "b")]
-    s = cli.summarize_run(rows)
+    s = runfolder.summarize_run(rows)
     assert (s["rounds"], s["peers"]) == (8, 2)
     assert s["first_loss"] == pytest.approx(4.75)  # mean over peers 5.25 - round, first 2 rounds (8 // 4)
     assert s["last_loss"] == pytest.approx(-1.25)
     assert s["per_peer"]["b"]["bytes_up_per_round"] == 101 and s["per_peer"]["a"]["bytes_down_per_round"] == 200
     assert s["digests_agree"] and s["disagreeing_rounds"] == []
     rows[5]["param_digest"] = "other"
-    s = cli.summarize_run(rows)
+    s = runfolder.summarize_run(rows)
     assert not s["digests_agree"] and s["disagreeing_rounds"] == [2]
-    empty = json.loads(cli._json(cli.summarize_run([])))  # strict JSON: no NaN
+    empty = json.loads(runfolder.to_json(runfolder.summarize_run([])))  # strict JSON: no NaN
     assert empty["digests_agree"] is False and empty["first_loss"] is None
 
 
 def test_plot_is_a_png(tmp_path: Path) -> None:
     rows = [_row(r, p, 5.0 - 0.1 * r) for r in range(5) for p in ("a", "b")]
-    cli.plot_loss(rows, tmp_path / "loss.png")
+    runfolder.plot_loss(rows, tmp_path / "loss.png")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

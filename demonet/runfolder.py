@@ -1,0 +1,112 @@
+"""A run folder: the peers' metrics merged into one file, a summary, and the loss plot.
+
+What `demonet up` and `demonet train` leave behind (`metrics.jsonl`, `summary.json`, `loss.png`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["merge_metrics", "plot_loss", "summarize_run", "to_json"]
+
+
+def to_json(obj: Any) -> str:
+    """Indented JSON with null for NaN and infinities (which JSON does not have)."""
+
+    def finite(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(obj), indent=2, allow_nan=False)
+
+
+def merge_metrics(out: Path) -> list[dict[str, Any]]:
+    """Merge the peers' ``metrics-<peer>.jsonl`` files into ``<out>/metrics.jsonl``, sorted by (round, peer).
+
+    Returns:
+        the merged rows.
+    """
+    rows = []
+    for path in sorted(out.glob("metrics-*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows.sort(key=lambda r: (r["round"], str(r["peer"])))
+    with open(out / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize_run(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What a run folder's metrics say: losses, bytes, and whether the peers' digests agreed.
+
+    Returns:
+        rounds and peers seen; first and last loss (mean over peers, then over the first and last
+        max(1, min(10, rounds // 4)) rounds); mean bytes up/down per peer per round, overall and by
+        peer; digests_agree (every round's peers reported one digest) and the rounds where not.
+    """
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    by_peer: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_round.setdefault(int(r["round"]), []).append(r)
+        by_peer.setdefault(str(r["peer"]), []).append(r)
+    rounds = sorted(by_round)
+    history = [_mean([float(r["loss"]) for r in by_round[n]]) for n in rounds]
+    window = max(1, min(10, len(history) // 4))
+    disagree = [n for n in rounds if len({r["param_digest"] for r in by_round[n]}) > 1]
+    return {
+        "rounds": len(rounds),
+        "peers": len(by_peer),
+        "first_loss": _mean(history[:window]),
+        "last_loss": _mean(history[-window:]),
+        "bytes_up_per_round": _mean([r["bytes_up"] for r in rows]),
+        "bytes_down_per_round": _mean([r["bytes_down"] for r in rows]),
+        "per_peer": {peer_id: {"rounds": len(rs), "bytes_up_per_round": _mean([r["bytes_up"] for r in rs]),
+                               "bytes_down_per_round": _mean([r["bytes_down"] for r in rs])}
+                     for peer_id, rs in sorted(by_peer.items())},
+        "digests_agree": bool(rows) and not disagree,
+        "disagreeing_rounds": disagree,
+    }
+
+
+def plot_loss(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Write a PNG of each peer's training loss by round, and their mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: files only
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    by_peer: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        by_peer.setdefault(str(r["peer"]), []).append((int(r["round"]), float(r["loss"])))
+    for peer_id, points in sorted(by_peer.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], linewidth=0.8, alpha=0.5, label=peer_id)
+    by_round: dict[int, list[float]] = {}
+    for r in rows:
+        by_round.setdefault(int(r["round"]), []).append(float(r["loss"]))
+    rounds = sorted(by_round)
+    ax.plot(rounds, [_mean(by_round[n]) for n in rounds], color="black", linewidth=1.6, label="mean")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    if len(by_peer) <= 10:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+

@@ -1,0 +1,215 @@
+"""`demonet up`: a coordinator (or a DHT) and N peers as processes on this machine, and their run folder.
+
+The processes are the real `demonet coordinator` and `demonet peer` commands; this module starts
+them, shows a progress bar, stops them, and turns their metrics into a run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+from tqdm import tqdm
+
+from .errors import DemonetError
+from .runfolder import merge_metrics, plot_loss, summarize_run, to_json
+from .transport.grpc import TOKEN_ENV, GrpcClient
+
+__all__ = ["run"]
+
+
+logger = logging.getLogger(__name__)
+
+LISTEN_TIMEOUT_S = 60.0
+"""How long `demonet up` waits for the coordinator's `listening on` line (imports, state load)."""
+STOP_GRACE_S = 15.0
+"""How long `demonet up` gives a child to exit after SIGTERM before it kills it."""
+FINISH_GRACE_S = 60.0
+"""How long `demonet up` waits for the peers once the coordinator has exited."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+    stopped: bool = False
+    """We sent it SIGTERM (its exit code then says how it stopped, not that it failed)."""
+
+
+def _spawn(name: str, argv: list[str], logs: Path, env: dict[str, str]) -> _Child:
+    log = open(logs / f"{name}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "demonet.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, env=env)
+    return _Child(name, proc, log)
+
+
+def _wait_listening(child: _Child, log_path: Path, timeout_s: float) -> str:
+    """The HOST:PORT from the coordinator's `listening on HOST:PORT` line in its log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if line.startswith("listening on "):
+                return line.removeprefix("listening on ").strip()
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"the coordinator exited with code {child.proc.returncode}; see {log_path}")
+        time.sleep(0.1)
+    raise RuntimeError(f"the coordinator did not say where it listens within {timeout_s:.0f} s; see {log_path}")
+
+
+def _stop(children: list[_Child], grace_s: float) -> None:
+    """SIGTERM to the children still running, then SIGKILL to those still there after `grace_s`."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.stopped = True
+            child.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop within %.0f s: killing it", child.name, grace_s)
+            child.proc.kill()
+            child.proc.wait()
+        child.log.close()
+
+
+async def _watch(address: str, token: str, coordinator: _Child, peers: list[_Child], steps: int,
+                 progress: bool) -> None:
+    """Poll the children and the coordinator's status until the peers are done or something failed."""
+    client = GrpcClient(address, token=token, reconnect_timeout_s=1.0, call_timeout_s=2.0)
+    bar = tqdm(total=steps, disable=not progress, desc="up", unit="round")
+    finished_at: float | None = None
+    try:
+        while True:
+            codes = [c.proc.poll() for c in (coordinator, *peers)]
+            if any(code not in (None, 0) for code in codes) or all(code == 0 for code in codes[1:]):
+                return
+            if codes[0] == 0:  # the run is over: the peers finish their last round
+                finished_at = finished_at or time.monotonic()
+                if time.monotonic() - finished_at > FINISH_GRACE_S:
+                    return
+            else:
+                try:
+                    status = await client.status()
+                except DemonetError:
+                    pass
+                else:
+                    bar.update(min(status.rounds_closed, steps) - bar.n)
+                    bar.set_postfix(loss=f"{status.last_loss:.3f}", peers=len(status.members))
+            await asyncio.sleep(0.5)
+    finally:
+        bar.close()
+        await client.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.peers < 1 or args.steps < 1 or args.threads_per_peer < 1:
+        print("demonet up: --peers, --steps and --threads-per-peer should be >= 1", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    env = {**os.environ, TOKEN_ENV: token}  # never on a command line, where `ps` shows it
+    if args.dht:
+        return _up_dht(args, out, env)
+    argv = ["coordinator", "--listen", "127.0.0.1:0", "--steps", str(args.steps),
+            "--state-dir", str(out / "coordinator"), "--start-peers", str(args.peers)]
+    if args.config:
+        argv += ["--config", args.config]
+    if args.round_timeout_s:
+        argv += ["--round-timeout-s", str(args.round_timeout_s)]
+    coordinator = _spawn("coordinator", argv, logs, env)
+    peers: list[_Child] = []
+    interrupted = False
+    try:
+        address = _wait_listening(coordinator, logs / "coordinator.log", LISTEN_TIMEOUT_S)
+        logger.info("coordinator listening on %s; starting %d peers; logs in %s", address, args.peers, logs)
+        for i in range(args.peers):
+            peers.append(_spawn(f"peer-{i}", ["peer", "--coordinator", address, "--peer-id", f"peer-{i}",
+                                              "--out", str(out), "--threads", str(args.threads_per_peer)], logs, env))
+        asyncio.run(_watch(address, token, coordinator, peers, args.steps,
+                           not args.no_progress and sys.stderr.isatty()))
+    except KeyboardInterrupt:
+        interrupted = True
+    except RuntimeError as e:
+        print(f"demonet up: {e}", file=sys.stderr)
+    finally:
+        _stop(peers, STOP_GRACE_S)
+        _stop([coordinator], STOP_GRACE_S)
+    return _finish_run(out, [coordinator], peers, interrupted)
+
+
+def _finish_run(out: Path, services: list[_Child], peers: list[_Child], interrupted: bool) -> int:
+    """Write the run folder's metrics.jsonl, loss.png and summary.json; returns `demonet up`'s exit code."""
+    failed = {c.name: c.proc.returncode for c in (*services, *peers)
+              if c.proc.returncode != 0 and not (c.stopped and c.proc.returncode in (-signal.SIGTERM, 0))}
+    unfinished = [c.name for c in peers if c.stopped]
+    rows = merge_metrics(out)
+    summary = summarize_run(rows)
+    summary.update(failed=failed, unfinished=unfinished, interrupted=interrupted)
+    if rows:
+        plot_loss(rows, out / "loss.png")
+    (out / "summary.json").write_text(to_json(summary) + "\n")
+    print(to_json(summary))
+    if interrupted:
+        return 130
+    return 1 if failed or unfinished or not rows else 0
+
+
+def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
+    """`demonet up --dht`: N peers on a DHT over loopback; peer-0 starts it, the others bootstrap from it."""
+    logs = out / "logs"
+    argv = ["peer", "--dht", "--run", "up", "--steps", str(args.steps),
+            "--start-peers", str(args.peers), "--out", str(out), "--threads", str(args.threads_per_peer)]
+    if args.config:
+        argv += ["--config", args.config]
+    if args.round_timeout_s:
+        argv += ["--round-timeout-s", str(args.round_timeout_s)]
+    # peer-0 starts the DHT at a multiaddr known in advance (its identity and port chosen here), so
+    # all peers start at once; the others retry until peer-0 answers.
+    from hivemind.p2p import P2P, PeerID
+
+    identity = out / "peer-0.identity"
+    if not identity.exists():
+        P2P.generate_identity(str(identity))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"
+    peers = [_spawn("peer-0", [*argv, "--peer-id", "peer-0", "--identity", str(identity), "--host-maddr",
+                               f"/ip4/127.0.0.1/tcp/{port}"], logs, env)]
+    logger.info("peer-0 starts the DHT at %s; logs in %s", maddr, logs)
+    for i in range(1, args.peers):
+        peers.append(_spawn(f"peer-{i}", [*argv, "--peer-id", f"peer-{i}", "--initial-peers", maddr, "--host-maddr",
+                                          "/ip4/127.0.0.1/tcp/0"], logs, env))
+    interrupted = False
+    bar = tqdm(total=args.steps, disable=args.no_progress or not sys.stderr.isatty(), desc="up --dht", unit="round")
+    try:
+        while True:
+            codes = [c.proc.poll() for c in peers]
+            if any(code not in (None, 0) for code in codes) or all(code == 0 for code in codes):
+                break
+            done = max((len(p.read_text().splitlines()) for p in out.glob("metrics-*.jsonl")), default=0)
+            bar.update(min(done, args.steps) - bar.n)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        interrupted = True
+    except RuntimeError as e:
+        print(f"demonet up: {e}", file=sys.stderr)
+    finally:
+        bar.close()
+        _stop(peers, STOP_GRACE_S)
+    return _finish_run(out, [], peers, interrupted)
