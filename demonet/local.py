@@ -44,10 +44,7 @@ def _build_peers(cfg: Config, train_data: torch.Tensor) -> list[_Peer]:
         torch.manual_seed(cfg.train.seed)  # every replica starts from the same weights
         model = GPT(cfg.model).to(device)
         o = cfg.optim
-        opt = DeMo(model.named_parameters(), lr=o.lr, compression_decay=o.compression_decay,
-                   compression_topk=o.compression_topk, compression_chunk=o.compression_chunk,
-                   weight_decay=o.weight_decay, base=o.base, alpha=o.alpha, encoding=o.encoding,
-                   chunk_policy=o.chunk_policy)
+        opt = DeMo.from_settings(model.named_parameters(), o)
         batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                           seed=cfg.train.seed, rank=rank, world=cfg.train.peers)
         peers.append(_Peer(rank, model, opt, batches))

@@ -81,10 +81,7 @@ class _Peer:
         cfg, o = self.cfg, self.cfg.optim
         torch.manual_seed(cfg.train.seed)  # the downloaded parameters replace these weights
         self.model = GPT(cfg.model).to(self.device)
-        self.opt = DeMo(self.model.named_parameters(), lr=o.lr, compression_decay=o.compression_decay,
-                        compression_topk=o.compression_topk, compression_chunk=o.compression_chunk,
-                        weight_decay=o.weight_decay, base=o.base, alpha=o.alpha, encoding=o.encoding,
-                        chunk_policy=o.chunk_policy)
+        self.opt = DeMo.from_settings(self.model.named_parameters(), o)
         train_data, _ = split(load_corpus(cfg.train.corpus or None))
         self.batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                                seed=self.info.data_seed, rank=0, world=1)

@@ -57,10 +57,7 @@ class CanonicalState:
         o = cfg.optim
         # Only apply() is used: the coordinator has no gradients. The momentum buffers it allocates
         # are the price of reusing DeMo's exact decode and base step (bit-identical to the peers').
-        self.opt = DeMo(list(self.params.items()), lr=o.lr, compression_decay=o.compression_decay,
-                        compression_topk=o.compression_topk, compression_chunk=o.compression_chunk,
-                        weight_decay=o.weight_decay, base=o.base, alpha=o.alpha, encoding=o.encoding,
-                        chunk_policy=o.chunk_policy)
+        self.opt = DeMo.from_settings(list(self.params.items()), o)
         self.specs = self.opt.param_specs()
         self.rules = MergeRules.from_config(cfg)
         self.digest = param_digest(self.params.items())

@@ -141,10 +141,7 @@ class FlexTrainer:
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
-        self.opt = DeMo(self.model.named_parameters(), lr=o.lr, compression_decay=o.compression_decay,
-                        compression_topk=o.compression_topk, compression_chunk=o.compression_chunk,
-                        weight_decay=o.weight_decay, base=o.base, alpha=o.alpha, encoding=o.encoding,
-                        chunk_policy=o.chunk_policy, chunks=self.chunks)
+        self.opt = DeMo.from_settings(self.model.named_parameters(), o, chunks=self.chunks)
         self.local_shapes = {name: shape for name, (shape, _) in self.opt.param_specs().items()}
         train_data, _ = split(load_corpus(cfg.train.corpus or None))
         self.batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,

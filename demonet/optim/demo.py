@@ -12,6 +12,7 @@ reference's three transforms per step and makes `restore` an exact scatter-add.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow
 from .payload import ENCODINGS, Compressed, Payload, matrix_shape, num_chunks, quantize
 from .topk import topk_abs
 
-__all__ = ["BASES", "DeMo"]
+__all__ = ["BASES", "DeMo", "DeMoOptions"]
 
 BASES = ("sign", "sgd", "adamw")
 """The base optimizer phi applied to the decoded aggregate u (DeMo v2): ``sign`` is Signum, as the
@@ -66,6 +67,55 @@ class _Bucket:
     exact_bases: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))  # (D_h, D_w), float64
 
 
+@dataclass(frozen=True)
+class DeMoOptions:
+    """DeMo's settings beyond the reference's signature, validated once, when made.
+
+    Attributes:
+        base: the base optimizer, one of `BASES`.
+        alpha: momentum subtraction coefficient in (0, 1] (DeMo v2); 1.0 is the reference.
+        encoding: value encoding of the payload, one of `demonet.optim.ENCODINGS`.
+        chunk_policy: ``reference`` (divisors, the default for parity) or ``pad`` (see
+            `demonet.optim.chunking`).
+        betas, eps: Adam's coefficients for ``base="adamw"``.
+        bucket_cap_mb: blocks are transformed in buckets of at most this size (a larger tensor gets
+            a bucket of its own); scratch memory is three buckets. 4 MiB keeps a bucket's passes in
+            a CPU's last-level cache.
+        chunks: an explicit (h, w) chunk per parameter name, instead of `chunk_policy` on its shape.
+            A sharded parameter (a DTensor, e.g. under FSDP2's ``fully_shard``) is optimized on its
+            local shard (``to_local()``); giving it the whole parameter's chunk keeps the shard's
+            blocks exactly the whole parameter's blocks when the shard is a whole number of chunks.
+    """
+
+    base: str = "sign"
+    alpha: float = 1.0
+    encoding: str = "fp32"
+    chunk_policy: str = "reference"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    bucket_cap_mb: float = 4.0
+    chunks: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.base in BASES, f"base should be one of {BASES}, got {self.base!r}"),
+            (0.0 < self.alpha <= 1.0, f"alpha should be in (0, 1], got {self.alpha}"),
+            (self.encoding in ENCODINGS, f"encoding should be one of {ENCODINGS}, got {self.encoding!r}"),
+            (self.chunk_policy in CHUNK_POLICIES,
+             f"chunk_policy should be one of {CHUNK_POLICIES}, got {self.chunk_policy!r}"),
+            (len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+             f"betas should be in [0, 1), got {self.betas}"),
+            (self.eps > 0.0, f"eps should be > 0, got {self.eps}"),
+            (self.bucket_cap_mb > 0.0, f"bucket_cap_mb should be > 0, got {self.bucket_cap_mb}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        for name, hw in self.chunks.items():
+            if len(hw) != 2 or not all(isinstance(x, int) and x > 0 for x in hw):
+                raise ValueError(f"chunks[{name!r}] should be two positive ints (h, w), got {hw!r}")
+
+
 class DeMo(torch.optim.Optimizer):
     """Decoupled Momentum Optimization (Peng, Quesnelle, Kingma 2024; arXiv 2411.19870).
 
@@ -93,50 +143,41 @@ class DeMo(torch.optim.Optimizer):
         compression_chunk: target chunk side.
         weight_decay: decoupled weight decay, the default for groups that do not set it.
         process_group: torch.distributed group for `step()` (default: the world, if initialised).
-        base: the base optimizer, one of `BASES`.
-        alpha: momentum subtraction coefficient in (0, 1] (DeMo v2); 1.0 is the reference.
-        encoding: value encoding of the payload, one of `demonet.optim.ENCODINGS`.
-        chunk_policy: ``reference`` (divisors, the default for parity) or ``pad`` (see
-            `demonet.optim.chunking`).
-        betas, eps: Adam's coefficients for ``base="adamw"``.
-        bucket_cap_mb: blocks are transformed in buckets of at most this size (a larger tensor gets
-            a bucket of its own); scratch memory is three buckets. 4 MiB keeps a bucket's passes in
-            a CPU's last-level cache.
-        chunks: an explicit (h, w) chunk per parameter name, instead of `chunk_policy` on its shape.
-            A sharded parameter (a DTensor, e.g. under FSDP2's ``fully_shard``) is optimized on its
-            local shard (``to_local()``); giving it the whole parameter's chunk keeps the shard's
-            blocks exactly the whole parameter's blocks when the shard is a whole number of chunks.
+        options: the settings beyond the reference's (`DeMoOptions`); or give its fields as keywords,
+            e.g. ``DeMo(params, lr=1e-3, base="sgd")``.
     """
 
-    # The drop-in signature is fixed by the reference; the extras are keyword-only.
+    # The drop-in signature is fixed by the reference; everything else is one DeMoOptions.
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, compression_decay: float = 0.999,
                  compression_topk: int = 32, compression_chunk: int = 64, weight_decay: float = 0.0,
-                 process_group: Any = None, *, base: str = "sign", alpha: float = 1.0, encoding: str = "fp32",
-                 chunk_policy: str = "reference", betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 bucket_cap_mb: float = 4.0, chunks: Mapping[str, tuple[int, int]] | None = None) -> None:
-        _check_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay, base, alpha,
-                    encoding, chunk_policy, betas, eps, bucket_cap_mb)
-        for name, hw in (chunks or {}).items():
-            if len(hw) != 2 or not all(isinstance(x, int) and x > 0 for x in hw):
-                raise ValueError(f"chunks[{name!r}] should be two positive ints (h, w), got {hw!r}")
-        self._chunks = dict(chunks or {})
+                 process_group: Any = None, *, options: DeMoOptions | None = None, **extras: Any) -> None:
+        if options is not None and extras:
+            raise TypeError(f"give either options or its fields as keywords, not both: {sorted(extras)}")
+        self.options = options if options is not None else DeMoOptions(**extras)  # TypeError: an unknown name
+        _check_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay)
+        self._chunks = dict(self.options.chunks)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.compression_decay = compression_decay
         self.compression_topk = compression_topk
         self.compression_chunk = compression_chunk
         self.process_group = process_group
-        self.base = base
-        self.alpha = alpha
-        self.encoding = encoding
-        self.chunk_policy = chunk_policy
-        self.betas = betas
-        self.eps = eps
         self.data_transmit = 0
         self.data_receive = 0
-        self._bucket_cap = max(1, int(bucket_cap_mb * 2**20 / 4))
+        self._bucket_cap = max(1, int(self.options.bucket_cap_mb * 2**20 / 4))
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._exact_work: dict[torch.device, torch.Tensor] = {}  # float64 work space of the exact decode
         self._build_buckets()
+
+    @classmethod
+    def from_settings(cls, params: Iterable[Any], settings: Any, **options: Any) -> DeMo:
+        """DeMo with a run's optimizer settings: any object holding the reference's argument names
+        and `DeMoOptions` fields as attributes (e.g. `demonet.config.OptimConfig`). `options` adds or
+        overrides `DeMoOptions` fields (e.g. ``chunks``)."""
+        names = {f.name for f in dataclasses.fields(DeMoOptions)}
+        extras = {name: getattr(settings, name) for name in names if hasattr(settings, name)} | options
+        return cls(params, lr=settings.lr, compression_decay=settings.compression_decay,
+                   compression_topk=settings.compression_topk, compression_chunk=settings.compression_chunk,
+                   weight_decay=settings.weight_decay, options=DeMoOptions(**extras))
 
     # -- construction --------------------------------------------------------------------------------
 
@@ -157,7 +198,8 @@ class DeMo(torch.optim.Optimizer):
                     raise ValueError(f"parameter name {name!r} appears twice")
                 shape = tuple(_local(p).shape)
                 rows, cols = matrix_shape(shape)
-                h, w = self._chunks.get(name) or chunk_shape(rows, cols, self.compression_chunk, self.chunk_policy)
+                h, w = self._chunks.get(name) or chunk_shape(rows, cols, self.compression_chunk,
+                                                             self.options.chunk_policy)
                 num_blocks = num_chunks(shape, (h, w))
                 key = (gi, h, w, p.device, _momentum_dtype(p.dtype))
                 bucket = open_buckets.get(key)
@@ -174,7 +216,7 @@ class DeMo(torch.optim.Optimizer):
             dtype = _momentum_dtype(p.dtype)
             shape = (bucket.num_blocks, bucket.h * bucket.w)
             bucket.momentum_BN = torch.zeros(shape, dtype=dtype, device=p.device)
-            if self.base == "adamw":
+            if self.options.base == "adamw":
                 bucket.exp_avg_BN = torch.zeros(shape, dtype=dtype, device=p.device)
                 bucket.exp_avg_sq_BN = torch.zeros(shape, dtype=dtype, device=p.device)
             bucket.bases = (dct_matrix(bucket.h, dtype, p.device),
@@ -249,17 +291,17 @@ class DeMo(torch.optim.Optimizer):
             k = min(self.compression_topk, bucket.h * bucket.w)
             idx_BK = topk_abs(m_BN, k, abs_BHW.view_as(m_BN), bucket.w)
             val_BK = m_BN.gather(1, idx_BK)
-            exact = self.encoding == "fp32" and self.alpha == 1.0
+            exact = self.options.encoding == "fp32" and self.options.alpha == 1.0
             if exact:
                 m_BN.scatter_(1, idx_BK, 0.0)  # m - 1.0 * m, exactly
             for slot in bucket.slots:
                 idx_CK, val_CK = idx_BK[slot.start:slot.stop], val_BK[slot.start:slot.stop]
-                sent_CK, scale = quantize(val_CK, self.encoding)
+                sent_CK, scale = quantize(val_CK, self.options.encoding)
                 if not exact:
-                    m_BN[slot.start:slot.stop].scatter_add_(1, idx_CK, sent_CK * -self.alpha)
+                    m_BN[slot.start:slot.stop].scatter_add_(1, idx_CK, sent_CK * -self.options.alpha)
                 out[slot.name] = Compressed(idx=idx_CK, val=sent_CK, shape=slot.shape,
                                             chunk=(bucket.h, bucket.w), scale=scale)
-        return Payload(tensors={s.name: out[s.name] for s in self._slots}, encoding=self.encoding)
+        return Payload(tensors={s.name: out[s.name] for s in self._slots}, encoding=self.options.encoding)
 
     def _check_payload(self, payload: Payload) -> None:
         """Names, shapes, chunks and row counts must match this model; raises before any change."""
@@ -294,11 +336,11 @@ class DeMo(torch.optim.Optimizer):
             group = self.param_groups[bucket.group]
             lr, wd = group["lr"], group["weight_decay"]
             u_BHW, t_BHW, _ = self._scratch_for(bucket)
-            self._decode(bucket, aggregate, u_BHW, sign=self.base == "sign")
-            if self.base == "adamw":
+            self._decode(bucket, aggregate, u_BHW, sign=self.options.base == "sign")
+            if self.options.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)
             step = as_opmath(-lr, u_BHW.dtype)
-            if self.base != "sign":
+            if self.options.base != "sign":
                 u_BHW.mul_(step)  # the update, -lr * u, rounded once
                 step = 1.0
             # else u is -1, 0 or 1: step * u is exact, so a fused multiply-add rounds as add does
@@ -348,7 +390,7 @@ class DeMo(torch.optim.Optimizer):
         with the two divisions by scalars done as multiplications by their reciprocals.
         """
         assert bucket.exp_avg_BN is not None and bucket.exp_avg_sq_BN is not None
-        beta1, beta2 = self.betas
+        beta1, beta2 = self.options.betas
         step_t = self.state[bucket.slots[0].param]["step"]
         for slot in bucket.slots:
             self.state[slot.param]["step"] += 1
@@ -361,7 +403,7 @@ class DeMo(torch.optim.Optimizer):
         torch.mul(u_BN, u_BN, out=t_BN).mul_(as_opmath(1.0 - beta2, dtype))
         v_BN.mul_(as_opmath(beta2, dtype)).add_(t_BN)
         inv_bias2 = as_opmath(1.0 / math.sqrt(1.0 - ipow(beta2, step)), dtype)  # math.sqrt is correctly rounded
-        torch.sqrt(v_BN, out=t_BN).mul_(inv_bias2).add_(as_opmath(self.eps, dtype))
+        torch.sqrt(v_BN, out=t_BN).mul_(inv_bias2).add_(as_opmath(self.options.eps, dtype))
         torch.div(m_BN, t_BN, out=u_BN).mul_(as_opmath(1.0 / (1.0 - ipow(beta1, step)), dtype))
 
     @torch.no_grad()
@@ -380,7 +422,7 @@ class DeMo(torch.optim.Optimizer):
         for slot in self._slots:
             c = payload.tensors[slot.name]
             m_CN = self._bucket_of[slot.name].momentum_BN[slot.start:slot.stop]
-            back_CK = c.val.to(m_CN.dtype) * self.alpha
+            back_CK = c.val.to(m_CN.dtype) * self.options.alpha
             if kept is not None:
                 a = kept.tensors[slot.name]
                 # Count, not assign: padding repeats a real index with value 0 and must not unset it.
@@ -492,21 +534,15 @@ def _all_gather(payload: Payload, group: Any) -> list[Payload]:
     return gathered
 
 
-def _check_args(lr: float, decay: float, topk: int, chunk: int, weight_decay: float, base: str, alpha: float,
-                encoding: str, chunk_policy: str, betas: tuple[float, float], eps: float, cap_mb: float) -> None:
+def _check_args(lr: float, decay: float, topk: int, chunk: int, weight_decay: float) -> None:
+    """The reference's arguments. lr may be 0 (a frozen group, as in torch's optimizers); a run's
+    config asks for lr > 0, since a run that cannot learn is a mistake there."""
     checks = [
         (lr >= 0.0, f"lr should be >= 0, got {lr}"),
         (0.0 <= decay < 1.0, f"compression_decay should be in [0, 1), got {decay}"),
         (isinstance(topk, int) and topk > 0, f"compression_topk should be a positive int, got {topk}"),
         (isinstance(chunk, int) and chunk > 0, f"compression_chunk should be a positive int, got {chunk}"),
         (weight_decay >= 0.0, f"weight_decay should be >= 0, got {weight_decay}"),
-        (base in BASES, f"base should be one of {BASES}, got {base!r}"),
-        (0.0 < alpha <= 1.0, f"alpha should be in (0, 1], got {alpha}"),
-        (encoding in ENCODINGS, f"encoding should be one of {ENCODINGS}, got {encoding!r}"),
-        (chunk_policy in CHUNK_POLICIES, f"chunk_policy should be one of {CHUNK_POLICIES}, got {chunk_policy!r}"),
-        (all(0.0 <= b < 1.0 for b in betas), f"betas should be in [0, 1), got {betas}"),
-        (eps > 0.0, f"eps should be > 0, got {eps}"),
-        (cap_mb > 0.0, f"bucket_cap_mb should be > 0, got {cap_mb}"),
     ]
     for ok, message in checks:
         if not ok:

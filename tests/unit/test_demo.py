@@ -212,6 +212,28 @@ def test_bad_arguments_raise(kwargs: dict[str, object], message: str) -> None:
         DeMo(_params(8, [(4, 4)]), **{"lr": 0.1, **kwargs})  # type: ignore[arg-type]
 
 
+def test_options_are_one_validated_object_and_settings_build_the_optimizer() -> None:
+    from demonet.config import load_config
+    from demonet.optim import DeMoOptions
+
+    opts = DeMoOptions(base="sgd", alpha=0.5, encoding="bf16", chunk_policy="pad")
+    a = DeMo(_params(8, [(4, 4)]), lr=0.1, options=opts)
+    b = DeMo(_params(8, [(4, 4)]), lr=0.1, base="sgd", alpha=0.5, encoding="bf16", chunk_policy="pad")
+    assert a.options == b.options == opts
+    with pytest.raises(TypeError, match="not both"):
+        DeMo(_params(8, [(4, 4)]), lr=0.1, options=opts, base="sign")
+    with pytest.raises(TypeError, match="nesterov"):
+        DeMo(_params(8, [(4, 4)]), lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match=r"chunks\['w'\]"):
+        DeMoOptions(chunks={"w": (4, 0)})
+    cfg = load_config(None, {}, overrides={"optim": {"lr": 0.02, "compression_topk": 5, "base": "sgd",
+                                                     "weight_decay": 0.1}})
+    c = DeMo.from_settings(_params(8, [(4, 4)]), cfg.optim, chunks={"0": (2, 2)})
+    assert (c.defaults["lr"], c.defaults["weight_decay"], c.compression_topk) == (0.02, 0.1, 5)
+    assert c.options.base == "sgd" and c.options.chunk_policy == cfg.optim.chunk_policy
+    assert c.options.chunks == {"0": (2, 2)}
+
+
 def test_bad_aggregate_is_rejected_without_change() -> None:
     ps = _params(9, [(16, 16)])
     opt = DeMo(ps, lr=0.1, compression_chunk=8)
