@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import IO
 
 import pytest
 import torch
 
 from tests.integration.common import listening_line, metrics_rows, rows_by_round, tiny_config
+from tests.procs import Reaper
 
 pytestmark = pytest.mark.slow
 
@@ -57,23 +56,21 @@ def _coordinator_kernels() -> dict[str, str]:
 
 
 class _Run:
-    """The coordinator and the peers, each with its own environment and log in tmp; `close` kills them."""
+    """The coordinator and the peers, each with its own environment and log in tmp; `reaper` kills them."""
 
-    def __init__(self, tmp: Path, optim: dict[str, float | str]) -> None:
-        self.tmp, self.out = tmp, tmp / "out"
+    def __init__(self, tmp: Path, optim: dict[str, float | str], reaper: Reaper) -> None:
+        self.tmp, self.out, self.reaper = tmp, tmp / "out", reaper
         (tmp / "run.toml").write_text(tiny_config(round_timeout_s=ROUND_TIMEOUT_S, optim=optim))
         self.base_env = {k: v for k, v in os.environ.items() if k not in _KERNEL_VARS}
         self.base_env["DEMONET_TOKEN"] = TOKEN
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.files: list[IO[bytes]] = []
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.tmp / f"{name}.log", "wb")
-        self.files.append(log)
+        log = self.reaper.open(self.tmp / f"{name}.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "demonet.cli", *argv], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if name == "coordinator" else log, stderr=log,
                                 env={**self.base_env, **env})
-        self.procs[name] = proc
+        self.procs[name] = self.reaper.add(proc)
         return proc
 
     def log(self, name: str) -> str:
@@ -83,22 +80,11 @@ class _Run:
         """Every log's tail, for failure messages."""
         return "\n".join(f"--- {name}\n{self.log(name)[-3000:]}" for name in self.procs)
 
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for f in self.files:
-            f.close()
-
 
 @pytest.mark.parametrize("optim", [{"base": "sign"}, {"base": "sgd", "lr": 0.05}], ids=["sign", "sgd"])
-def test_peers_on_other_cpu_kernels_never_resync(tmp_path: Path, optim: dict[str, float | str]) -> None:
-    run = _Run(tmp_path, optim)
+def test_peers_on_other_cpu_kernels_never_resync(tmp_path: Path, optim: dict[str, float | str],
+                                                 reap_children: Reaper) -> None:
+    run = _Run(tmp_path, optim, reap_children)
     try:
         coordinator = run.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--config",
                                                 str(tmp_path / "run.toml"), "--steps", str(STEPS),
@@ -119,7 +105,7 @@ def test_peers_on_other_cpu_kernels_never_resync(tmp_path: Path, optim: dict[str
         codes = [proc.poll() for proc in peers]
         assert codes == [0] * len(PEERS), f"exit codes {codes}\n{run.logs()}"
     finally:
-        run.close()
+        reap_children.close()  # the coordinator lingers after the last round: its log is complete from here
 
     kernels = {name: re.search(r"CPU kernels (\w+), (\d+) threads", run.log(name)) for name in run.procs}
     assert all(kernels.values()), run.logs()
