@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -24,14 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.procs
+
+from tests.procs import free_port  # noqa: E402
+
 NODES, RANKS = 2, 2
 VAL_BATCHES = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(args: argparse.Namespace, lr: float) -> Any:
@@ -131,7 +128,7 @@ def _worker(rank: int, mode: str, lr: float, args: argparse.Namespace, port: int
 
 def _run(mode: str, lr: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out = tmp / f"{mode}-{lr}.json"
-    mp.spawn(_worker, args=(mode, lr, args, _free_port(), str(out)), nprocs=NODES * RANKS)
+    mp.spawn(_worker, args=(mode, lr, args, free_port(), str(out)), nprocs=NODES * RANKS)
     result: dict[str, Any] = json.loads(out.read_text())
     print(f"  {mode:8s} lr={lr:g}: val loss {result['val_loss']:.4f}, train loss (last 10) "
           f"{result['train_loss_last10']:.4f}, {result['train_s']:.0f} s", flush=True)

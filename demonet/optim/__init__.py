@@ -3,7 +3,7 @@
 Imports torch only: no protobuf, grpc, hivemind or asyncio (tests/unit/test_layering.py checks).
 """
 
-from .aggregate import aggregate, aggregate_clipped, clip_to_median_norm, merge_tensor, payload_norm
+from .aggregate import aggregate, aggregate_clipped, merge_tensor, payload_norm
 from .chunking import CHUNK_POLICIES, chunk_shape, chunk_size, reference_chunk_size
 from .dct import dct_matrix
 from .demo import BASES, DeMo, DeMoOptions
@@ -11,6 +11,6 @@ from .payload import ENCODINGS, Compressed, Payload, matrix_shape, quantize
 
 __all__ = [
     "BASES", "CHUNK_POLICIES", "ENCODINGS", "Compressed", "DeMo", "DeMoOptions", "Payload", "aggregate",
-    "aggregate_clipped", "chunk_shape", "chunk_size", "clip_to_median_norm", "dct_matrix", "matrix_shape",
-    "merge_tensor", "payload_norm", "quantize", "reference_chunk_size",
+    "aggregate_clipped", "chunk_shape", "chunk_size", "dct_matrix", "matrix_shape", "merge_tensor", "payload_norm",
+    "quantize", "reference_chunk_size",
 ]

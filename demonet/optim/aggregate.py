@@ -14,7 +14,7 @@ import torch
 
 from .payload import Compressed, Payload
 
-__all__ = ["aggregate", "aggregate_clipped", "clip_to_median_norm", "merge_tensor", "payload_norm"]
+__all__ = ["aggregate", "aggregate_clipped", "merge_tensor", "payload_norm"]
 
 _BLOCK_COEFFICIENTS = 2**20  # dense coefficients per merged block (4 MiB per fp32 work buffer)
 
@@ -94,43 +94,13 @@ def payload_norm(payload: Payload) -> float:
     return float(total.sqrt())
 
 
-def clip_to_median_norm(payloads: Sequence[Payload]) -> tuple[list[Payload], list[float]]:
-    """Scale down every payload whose norm exceeds the median norm of `payloads` to that median.
-
-    Robust aggregation against poisoned but well-formed updates (Templar's median-norm clipping):
-    a peer that scales its payload by 1000 or sends noise of a large norm weighs no more than a
-    typical peer. The median of an even count is the lower middle value, so with two payloads the
-    smaller norm bounds both. Payloads at or below the median are returned as they are (the same
-    objects); a clipped one has its decoded values scaled, in float32, and no encoding scale.
-    Deterministic: the same payloads in the same order give the same bits.
-
-    Returns:
-        (payloads, factors): the clipped payloads and each one's scale factor in (0, 1].
-    """
-    norms = [payload_norm(p) for p in payloads]
-    median = sorted(norms)[(len(norms) - 1) // 2]
-    out: list[Payload] = []
-    factors: list[float] = []
-    for payload, norm in zip(payloads, norms, strict=True):
-        if norm <= median:
-            out.append(payload)
-            factors.append(1.0)
-            continue
-        factor = median / norm
-        tensors = {name: Compressed(idx=c.idx, val=(c.val.float() * factor).to(c.val.dtype), shape=c.shape,
-                                    chunk=c.chunk) for name, c in payload.tensors.items()}
-        out.append(Payload(tensors=tensors, encoding="fp32"))
-        factors.append(factor)
-    return out, factors
-
-
 def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None,
               clip: bool = False) -> Payload:
     """The round's aggregate: every tensor merged with `merge_tensor`.
 
     A single payload is returned as it is (its own mean; `topk` is meant to be at least the peers'
     k). `topk`: see `merge_tensor`. `clip`: first scale every payload whose norm exceeds the round's
-    median norm down to it (see `clip_to_median_norm`); off, the payloads are merged as they are.
+    median norm down to it (see `aggregate_clipped`); off, the payloads are merged as they are.
     All payloads must hold the same tensor names in the same order; a mismatch raises ValueError
     (the wire layer validates peers' payloads against the model first).
     """
@@ -141,8 +111,14 @@ def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False,
                       clip: bool = True) -> tuple[Payload, list[float]]:
     """`aggregate`, also returning each payload's clip factor in (0, 1] (all 1.0 without `clip`).
 
-    The norms are taken on the blocks of values the merge concatenates anyway (one reduction per
-    block and payload, in float64, in order), so clipping costs next to nothing and is deterministic.
+    With `clip`, every payload whose L2 norm (all its values together) exceeds the median norm of
+    `payloads` is scaled down to that median before the merge: robust aggregation against poisoned but
+    well-formed updates (Templar's median-norm clipping), so a peer that scales its payload by 1000 or
+    sends noise of a large norm weighs no more than a typical peer. The median of an even count is the
+    lower middle value, so with two payloads the smaller norm bounds both. A clipped payload's values
+    are scaled in float32. The norms are taken on the blocks of values the merge concatenates anyway
+    (one reduction per block and payload, in float64, in order), so clipping costs next to nothing and
+    is deterministic: the same payloads in the same order give the same bits.
     """
     if not payloads:
         raise ValueError("aggregate needs at least one payload")

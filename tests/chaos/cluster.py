@@ -4,7 +4,8 @@ proxy in its own namespace (latency added in user space).
 
 `CoordinatorCluster` is the coordinator-mode launcher. The scenarios in this folder use only its
 public methods (start, peer, kill, rows, digests, logs), so another mode (a DHT launcher with the
-same methods) can be added by parametrizing the `cluster` fixture in conftest.py.
+same methods) can be added by parametrizing the `cluster` fixture in conftest.py. Its processes and
+logs are registered with the test's `Reaper` (the `reap_children` fixture), which ends them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +25,7 @@ import pytest
 
 from demonet import netlab
 from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round
+from tests.procs import Reaper
 
 TOKEN = "chaos-test-token"
 PORT = 7450
@@ -59,16 +60,18 @@ class PeerHandle:
 
 
 class CoordinatorCluster:
-    """One run in coordinator mode over a lab. `close()` (the fixture calls it) stops everything."""
+    """One run in coordinator mode over a lab; `reaper` ends its processes (the fixture's teardown)."""
 
     mode = "coordinator"
+    group_kill = False
+    """Whether `kill` and the teardown signal a process's whole group (every popen makes one)."""
 
-    def __init__(self, lab: netlab.Lab, tmp: Path, *, prefix: str = "") -> None:
+    def __init__(self, lab: netlab.Lab, tmp: Path, reaper: Reaper, *, prefix: str = "") -> None:
         self.lab, self.tmp, self.prefix = lab, tmp, prefix  # prefix: of host names, for two runs on one lab
+        self.reaper = reaper
         tmp.mkdir(parents=True, exist_ok=True)
         self.out = tmp / "out"
         self.env = {**os.environ, "DEMONET_TOKEN": TOKEN}
-        self.files: list[IO[bytes]] = []
         self.peers: dict[str, PeerHandle] = {}
         self.coordinators: list[subprocess.Popen[bytes]] = []
         self.coord: netlab.Host | None = None
@@ -78,9 +81,7 @@ class CoordinatorCluster:
     # -- processes -------------------------------------------------------------------------------------
 
     def _logfile(self, name: str) -> IO[bytes]:
-        f = open(self.tmp / f"{name}.log", "ab")
-        self.files.append(f)
-        return f
+        return self.reaper.open(self.tmp / f"{name}.log", "ab")
 
     def log(self, name: str) -> str:
         path = self.tmp / f"{name}.log"
@@ -108,7 +109,7 @@ class CoordinatorCluster:
              "--config", str(self.tmp / "run.toml"), "--steps", str(self.steps),
              "--start-peers", str(self.start_peers), "--state-dir", str(self.tmp / "state")],
             stdout=subprocess.PIPE, stderr=self._logfile(name), stdin=subprocess.DEVNULL, env=self.env)
-        self.coordinators.append(proc)
+        self.coordinators.append(self.reaper.add(proc))
         line = listening_line(proc, WAIT_S)
         assert line.startswith("listening on "), self.log(name)
         return proc
@@ -150,7 +151,7 @@ class CoordinatorCluster:
         proc = host.popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                           stdout=self._logfile(log), stderr=subprocess.STDOUT, env=self.env)
         proc.log_name = log  # type: ignore[attr-defined]
-        handle.procs.append(proc)
+        handle.procs.append(self.reaper.add(proc, group=self.group_kill))
         return proc
 
     def release_ready(self, proc: subprocess.Popen[bytes]) -> None:
@@ -167,17 +168,11 @@ class CoordinatorCluster:
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         """SIGKILL (nothing is flushed on the way out) and reap."""
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        self.reaper.kill(proc)
 
     def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill(proc)
+        """SIGTERM, then SIGKILL after timeout_s."""
+        self.reaper.stop([proc], timeout_s)
 
     def wait_exit(self, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = WAIT_S) -> list[int | None]:
         deadline = time.monotonic() + timeout_s
@@ -202,17 +197,6 @@ class CoordinatorCluster:
                 pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.logs()}")
             time.sleep(0.05)
         return time.monotonic() - t0
-
-    def close(self) -> None:
-        for proc in [*self.coordinators, *(p for h in self.peers.values() for p in h.procs)]:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-        for f in self.files:
-            f.close()
 
     # -- what the run did ------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import pytest
 
 from demonet import netlab
 from tests.chaos.cluster import CoordinatorCluster
+from tests.procs import Reaper
 
 OK, WHY = netlab.available()
 
@@ -34,9 +35,7 @@ def lab() -> Iterator[netlab.Lab]:
 
 
 @pytest.fixture(params=sorted(LAUNCHERS))
-def cluster(request: pytest.FixtureRequest, lab: netlab.Lab, tmp_path: Path) -> Iterator[CoordinatorCluster]:
-    c = LAUNCHERS[request.param](lab, tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
+def cluster(request: pytest.FixtureRequest, lab: netlab.Lab, tmp_path: Path,
+            reap_children: Reaper) -> CoordinatorCluster:
+    # reap_children is set up after lab, so it ends the cluster's processes before the lab is torn down.
+    return LAUNCHERS[request.param](lab, tmp_path, reap_children)

@@ -4,15 +4,13 @@ process in its own namespace on a tbf-shaped link.
 `DhtCluster` is the DHT-mode launcher. Peer 0 (the `bootstrap` peer) starts the DHT at a fixed lab
 address and port with an identity generated beforehand, so its multiaddr is known before it runs
 and every other peer (restarts included) is given it as `--initial-peers`. A peer's process group
-holds its hivemind DHT process and its p2pd daemon: `kill` SIGKILLs the whole group, as a machine
-dies. The scenarios are in test_dht.py.
+holds its hivemind DHT process and its p2pd daemon: `kill` and the teardown SIGKILL the whole group,
+as a machine dies. The scenarios are in test_dht.py.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -27,9 +25,10 @@ DHT_PORT = 7460
 
 
 class DhtCluster(CoordinatorCluster):
-    """One run in DHT mode over a lab. `close()` stops every peer's process group."""
+    """One run in DHT mode over a lab; `reaper` ends every peer's process group."""
 
     mode = "dht"
+    group_kill = True
 
     def start(self, config: str, *, steps: int, start_peers: int, bootstrap: str = "a",  # type: ignore[override]
               mbit: float | None = 100.0, exchange_timeout_s: float = 2.0) -> None:
@@ -79,34 +78,13 @@ class DhtCluster(CoordinatorCluster):
         proc = host.popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                           stdout=self._logfile(log), stderr=subprocess.STDOUT, env={**self.env, "DEMONET_TOKEN": TOKEN})
         proc.log_name = log  # type: ignore[attr-defined]
-        handle.procs.append(proc)
+        handle.procs.append(self.reaper.add(proc, group=self.group_kill))  # the peer, its DHT process, its p2pd
         return proc
-
-    def kill(self, proc: subprocess.Popen[bytes]) -> None:
-        """SIGKILL the peer's process group (the peer, its DHT process, its p2pd) and reap."""
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait(timeout=10)
 
     def finish(self, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = WAIT_S) -> None:
         """Wait for the peers to end the run (exit 0)."""
         codes = self.wait_exit(procs, timeout_s)
         assert codes == [0] * len(procs), f"exit codes {codes}\n{self.logs()}"
-
-    def close(self) -> None:
-        for proc in (p for h in self.peers.values() for p in h.procs):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the group each popen made: the peer and its children
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for f in self.files:
-            f.close()
 
     # -- what the run did ------------------------------------------------------------------------------
 

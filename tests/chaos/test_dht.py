@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import pytest
 from demonet import netlab
 from tests.chaos.cluster import loss_fell, report, run_config
 from tests.chaos.dht_cluster import DhtCluster, digest_after
+from tests.procs import Reaper
 
 pytest.importorskip("hivemind")
 
@@ -31,12 +31,8 @@ LONG = 2000  # rounds of the run: more than a scenario lasts; its peers are stop
 
 
 @pytest.fixture
-def dht(lab: netlab.Lab, tmp_path: Path) -> Iterator[DhtCluster]:
-    c = DhtCluster(lab, tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
+def dht(lab: netlab.Lab, tmp_path: Path, reap_children: Reaper) -> DhtCluster:
+    return DhtCluster(lab, tmp_path, reap_children)  # reap_children, set up after lab, is torn down before it
 
 
 def _config() -> str:

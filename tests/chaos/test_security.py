@@ -102,15 +102,12 @@ def _poisoned_figures(cluster: CoordinatorCluster) -> dict[str, Any]:
 def test_poisoned_updates_are_bounded_by_median_norm_clipping(cluster: CoordinatorCluster) -> None:
     # Two runs side by side on one lab, the same but for net.clip_to_median_norm.
     rounds, mode = 30, "random"
-    unclipped = CoordinatorCluster(cluster.lab, cluster.tmp / "off", prefix="off-")
-    try:
-        procs_on = _start_poisoned(cluster, mode, True, rounds)
-        procs_off = _start_poisoned(unclipped, mode, False, rounds)
-        cluster.finish(procs_on, timeout_s=240)
-        unclipped.finish(procs_off, timeout_s=60)
-        on, off = _poisoned_figures(cluster), _poisoned_figures(unclipped)
-    finally:
-        unclipped.close()
+    unclipped = CoordinatorCluster(cluster.lab, cluster.tmp / "off", cluster.reaper, prefix="off-")
+    procs_on = _start_poisoned(cluster, mode, True, rounds)
+    procs_off = _start_poisoned(unclipped, mode, False, rounds)
+    cluster.finish(procs_on, timeout_s=240)
+    unclipped.finish(procs_off, timeout_s=60)
+    on, off = _poisoned_figures(cluster), _poisoned_figures(unclipped)
     assert on["mallory_clipped_rounds"] >= rounds - 1, on  # bounded in every round
     assert off["mallory_clipped_rounds"] == 0, off
     assert on["loss_last5"] < on["loss_first5"] - 0.3, on  # the honest peers still learn

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import tomllib
 from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-from demonet.config import load_config
+from demonet.config import Config, load_config
 from tests.deploy.common import (
     DEPLOY,
     ROOT,
@@ -55,6 +59,26 @@ def _port(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
+def _run_config(coordinator: dict[str, Any]) -> Config:
+    """The run config the coordinator service runs with: the file compose mounts, then its command's flags."""
+    _, args = parse_command(_argv(coordinator))
+    path = DEPLOY / COMPOSE["configs"][coordinator["configs"][0]["source"]]["file"]
+    return load_config(path, {}, {"net": {"start_peers": args.start_peers, "min_peers": args.min_peers,
+                                          "round_timeout_s": args.round_timeout_s}})
+
+
+def _gitignored(path: str, patterns: list[str]) -> bool:
+    """Whether a .gitignore of these patterns (no negations) ignores `path`, relative to its folder."""
+    parts = PurePosixPath(path).parts
+    for pattern in patterns:
+        if pattern.endswith("/"):
+            if any(fnmatch.fnmatch(part, pattern.rstrip("/")) for part in parts[:-1]):
+                return True
+        elif any(fnmatch.fnmatch(part, pattern) for part in parts):
+            return True
+    return False
+
+
 def test_interpolation_follows_compose_rules() -> None:
     env = {"SET": "v", "EMPTY": ""}
     assert interpolate("${SET:-d} ${UNSET:-d} ${EMPTY:-d} ${EMPTY-d} $SET $$SET", env) == "v d d  v $SET"
@@ -86,9 +110,26 @@ def test_the_dockerfile_runs_a_coordinator_and_checks_it() -> None:
 
 
 def test_the_dockerfile_builds_one_small_non_root_image() -> None:
-    assert DOCKERFILE.args["BASE_IMAGE"] == "python:3.11-slim"
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    # The default base: a slim Python image of a version demonet supports.
+    base = DOCKERFILE.args["BASE_IMAGE"]
+    assert base is not None
+    repository, _, tag = base.partition(":")
+    python, _, flavour = tag.partition("-")
+    assert repository == "python" and flavour == "slim", base
+    assert Version(python) in SpecifierSet(project["requires-python"]), (base, project["requires-python"])
+    # The pinned torch is one pyproject accepts, and the build README.md tells users to install.
+    pin = DOCKERFILE.args["TORCH_VERSION"]
+    torch_req = next(r for r in map(Requirement, project["dependencies"]) if r.name == "torch")
+    assert pin is not None and Version(pin) in torch_req.specifier, (pin, str(torch_req))
+    assert set(re.findall(r"torch==([\w.+]+)", (ROOT / "README.md").read_text())) == {pin}
+    # deploy/README.md's table of build arguments gives the Dockerfile's defaults.
+    table = (DEPLOY / "README.md").read_text().split("Build arguments:", 1)[1].strip().split("\n\n", 1)[0]
+    documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, re.M))
+    assert {"BASE_IMAGE", "TORCH_VERSION", "TORCH_VARIANT"} <= set(documented), documented
+    assert {name: DOCKERFILE.args.get(name) for name in documented} == documented
     assert len(DOCKERFILE.stages) >= 2 and all(s.startswith("${BASE_IMAGE}") for s in DOCKERFILE.stages)
-    assert DOCKERFILE.args["TORCH_VERSION"] == "2.13.0" and DOCKERFILE.args["TORCH_VARIANT"] == "cpu"
     assert DOCKERFILE.user not in ("", "root", "0")
     text = (DEPLOY / "Dockerfile").read_text()
     assert not re.search(r"^\s*(ENV|ARG)\s+DEMONET_TOKEN", text, re.M), "the token must not be baked in"
@@ -143,11 +184,15 @@ def test_compose_peer_service_reaches_the_coordinator() -> None:
     assert host == "coordinator" and int(port) == _port(cargs.listen)
     _secret_file(args.token_file, svc)
     assert _under_a_mount(args.out, svc), "the run folder must live on a volume"
-    assert args.device == "cpu"
+    # The image compose builds by default carries the torch build the peers' default device needs.
+    variant = svc["build"]["args"]["TORCH_VARIANT"]
+    assert (variant == "cpu") == (args.device == "cpu"), (variant, args.device)
     health, hargs = parse_command(healthcheck_argv(svc["healthcheck"]["test"]))
     assert health == "health" and hargs.coordinator == args.coordinator
     assert svc["depends_on"]["coordinator"]["condition"] == "service_healthy"
-    assert int(svc["deploy"]["replicas"]) >= 2
+    # The first round waits for start_peers peers: fewer replicas would never start the run.
+    start_peers = _run_config(coord).net.start_peers
+    assert int(svc["deploy"]["replicas"]) >= start_peers, (svc["deploy"]["replicas"], start_peers)
     assert svc["restart"] == "on-failure"
     for name in [*_mount_targets(svc), *_mount_targets(coord)]:
         assert name.startswith("/"), name
@@ -165,10 +210,15 @@ def test_compose_variables_reach_the_commands() -> None:
 
 def test_prometheus_profile_scrapes_the_metrics_port() -> None:
     prom = SERVICES["prometheus"]
-    assert prom["profiles"] == ["metrics"]
-    mounted = {v.split(":")[0]: v.split(":")[1] for v in prom["volumes"]}
-    assert mounted["./prometheus.yml"] == "/etc/prometheus/prometheus.yml"
-    scrape = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    # The docs (compose.yaml's header, deploy/README.md) start it with `--profile NAME`: NAME must be its profile.
+    docs = (DEPLOY / "compose.yaml").read_text() + (DEPLOY / "README.md").read_text()
+    documented = set(re.findall(r"--profile (\S+)", docs))
+    assert documented and documented == set(prom["profiles"]), (documented, prom["profiles"])
+    # The file mounted where Prometheus reads its config (--config.file) scrapes the metrics port.
+    config_file = next(a.split("=", 1)[1] for a in prom["command"] if a.startswith("--config.file="))
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in prom["volumes"]}
+    assert config_file in mounted, (config_file, prom["volumes"])
+    scrape = yaml.safe_load((DEPLOY / mounted[config_file]).read_text())
     targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
     _, cargs = parse_command(_argv(SERVICES["coordinator"]))
     assert targets == [f"coordinator:{cargs.metrics_port}"]
@@ -185,9 +235,16 @@ def test_gpu_override_reserves_gpus_for_cuda_peers() -> None:
         k: v for k, v in vars(parse_command(_argv(base))[1]).items() if k != "device"}
 
 
-def test_the_token_file_is_not_committed() -> None:
-    ignored = (DEPLOY / ".gitignore").read_text().split()
-    assert "token" in ignored
+def test_the_secret_files_are_not_committed() -> None:
+    """Every file a compose file reads a secret from by default (the token, the TLS key) is git-ignored."""
+    patterns = [p for p in (DEPLOY / ".gitignore").read_text().split("\n") if p.strip() and not p.startswith("#")]
+    assert not any(p.startswith("!") for p in patterns), "_gitignored does not follow negations"
+    secrets = {**COMPOSE["secrets"], **load_compose(DEPLOY / "compose.tls.yaml")["secrets"]}
+    assert {"demonet_token", "demonet_tls_key"} <= set(secrets)
+    for name, secret in secrets.items():
+        path = PurePosixPath(secret["file"])
+        assert not path.is_absolute(), f"secret {name}: {path} is not in deploy/"
+        assert _gitignored(str(path), patterns), f"secret {name}: deploy/{path} is not git-ignored"
 
 
 def test_tls_override_serves_and_verifies_tls() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from demonet import cli, health
 from demonet.config import load_config
 from demonet.coordinator import CoordinatorOptions, serve
 from tests.integration.common import tiny_config
+from tests.procs import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +47,6 @@ async def coordinator(tmp_path: Path) -> AsyncIterator[str]:
         await _stop(task)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_serving_coordinator(coordinator: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert await asyncio.to_thread(health.main, ["--coordinator", coordinator]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
@@ -65,7 +59,7 @@ async def test_serving_coordinator(coordinator: str, capsys: pytest.CaptureFixtu
 
 
 async def test_down_or_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{free_port()}"
     assert await asyncio.to_thread(health.main, ["--coordinator", dead, "--timeout-s", "2"]) == 1
     assert dead in capsys.readouterr().err
     assert health.main(["--timeout-s", "0"]) == 2
@@ -84,7 +78,7 @@ def test_standalone_command_is_light() -> None:
     code = "import sys, demonet.health; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{free_port()}"
     down = subprocess.run([sys.executable, "-m", "demonet.health", "--coordinator", dead, "--timeout-s", "1"],
                           capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and dead in down.stderr

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -28,6 +28,7 @@ from demonet.model import GPT
 from demonet.optim import DeMo
 from demonet.transport.grpc import GrpcClient
 from tests.integration.common import tiny_config
+from tests.procs import Reaper, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -35,21 +36,21 @@ TOKEN = "test-token"
 
 
 class Coordinator:
-    """A `demonet coordinator` child process."""
+    """A `demonet coordinator` child process; `reaper` kills it at the end."""
 
-    def __init__(self, tmp: Path, timeout_s: float = 3.0, extra: tuple[str, ...] = ()) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, reaper: Reaper, timeout_s: float = 3.0, extra: tuple[str, ...] = ()) -> None:
+        self.tmp, self.reaper = tmp, reaper
         self.extra = extra
         (tmp / "run.toml").write_text(tiny_config(round_timeout_s=timeout_s, steps=50, heartbeat_timeout_s=30.0))
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
 
     def start(self) -> str:
-        self.proc = subprocess.Popen(
+        self.proc = self.reaper.add(subprocess.Popen(
             [sys.executable, "-m", "demonet.coordinator", "--listen", "127.0.0.1:0", "--config",
              str(self.tmp / "run.toml"), "--state-dir", str(self.tmp / "state"), *self.extra],
-            stdout=subprocess.PIPE, stderr=open(self.tmp / "coordinator.log", "a"), text=True,
-            env={**os.environ, "DEMONET_TOKEN": TOKEN})
+            stdout=subprocess.PIPE, stderr=self.reaper.open(self.tmp / "coordinator.log", "a"), text=True,
+            env={**os.environ, "DEMONET_TOKEN": TOKEN}))
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # blocks until the server is up (or the process died)
         assert line.startswith("listening on "), (self.tmp / "coordinator.log").read_text()
@@ -57,19 +58,16 @@ class Coordinator:
         return self.address
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        """SIGKILL: nothing is flushed on the way out."""
+        if self.proc is not None:
+            self.reaper.kill(self.proc)
 
 
 @pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
-    c = Coordinator(tmp_path)
+def coordinator(tmp_path: Path, reap_children: Reaper) -> Coordinator:
+    c = Coordinator(tmp_path, reap_children)
     c.start()
-    try:
-        yield c
-    finally:
-        c.kill()
+    return c
 
 
 class Peer:
@@ -166,14 +164,11 @@ async def test_every_rpc_refuses_a_wrong_or_missing_token(coordinator: Coordinat
 
 
 @pytest.fixture
-def slow_rounds(tmp_path: Path) -> Iterator[Coordinator]:
+def slow_rounds(tmp_path: Path, reap_children: Reaper) -> Coordinator:
     """A coordinator whose rounds last long enough for several calls in one round on a busy machine."""
-    c = Coordinator(tmp_path, timeout_s=10.0)
+    c = Coordinator(tmp_path, reap_children, timeout_s=10.0)
     c.start()
-    try:
-        yield c
-    finally:
-        c.kill()
+    return c
 
 
 async def test_bad_payloads_are_rejected_and_change_nothing(slow_rounds: Coordinator) -> None:
@@ -299,45 +294,36 @@ async def test_coordinator_killed_and_restarted_resumes(coordinator: Coordinator
     assert reply.accepted and header.round == 3 and peer.digest() == header.param_digest
 
 
-async def test_a_run_ends_after_its_rounds(tmp_path: Path) -> None:
-    c = Coordinator(tmp_path)
+async def test_a_run_ends_after_its_rounds(tmp_path: Path, reap_children: Reaper) -> None:
+    c = Coordinator(tmp_path, reap_children)
     (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=3.0, steps=2, heartbeat_timeout_s=30.0))
     c.start()
-    try:
-        peer = Peer(c.address, "p")
-        await peer.join()
-        for r in range(2):
-            await peer.step(r)
-        assert c.proc is not None
-        start = time.monotonic()
-        c.proc.send_signal(signal.SIGTERM)  # graceful: stops serving at once instead of lingering
-        assert c.proc.wait(timeout=20) == 0
-        assert time.monotonic() - start < 15
-    finally:
-        c.kill()
+    peer = Peer(c.address, "p")
+    await peer.join()
+    for r in range(2):
+        await peer.step(r)
+    assert c.proc is not None
+    start = time.monotonic()
+    c.proc.send_signal(signal.SIGTERM)  # graceful: stops serving at once instead of lingering
+    assert c.proc.wait(timeout=20) == 0
+    assert time.monotonic() - start < 15
 
 
-async def test_prometheus_metrics(tmp_path: Path) -> None:
-    import socket
+async def test_prometheus_metrics(tmp_path: Path, reap_children: Reaper) -> None:
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    c = Coordinator(tmp_path, extra=("--metrics-port", str(port)))
+    port = free_port()
+    c = Coordinator(tmp_path, reap_children, extra=("--metrics-port", str(port)))
     c.start()
-    try:
-        peer = Peer(c.address, "p")
-        await peer.join()
-        await peer.step(0)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                  if line.startswith("demonet_") and " " in line}
-        assert values["demonet_round"] == 1 and values["demonet_members"] == 1 and values["demonet_phase"] == 0
-        assert values["demonet_rounds_closed_total"] == 1 and values["demonet_bytes_up_total"] > 0
-        assert values["demonet_resyncs_total"] == 0
-        for name in ("demonet_loss", "demonet_rejected_total", "demonet_late_total", "demonet_bytes_down_total",
-                     "demonet_close_seconds_count", "demonet_submitted", "demonet_unauthorized_total"):
-            assert name in values
-    finally:
-        c.kill()
+    peer = Peer(c.address, "p")
+    await peer.join()
+    await peer.step(0)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("demonet_") and " " in line}
+    assert values["demonet_round"] == 1 and values["demonet_members"] == 1 and values["demonet_phase"] == 0
+    assert values["demonet_rounds_closed_total"] == 1 and values["demonet_bytes_up_total"] > 0
+    assert values["demonet_resyncs_total"] == 0
+    for name in ("demonet_loss", "demonet_rejected_total", "demonet_late_total", "demonet_bytes_down_total",
+                 "demonet_close_seconds_count", "demonet_submitted", "demonet_unauthorized_total"):
+        assert name in values

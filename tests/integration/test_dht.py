@@ -8,8 +8,8 @@
   wrong run token kept out.
 - In one process: the records and the stream messages of a wrong-token node are refused.
 
-Every peer runs in its own session, and the test kills each session's process group (the peer,
-its DHT process and its p2pd) by id at the end, also when it fails.
+Every peer runs in its own session, and the `reap_children` fixture kills each session's process group
+(the peer, its DHT process and its p2pd) by id at the end, also when the test fails.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
 from tests.integration.common import tiny_config
+from tests.procs import Reaper
 
 pytest.importorskip("hivemind")
 pytestmark = pytest.mark.slow
@@ -56,14 +57,13 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 class _Peers:
     """The peer processes of one test, each in its own session (so its DHT and p2pd die with it)."""
 
-    def __init__(self, tmp: Path, *, steps: int, start_peers: int) -> None:
-        self.tmp, self.out = tmp, tmp / "out"
+    def __init__(self, tmp: Path, reaper: Reaper, *, steps: int, start_peers: int) -> None:
+        self.tmp, self.out, self.reaper = tmp, tmp / "out", reaper
         (tmp / "run.toml").write_text(tiny_config(round_timeout_s=3.0))
         self.base = ["peer", "--dht", "--run", "faults", "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--config",
                      str(tmp / "run.toml"), "--steps", str(steps), "--start-peers", str(start_peers),
                      "--exchange-timeout-s", "2", "--out", str(self.out), "--threads", "1"]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.files: list[IO[bytes]] = []
         self.maddr = ""
 
     def log(self, name: str) -> str:
@@ -74,13 +74,12 @@ class _Peers:
         argv = [*self.base, "--peer-id", name, *extra]
         if self.maddr:
             argv += ["--initial-peers", self.maddr]
-        log = open(self.tmp / f"{name}.log", "ab")
-        self.files.append(log)
+        log = self.reaper.open(self.tmp / f"{name}.log", "ab")
         cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet.cli", *argv]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, "DEMONET_TOKEN": token},
                                 start_new_session=True)
-        self.procs[name] = proc
+        self.procs[name] = self.reaper.add(proc, group=True)
         return proc
 
     def bootstrap(self, name: str) -> None:
@@ -99,42 +98,17 @@ class _Peers:
 
     def kill(self, name: str) -> None:
         """SIGKILL the peer's whole session: the peer, its DHT process and its p2pd, as a machine dies."""
-        with contextlib_suppress():
-            os.killpg(self.procs[name].pid, signal.SIGKILL)
-        self.procs[name].wait(timeout=10)
+        self.reaper.kill(self.procs[name])
 
     def stop(self, names: list[str]) -> None:
         """SIGTERM (a graceful stop at the round boundary), then SIGKILL whatever is left after 30 s."""
-        for name in names:
-            if self.procs[name].poll() is None:
-                self.procs[name].send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for name in names:
-            try:
-                self.procs[name].wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.kill(name)
+        self.reaper.stop([self.procs[name] for name in names], 30.0)
 
     def rows(self, name: str) -> list[dict[str, Any]]:
         return _rows(self.out / f"metrics-{name}.jsonl")
 
-    def close(self) -> None:
-        for proc in self.procs.values():
-            with contextlib_suppress():
-                os.killpg(proc.pid, signal.SIGKILL)  # the session we created: the peer and its children
-            with contextlib_suppress():
-                proc.wait(timeout=10)
-        for f in self.files:
-            f.close()
-
     def dump(self) -> str:
         return "\n".join(f"--- {name}\n{self.log(name)[-3000:]}" for name in self.procs)
-
-
-def contextlib_suppress() -> Any:
-    import contextlib
-
-    return contextlib.suppress(ProcessLookupError, PermissionError, subprocess.TimeoutExpired)
 
 
 def wait_for(ok: Callable[[], bool], what: str, peers: _Peers, timeout_s: float = WAIT_S) -> None:
@@ -171,44 +145,41 @@ def test_up_dht_run_folder(tmp_path: Path) -> None:
     assert (out / "loss.png").stat().st_size > 0
 
 
-def test_kill_late_joiner_and_wrong_token(tmp_path: Path) -> None:
+def test_kill_late_joiner_and_wrong_token(tmp_path: Path, reap_children: Reaper) -> None:
     """A peer SIGKILLed mid-run, a late joiner loaded from several donors, a wrong-token peer: one run."""
-    peers = _Peers(tmp_path, steps=1000, start_peers=3)
-    try:
-        peers.bootstrap("a")
-        peers.start("b")
-        peers.start("c")
-        peers.start("j", "--client-mode", gated=True)  # as behind NAT: dials out only
-        # A peer with another token: refused by the first peer it contacts, it never enters a round.
-        bad = peers.start("x", token="not-the-run-token")
-        wait_for(lambda: len(peers.rows("c")) >= 3, "three rounds with c", peers)
-        peers.kill("c")
-        killed_at = len(peers.rows("a"))
-        # The others carry on without c: rounds with two contributors, one digest.
-        wait_for(lambda: len(peers.rows("a")) >= killed_at + 4, "rounds after the kill", peers)
-        after = [r for r in peers.rows("a")[killed_at:] if r["contributors"] == 2]
-        assert after, peers.rows("a")
+    peers = _Peers(tmp_path, reap_children, steps=1000, start_peers=3)
+    peers.bootstrap("a")
+    peers.start("b")
+    peers.start("c")
+    peers.start("j", "--client-mode", gated=True)  # as behind NAT: dials out only
+    # A peer with another token: refused by the first peer it contacts, it never enters a round.
+    bad = peers.start("x", token="not-the-run-token")
+    wait_for(lambda: len(peers.rows("c")) >= 3, "three rounds with c", peers)
+    peers.kill("c")
+    killed_at = len(peers.rows("a"))
+    # The others carry on without c: rounds with two contributors, one digest.
+    wait_for(lambda: len(peers.rows("a")) >= killed_at + 4, "rounds after the kill", peers)
+    after = [r for r in peers.rows("a")[killed_at:] if r["contributors"] == 2]
+    assert after, peers.rows("a")
 
-        assert bad.wait(timeout=WAIT_S) == 2, peers.log("x")
-        assert "wrong run token" in peers.log("x")
-        assert "bad run token" in peers.log("a")
+    assert bad.wait(timeout=WAIT_S) == 2, peers.log("x")
+    assert "wrong run token" in peers.log("x")
+    assert "bad run token" in peers.log("a")
 
-        peers.release("j")
-        wait_for(lambda: len(peers.rows("j")) >= 3, "three rounds of the late joiner", peers)
-        peers.stop(["a", "b", "j"])
-        assert peers.procs["a"].returncode == 0 and peers.procs["b"].returncode == 0, peers.dump()
+    peers.release("j")
+    wait_for(lambda: len(peers.rows("j")) >= 3, "three rounds of the late joiner", peers)
+    peers.stop(["a", "b", "j"])
+    assert peers.procs["a"].returncode == 0 and peers.procs["b"].returncode == 0, peers.dump()
 
-        assert "loaded from 2 donors" in peers.log("j"), peers.log("j")
-        rows = {name: peers.rows(name) for name in ("a", "b", "j")}
-        digests = _digests_by_round([r for rs in rows.values() for r in rs])
-        assert all(len(d) == 1 for d in digests.values()), {k: v for k, v in digests.items() if len(v) > 1}
-        first = rows["j"][0]
-        assert first["param_digest"] in digests[first["round"]] and len(digests[first["round"]]) == 1
-        assert not first.get("resynced"), first
-        assert max(r["contributors"] for r in rows["a"][-3:]) == 3, rows["a"][-3:]  # j contributes
-        assert all(r["contributors"] <= 3 for rs in rows.values() for r in rs)  # x never does
-    finally:
-        peers.close()
+    assert "loaded from 2 donors" in peers.log("j"), peers.log("j")
+    rows = {name: peers.rows(name) for name in ("a", "b", "j")}
+    digests = _digests_by_round([r for rs in rows.values() for r in rs])
+    assert all(len(d) == 1 for d in digests.values()), {k: v for k, v in digests.items() if len(v) > 1}
+    first = rows["j"][0]
+    assert first["param_digest"] in digests[first["round"]] and len(digests[first["round"]]) == 1
+    assert not first.get("resynced"), first
+    assert max(r["contributors"] for r in rows["a"][-3:]) == 3, rows["a"][-3:]  # j contributes
+    assert all(r["contributors"] <= 3 for rs in rows.values() for r in rs)  # x never does
 
 
 async def test_wrong_token_records_and_messages_refused() -> None:
@@ -255,16 +226,16 @@ def _descendants(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_a_stopped_peer_leaves_no_dht_process_behind(tmp_path: Path, sig: int) -> None:
+def test_a_stopped_peer_leaves_no_dht_process_behind(tmp_path: Path, sig: int, reap_children: Reaper) -> None:
     """The DHT process and its p2pd end with the peer: stopped (SIGTERM) or killed (SIGKILL)."""
     (tmp_path / "tiny.toml").write_text(tiny_config(round_timeout_s=5.0))
-    log = open(tmp_path / "peer.log", "w")
-    # Not in a session of its own: nothing but the peer itself is signalled.
-    proc = subprocess.Popen(
+    log = reap_children.open(tmp_path / "peer.log", "w")
+    # Not in a session of its own: nothing but the peer itself is signalled (also by the reaper).
+    proc = reap_children.add(subprocess.Popen(
         [sys.executable, "-m", "demonet.cli", "peer", "--dht", "--run", "alone",
          "--config", str(tmp_path / "tiny.toml"), "--host-maddr", "/ip4/127.0.0.1/tcp/0",
          "--start-peers", "2", "--steps", "5", "--out", str(tmp_path / "out")],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, "DEMONET_TOKEN": TOKEN})
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, "DEMONET_TOKEN": TOKEN}))
     left: list[int] = []
     try:
         deadline = time.monotonic() + WAIT_S
@@ -282,10 +253,8 @@ def test_a_stopped_peer_leaves_no_dht_process_behind(tmp_path: Path, sig: int) -
             time.sleep(0.2)
         assert left == [], [Path(f"/proc/{k}/cmdline").read_bytes()[:80] for k in left]
     finally:
-        for pid in [proc.pid, *left]:
+        for pid in left:  # what the peer left behind, which the reaper does not know of
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        proc.wait(timeout=10)
-        log.close()

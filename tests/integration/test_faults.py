@@ -16,17 +16,17 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
 
 from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round, tiny_config
+from tests.procs import Reaper, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -37,31 +37,22 @@ WAIT_S = 60.0
 """Bound of every wait for progress in the run (the whole run takes seconds)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _Run:
-    """The processes of one test: coordinators and peers, each logging into tmp; `close` kills them."""
+    """The processes of one test: coordinators and peers, each logging into tmp; `reaper` kills them."""
 
-    def __init__(self, tmp: Path, steps: int, start_peers: int) -> None:
-        self.tmp, self.steps, self.start_peers = tmp, steps, start_peers
+    def __init__(self, tmp: Path, steps: int, start_peers: int, reaper: Reaper) -> None:
+        self.tmp, self.steps, self.start_peers, self.reaper = tmp, steps, start_peers, reaper
         self.out = tmp / "out"
         (tmp / "run.toml").write_text(
             tiny_config(round_timeout_s=ROUND_TIMEOUT_S, heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0))
         self.env = {**os.environ, "DEMONET_TOKEN": TOKEN}
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.files: list[IO[bytes]] = []
         self.names: dict[int, str] = {}  # pid -> log name
         self.coordinators = 0
         self.address = ""
 
     def _log(self, name: str) -> IO[bytes]:
-        f = open(self.tmp / f"{name}.log", "ab")
-        self.files.append(f)
-        return f
+        return self.reaper.open(self.tmp / f"{name}.log", "ab")
 
     def log(self, name: str) -> str:
         path = self.tmp / f"{name}.log"
@@ -76,7 +67,7 @@ class _Run:
              "--steps", str(self.steps), "--start-peers", str(self.start_peers),
              "--state-dir", str(self.tmp / "state")],
             stdout=subprocess.PIPE, stderr=self._log(name), stdin=subprocess.DEVNULL, env=self.env)
-        self.procs.append(proc)
+        self.procs.append(self.reaper.add(proc))
         line = listening_line(proc, LISTEN_TIMEOUT_S)
         assert line.startswith("listening on "), self.log(name)
         self.address = line.split()[-1]
@@ -91,7 +82,7 @@ class _Run:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                                 stdout=self._log(name), stderr=subprocess.STDOUT, env=self.env)
         self.names[proc.pid] = name
-        self.procs.append(proc)
+        self.procs.append(self.reaper.add(proc))
         return proc
 
     def peer_log(self, proc: subprocess.Popen[bytes]) -> str:
@@ -106,25 +97,7 @@ class _Run:
 
     def stop(self, proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after timeout_s (the coordinator lingers after the last round)."""
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for f in self.files:
-            f.close()
+        self.reaper.stop([proc], timeout_s)
 
     def logs(self) -> str:
         """Every log's tail, for failure messages."""
@@ -157,18 +130,8 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, run: _Run) -
 
 
 @pytest.fixture
-def run_factory(tmp_path: Path) -> Iterator[Callable[[int, int], _Run]]:
-    runs: list[_Run] = []
-
-    def make(steps: int, start_peers: int) -> _Run:
-        runs.append(_Run(tmp_path, steps, start_peers))
-        return runs[-1]
-
-    try:
-        yield make
-    finally:
-        for r in runs:
-            r.close()
+def run_factory(tmp_path: Path, reap_children: Reaper) -> Callable[[int, int], _Run]:
+    return lambda steps, start_peers: _Run(tmp_path, steps, start_peers, reap_children)
 
 
 def _by_round(run: _Run, peers: list[str]) -> dict[int, dict[str, dict[str, Any]]]:
@@ -258,7 +221,7 @@ def test_a_late_joiner_downloads_the_parameters_and_agrees_from_its_first_round(
 
 def test_the_coordinator_killed_mid_run_restarts_on_its_port_and_training_resumes(run_factory: Any) -> None:
     run = run_factory(40, 2)
-    listen = f"127.0.0.1:{_free_port()}"
+    listen = f"127.0.0.1:{free_port()}"
     coordinator = run.coordinator(listen)
     a, b = run.peer("a"), run.peer("b")
     wait_for(lambda: min(run.last_round("a"), run.last_round("b")) >= 5, WAIT_S, "the first rounds", run)

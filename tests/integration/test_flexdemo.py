@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ import torch.multiprocessing as mp
 
 from demonet.config import Config, load_config
 from demonet.digest import param_digest
+from tests.procs import Reaper, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +32,6 @@ STEPS, SAVE_AT = 5, 2
 CONFIG = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
           "optim": {"compression_chunk": 16, "compression_topk": 8, "lr": 0.01},
           "train": {"seq_len": 32, "batch_size": 2}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cfg() -> Config:
@@ -123,17 +116,14 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def hybrid_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("flex")
-    ctx = mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=NODES * RANKS, join=False)
+    ctx = mp.spawn(_worker, args=(free_port(), str(out)), nprocs=NODES * RANKS, join=False)
     deadline = time.monotonic() + 150
-    try:
+    with Reaper() as reaper:  # a module fixture: the function-scoped reap_children is not at hand
+        for p in ctx.processes:
+            reaper.add(p)
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
                 raise TimeoutError("the 2x2 FlexDeMo run did not finish in 150 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(NODES * RANKS)]
 
 
@@ -171,24 +161,14 @@ heartbeat_timeout_s = 60.0
 """
 
 
-def _stop(proc: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path) -> None:
+def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path, reap_children: Reaper) -> None:
     """A real coordinator process and two torchrun nodes of 2 gloo ranks each, on loopback."""
     (tmp_path / "run.toml").write_text(COORDINATOR_TOML)
     env = {**os.environ, "DEMONET_TOKEN": TOKEN}
-    coordinator = subprocess.Popen(
+    coordinator = reap_children.add(subprocess.Popen(
         [sys.executable, "-m", "demonet.coordinator", "--listen", "127.0.0.1:0", "--config",
          str(tmp_path / "run.toml"), "--steps", str(ROUNDS), "--state-dir", str(tmp_path / "state")],
-        stdout=subprocess.PIPE, stderr=open(tmp_path / "coordinator.log", "w"), text=True, env=env)
+        stdout=subprocess.PIPE, stderr=reap_children.open(tmp_path / "coordinator.log", "w"), text=True, env=env))
     nodes: list[subprocess.Popen[bytes]] = []
     try:
         assert coordinator.stdout is not None
@@ -196,18 +176,17 @@ def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path) -> None:
         assert line.startswith("listening on "), (tmp_path / "coordinator.log").read_text()
         address = line.split()[-1]
         for name in ("nodeA", "nodeB"):
-            nodes.append(subprocess.Popen(
+            nodes.append(reap_children.add(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
                  "-m", "demonet.flex", "--coordinator", address, "--peer-id", name, "--out",
                  str(tmp_path / name), "--threads", "1"],
-                stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "w"), env=env))
+                stdout=subprocess.DEVNULL, stderr=reap_children.open(tmp_path / f"{name}.log", "w"), env=env)))
         deadline = time.monotonic() + 150
         for node, name in zip(nodes, ("nodeA", "nodeB"), strict=True):
             left = max(1.0, deadline - time.monotonic())
             assert node.wait(timeout=left) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     finally:
-        for proc in [*nodes, coordinator]:
-            _stop(proc)
+        reap_children.stop([*nodes, coordinator], 15.0)  # SIGTERM, then SIGKILL after 15 s
     lines = {name: [json.loads(x) for x in (tmp_path / name / f"metrics-{name}.jsonl").read_text().splitlines()]
              for name in ("nodeA", "nodeB")}
     for rows in lines.values():

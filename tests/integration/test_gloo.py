@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from demonet.digest import param_digest
+from tests.procs import Reaper, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -25,12 +25,6 @@ WORLD = 3
 STEPS = 5
 SHAPES = [(128, 192), (64,), (96, 50), (200,)]
 KW = {"lr": 0.01, "compression_topk": 8, "compression_chunk": 32}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -92,18 +86,15 @@ def _worker(rank: int, port: int, out_dir: str, bloc97: str | None) -> None:
 
 def _run(tmp_path: Path, bloc97: str | None) -> list[dict[str, object]]:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), bloc97)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
+    with Reaper() as reaper:  # the ranks still running when one fails are killed on the way out
+        for p in procs:
+            p.start()
+            reaper.add(p)
         for p in procs:
             p.join(timeout=120)
             assert p.exitcode == 0, f"rank exited with {p.exitcode}"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -16,13 +16,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.integration.common import tiny_config
+from tests.procs import Reaper
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +41,14 @@ def _peer_main(argv: list[str]) -> None:
 class _Coordinator:
     """A `demonet coordinator` child process; `address` once it listens."""
 
-    def __init__(self, tmp: Path, steps: int, timeout_s: float = 5.0, **net: float) -> None:
+    def __init__(self, tmp: Path, steps: int, reaper: Reaper, timeout_s: float = 5.0, **net: float) -> None:
         (tmp / "tiny.toml").write_text(tiny_config(round_timeout_s=timeout_s, **net))
-        self.log = open(tmp / "coordinator.log", "w")
-        self.proc = subprocess.Popen(
+        self.reaper = reaper
+        self.proc = reaper.add(subprocess.Popen(
             [sys.executable, "-m", "demonet.cli", "coordinator", "--listen", "127.0.0.1:0", "--steps", str(steps),
              "--config", str(tmp / "tiny.toml"), "--state-dir", str(tmp / "state")],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env={**os.environ, "DEMONET_TOKEN": TOKEN})
+            stdout=subprocess.PIPE, stderr=reaper.open(tmp / "coordinator.log", "w"), text=True,
+            env={**os.environ, "DEMONET_TOKEN": TOKEN}))
         lines: queue.Queue[str] = queue.Queue()
         assert self.proc.stdout is not None
         threading.Thread(target=lambda: lines.put(self.proc.stdout.readline() if self.proc.stdout else ""),
@@ -57,35 +58,21 @@ class _Coordinator:
         self.address = line.split()[-1]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        """SIGTERM, then SIGKILL after 15 s."""
+        self.reaper.stop([self.proc], 15.0)
 
 
 @pytest.fixture
-def spawn() -> Iterator[Any]:
+def spawn(reap_children: Reaper) -> Any:
     """Start peer processes with the spawn context; every one still alive at the end is killed."""
     ctx = mp.get_context("spawn")
-    procs: list[Any] = []
 
     def start(argv: list[str]) -> Any:
         proc = ctx.Process(target=_peer_main, args=(argv,))
         proc.start()
-        procs.append(proc)
-        return proc
+        return reap_children.add(proc)
 
-    try:
-        yield start
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=10)
+    return start
 
 
 def _metrics(out: Path) -> list[dict[str, Any]]:
@@ -110,9 +97,9 @@ def _check_rounds(rows: list[dict[str, Any]], peers: set[str], steps: int) -> No
         assert {r["peer"] for r in by_round[round_]} == peers, f"round {round_}"
 
 
-def test_three_peer_processes_agree_every_round(tmp_path: Path, spawn: Any) -> None:
+def test_three_peer_processes_agree_every_round(tmp_path: Path, spawn: Any, reap_children: Reaper) -> None:
     steps, out = 60, tmp_path / "out"  # tiny rounds take ~0.1 s: time for every peer to start and join
-    coordinator = _Coordinator(tmp_path, steps)
+    coordinator = _Coordinator(tmp_path, steps, reap_children)
     try:
         peers = [spawn(["--coordinator", coordinator.address, "--peer-id", f"p{i}", "--out", str(out),
                         "--threads", "1", "--accumulate", str(i + 1)]) for i in range(3)]
@@ -126,11 +113,11 @@ def test_three_peer_processes_agree_every_round(tmp_path: Path, spawn: Any) -> N
     assert all((out / f"peer-p{i}.pt").exists() for i in range(3))
 
 
-def test_a_peer_stopped_by_sigterm_saves_and_resumes(tmp_path: Path, spawn: Any) -> None:
+def test_a_peer_stopped_by_sigterm_saves_and_resumes(tmp_path: Path, spawn: Any, reap_children: Reaper) -> None:
     out = tmp_path / "out"
     # The round the peer leaves in waits for it (and its membership holds) long enough for a restart,
     # which on a loaded machine takes more than the few seconds of importing torch.
-    coordinator = _Coordinator(tmp_path, steps=40, timeout_s=60.0, heartbeat_timeout_s=60.0)
+    coordinator = _Coordinator(tmp_path, 40, reap_children, timeout_s=60.0, heartbeat_timeout_s=60.0)
     argv = ["--coordinator", coordinator.address, "--out", str(out), "--threads", "1", "--checkpoint-every", "0"]
     try:
         stays = spawn([*argv, "--peer-id", "stays"])

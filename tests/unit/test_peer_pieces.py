@@ -5,7 +5,6 @@ No sockets: the gRPC client's stub is replaced by a fake that answers like the c
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from demonet import cli, runfolder, wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload, PeerUnavailable
-from demonet.optim import DeMo, Payload, aggregate
+from demonet.optim import Compressed, DeMo, Payload, aggregate
 from demonet.peer import settle
 from demonet.transport import NotMember, Resync, RoundResult, StaleRound
 from demonet.transport import grpc as transport_grpc
@@ -121,31 +120,61 @@ def _replica() -> tuple[torch.nn.Linear, DeMo, Payload]:
     return model, opt, opt.compress()
 
 
-def _state(model: torch.nn.Module, opt: DeMo) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()] + \
-        [opt.state[p]["momentum"].clone() for p in model.parameters()]
+_LR = 0.5
 
 
-@pytest.mark.parametrize("case", ["aborted", "contributor", "missed"])
+def _entries(rows: dict[str, tuple[list[int], list[float]]]) -> Payload:
+    """A payload or an aggregate for the two 4x4 parameters of `_settle_replica`: one chunk each."""
+    return Payload(tensors={name: Compressed(idx=torch.tensor([idx]), val=torch.tensor([val]), shape=(4, 4),
+                                             chunk=(4, 4)) for name, (idx, val) in rows.items()})
+
+
+def _settle_replica() -> tuple[torch.nn.Parameter, torch.nn.Parameter, DeMo]:
+    """Parameters a and b, one DCT chunk each; every momentum coefficient at 1."""
+    a = torch.nn.Parameter(torch.arange(16.0).reshape(4, 4))
+    b = torch.nn.Parameter(-torch.arange(16.0).reshape(4, 4))
+    opt = DeMo([("a", a), ("b", b)], lr=_LR, compression_topk=2, compression_chunk=4)
+    for p in (a, b):
+        opt.state[p]["momentum"].fill_(1.0)
+    return a, b, opt
+
+
+_PAYLOAD = {"a": ([0, 5], [2.0, 3.0]), "b": ([0, 7], [-1.0, 4.0])}
+"""This peer's entries (coefficient index, value): what `compress` took out of the momentum."""
+_AGGREGATE = {"a": ([0, 0], [1.5, 0.0]), "b": ([7, 7], [0.0, 0.0])}
+"""The round's aggregate holds a's coefficient 0 (the DC term) and nothing of b: b's entries are
+padding (value 0), which holds no index."""
+_KEPT = {"a": ([0, 0], [0.0, 0.0]), "b": ([7, 7], [2.0, 0.0])}
+"""What of this peer's payload the aggregate holds when that is not the aggregate (DHT mode): b's 7."""
+
+
+_RESTORED = {
+    "aborted": {"a": {0: 2.0, 5: 3.0}, "b": {0: -1.0, 7: 4.0}},  # all of it: nothing was applied
+    "missed": {"a": {0: 2.0, 5: 3.0}, "b": {0: -1.0, 7: 4.0}},  # all of it: its payload is in no aggregate
+    "contributor": {"a": {5: 3.0}, "b": {0: -1.0, 7: 4.0}},  # what the aggregate does not hold
+    "contributor-kept": {"a": {0: 2.0, 5: 3.0}, "b": {0: -1.0}},  # what `kept` does not hold
+}
+"""Per outcome: the payload entries that must be back in the momentum (index: value added)."""
+
+
+@pytest.mark.parametrize("case", list(_RESTORED))
 def test_settle_restores_and_applies_by_outcome(case: str) -> None:
-    model, opt, payload = _replica()
-    _, other_opt, other = _replica()
-    agg = aggregate([payload, other], topk=2)  # top-k-limited: some of this peer's entries are dropped
-    result = RoundResult(round=0, aggregate=None if case == "aborted" else agg,
-                         contributors=("me", "x") if case == "contributor" else ("x",), param_digest="",
-                         aborted=case == "aborted", bytes_up=1, bytes_down=1)
-    want_model, want_opt = copy.deepcopy((model, opt))
-    if case == "aborted":
-        want_opt.restore(payload)
-    else:
-        want_opt.restore(payload, kept=agg if case == "contributor" else None)
-        want_opt.apply(agg)
-    before = _state(model, opt)
-    settle(opt, payload, result, "me")
-    for got, want in zip(_state(model, opt), _state(want_model, want_opt), strict=True):
-        assert torch.equal(got, want)
-    changed = [not torch.equal(a, b) for a, b in zip(_state(model, opt), before, strict=True)]
-    assert any(changed[:2]) == (case != "aborted")  # parameters move only when an aggregate is applied
+    a, b, opt = _settle_replica()
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    result = RoundResult(round=0, aggregate=None if case == "aborted" else _entries(_AGGREGATE),
+                         contributors=("x",) if case == "missed" else ("me", "x"), param_digest="",
+                         aborted=case == "aborted", bytes_up=1, bytes_down=1,
+                         kept=_entries(_KEPT) if case == "contributor-kept" else None)
+    settle(opt, _entries(_PAYLOAD), result, "me")
+    for name, p in (("a", a), ("b", b)):
+        want = torch.ones(1, 16)
+        for i, v in _RESTORED[case][name].items():
+            want[0, i] += v
+        assert torch.equal(opt.state[p]["momentum"], want), (name, opt.state[p]["momentum"])
+    # A lone positive DC coefficient decodes to the same positive value on every element: with the sign
+    # base, a steps by -lr everywhere. b's aggregate is all zeros: b stays. An aborted round moves nothing.
+    assert torch.equal(a.detach(), a0 if case == "aborted" else a0 - _LR)
+    assert torch.equal(b.detach(), b0)
 
 
 # -- the client against a fake coordinator ---------------------------------------------------------------
