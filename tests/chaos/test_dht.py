@@ -65,8 +65,8 @@ def test_dht_a_peer_killed_mid_run_rejoins_from_the_others_and_agrees(dht: DhtCl
 
     by_round = dht.by_round(PEERS)  # one digest per round across the peers
     for p in ("a", "b"):
-        assert [r["round"] for r in dht.rows(p)] == list(range(rounds)), p
-    c_rounds = [r["round"] for r in dht.rows("c")]
+        assert _done(dht, p, rounds) == list(range(rounds)), p
+    c_rounds = _done(dht, "c", rounds)
     assert c_rounds == sorted(set(c_rounds)) and c_rounds[c_rounds.index(back):] == list(range(back, rounds)), c_rounds
     # (The round it was killed in may hold its payload: it was sent before the kill.)
     without_c = [n for n in range(killed + 1, back) if set(by_round[n]) == {"a", "b"}]
@@ -91,13 +91,18 @@ def test_dht_a_peer_killed_mid_run_rejoins_from_the_others_and_agrees(dht: DhtCl
 
 
 def end(dht: DhtCluster, procs: list) -> int:
-    """Stop the peers gracefully (SIGTERM: at a round boundary, exit 0); returns a's rounds then."""
+    """Stop the peers gracefully (SIGTERM: at a round boundary, exit 0); returns the rounds both a and b
+    did. The signals reach the peers one after the other, so one may do a round or two more than the
+    other (frozen without the stopped one): those are past the returned count."""
     for proc in procs:
         proc.send_signal(signal.SIGTERM)
     dht.finish(procs, timeout_s=60)
-    rounds = dht.last_round("a") + 1
-    assert dht.last_round("b") + 1 == rounds, (rounds, dht.last_round("b"))
-    return rounds
+    return min(dht.last_round("a"), dht.last_round("b")) + 1
+
+
+def _done(dht: DhtCluster, peer: str, rounds: int) -> list[int]:
+    """The rounds the peer did, before `rounds`."""
+    return [r["round"] for r in dht.rows(peer) if r["round"] < rounds]
 
 
 def _cut(dht: DhtCluster, rounds: int, cut_rounds: int) -> tuple[list, int, int, float]:
@@ -124,7 +129,7 @@ def test_dht_a_partitioned_peer_leaves_the_majority_training_on_one_digest(dht: 
 
     by_round = dht.by_round(["a", "b"])  # a and b agree on every round, none resynced
     for p in ("a", "b"):
-        assert [r["round"] for r in dht.rows(p)] == list(range(rounds)), p
+        assert _done(dht, p, rounds) == list(range(rounds)), p
     assert all(by_round[n]["a"]["contributors"] == 2 for n in range(at_cut + 2, rounds)), \
         [by_round[n]["a"]["contributors"] for n in range(at_cut, rounds)]  # went on without c
     for p in ("a", "b"):  # a node that does not answer delays the stores, it does not stop the peer
@@ -152,6 +157,6 @@ def test_dht_a_partitioned_peer_heals_and_is_in_sync_again(dht: DhtCluster) -> N
     dht.finish(procs)
     by_round = dht.by_round(PEERS)  # one digest per round, c's included
     for p in ("a", "b"):
-        assert [r["round"] for r in dht.rows(p)] == list(range(rounds)), p
+        assert _done(dht, p, rounds) == list(range(rounds)), p
     for n in range(rounds - 5, rounds):
         assert by_round[n]["a"]["contributors"] == 3, by_round[n]
