@@ -54,7 +54,7 @@ def gemm_apply(opt: DeMo, agg: Payload) -> None:
                 coef_BN[slot.start:slot.stop].scatter_add_(1, c.idx, c.val)
             torch.mm(c_BHW.view(num_blocks * h, w), d_w, out=t_BHW.view(num_blocks * h, w))
             torch.bmm(d_h.t().expand(num_blocks, h, h), t_BHW, out=u_BHW) if h > 1 else u_BHW.copy_(t_BHW)
-        if opt.base == "sign":
+        if opt.options.base == "sign":
             u_BHW.sign_()
         for slot in bucket.slots:
             x2d = slot.param.view(slot.rows, slot.cols)

@@ -18,6 +18,7 @@ from demonet import netlab
 from tests.chaos.cluster import PORT, TOKEN, CoordinatorCluster, loss_fell, report, run_config
 from tests.chaos.dht_cluster import DhtCluster
 from tests.chaos.intruder import POISONER
+from tests.procs import Reaper
 
 HONEST = ["a", "b", "c"]
 
@@ -132,18 +133,16 @@ def _dht_poisoned_run(dht: DhtCluster, mode: str, clip: bool, rounds: int) -> di
             "mallory_clipped_rounds": len(clipped_rounds)}
 
 
-def test_dht_poisoned_updates_are_bounded_by_the_slice_owners_clipping(lab: netlab.Lab, tmp_path: Path) -> None:
+def test_dht_poisoned_updates_are_bounded_by_the_slice_owners_clipping(lab: netlab.Lab, tmp_path: Path,
+                                                                      reap_children: Reaper) -> None:
     """The coordinator-mode scenario above in DHT mode: every slice owner merges with the coordinator's
     rules (`demonet.merge`), so the poisoner's part of each slice is scaled to that slice's median norm."""
     pytest.importorskip("hivemind")
     rounds, mode = 30, "random"
     figures = {}
     for clip in (True, False):
-        dht = DhtCluster(lab, tmp_path / ("on" if clip else "off"), prefix="" if clip else "off-")
-        try:
-            figures[clip] = _dht_poisoned_run(dht, mode, clip, rounds)
-        finally:
-            dht.close()
+        dht = DhtCluster(lab, tmp_path / ("on" if clip else "off"), reap_children, prefix="" if clip else "off-")
+        figures[clip] = _dht_poisoned_run(dht, mode, clip, rounds)  # the reaper stops what is left
     on, off = figures[True], figures[False]
     assert on["mallory_clipped_rounds"] >= rounds - 1, on  # bounded in every round
     assert off["mallory_clipped_rounds"] == 0, off
