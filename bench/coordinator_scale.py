@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from demonet import wire  # noqa: E402
 from demonet._proto import demonet_pb2 as pb  # noqa: E402
 from demonet._proto import demonet_pb2_grpc as pbg  # noqa: E402
-from demonet.model import BENCH_MODEL, GPT  # noqa: E402
 from demonet.optim import DeMo, Payload  # noqa: E402
+from demonet.train.model import BENCH_MODEL, GPT  # noqa: E402
 
 TOKEN = "bench"
 MD = (("authorization", f"Bearer {TOKEN}"),)

@@ -1,6 +1,6 @@
 """FlexDeMo against hybrid-sharded AdamW (HSDP, full gradient sync) on CPU: 2 nodes x 2 gloo ranks.
 
-Both train the small transformer (demonet.model.TINY_MODEL) for the same steps on the same data
+Both train the small transformer (demonet.train.model.TINY_MODEL) for the same steps on the same data
 streams. Figures: validation loss, bytes between nodes per step (FlexDeMo: the payload bytes that
 cross the replicate dimension, as sent, and as demonet's wire format would carry the node's payload
 to a coordinator; AdamW: the all-reduced gradient bytes), and per-rank parameter + optimizer-state
@@ -41,7 +41,7 @@ def _config(args: argparse.Namespace, lr: float) -> Any:
 
 def _val_loss(model: torch.nn.Module, cfg: Any, rank: int) -> float:
     """Mean loss on the same validation batches on every rank (FSDP's forward is collective)."""
-    from demonet.data import Batches, load_corpus, split
+    from demonet.train.data import Batches, load_corpus, split
 
     _, val = split(load_corpus(None))
     batches = Batches(val, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=12345)
@@ -66,11 +66,11 @@ def _wire_bytes(trainer: Any, payload: Any, group: dist.ProcessGroup) -> int:
 def _worker(rank: int, mode: str, lr: float, args: argparse.Namespace, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from demonet.data import Batches, load_corpus, split
     from demonet.flex.replicate import gather_payloads, hybrid_mesh
     from demonet.flex.shard import FlexTrainer, state_bytes
-    from demonet.model import GPT
     from demonet.optim import aggregate
+    from demonet.train.data import Batches, load_corpus, split
+    from demonet.train.model import GPT
 
     torch.set_num_threads(1)
     world = NODES * RANKS
@@ -137,8 +137,8 @@ def _run(mode: str, lr: float, args: argparse.Namespace, tmp: Path) -> dict[str,
 
 def _unsharded_demo_bytes(args: argparse.Namespace) -> dict[str, int]:
     from demonet.flex.shard import state_bytes
-    from demonet.model import GPT
     from demonet.optim import DeMo
+    from demonet.train.model import GPT
 
     cfg = _config(args, 1e-3)
     model = GPT(cfg.model)

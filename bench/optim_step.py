@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.reference_demo
 
-from demonet.data import Batches, load_corpus  # noqa: E402
-from demonet.model import BENCH_MODEL, GPT  # noqa: E402
+from demonet.train.data import Batches, load_corpus  # noqa: E402
+from demonet.train.model import BENCH_MODEL, GPT  # noqa: E402
 from tests.reference_demo import ReferenceDeMo  # noqa: E402
 
 GOAL_FRACTION = 0.06

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from demonet.model import BENCH_MODEL, GPT
 from demonet.optim import DeMo, Payload, aggregate
 from demonet.optim.payload import Compressed
+from demonet.train.model import BENCH_MODEL, GPT
 
 GOAL_RATIO = 1.05
 

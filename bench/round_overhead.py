@@ -34,7 +34,7 @@ GOAL_BYTES = 1.5
 
 def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = False) -> tuple[int, float, str]:
     """`demonet up [--dht]` with N peers; returns (exit code, wall seconds, the tail of its stderr)."""
-    cmd = [sys.executable, "-m", "demonet.cli", "up", "--peers", str(peers), "--steps", str(steps), "--out",
+    cmd = [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", str(steps), "--out",
            str(out), "--no-progress", *(["--dht"] if dht else [])]
     if config:
         cmd += ["--config", config]

@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from demonet import wire  # noqa: E402
-from demonet.model import BENCH_MODEL, GPT  # noqa: E402
 from demonet.optim import DeMo  # noqa: E402
 from demonet.optim.payload import ENCODINGS, Compressed, Payload, matrix_shape, quantize  # noqa: E402
+from demonet.train.model import BENCH_MODEL, GPT  # noqa: E402
 
 CHUNK = 64
 TOPK = 32

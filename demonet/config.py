@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .model import ModelConfig
-from .optim import BASES, CHUNK_POLICIES, ENCODINGS
+from demonet.optim import BASES, CHUNK_POLICIES, ENCODINGS
+from demonet.train.model import ModelConfig
 
-__all__ = ["Config", "NetConfig", "OptimConfig", "TrainConfig", "load_config"]
+__all__ = ["TOKEN_ENV", "Config", "NetConfig", "OptimConfig", "TrainConfig", "load_config", "load_token"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,3 +208,27 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
             kwargs[name] = _convert(section, name, raw, kind)
         built[section] = cls(**kwargs)
     return Config(**built)
+
+
+TOKEN_ENV = "DEMONET_TOKEN"
+"""The environment variable that holds the run token when no token file is given."""
+
+
+def load_token(token_file: str | None, env: Mapping[str, str]) -> str:
+    """The run token: the first line of `token_file`, else the DEMONET_TOKEN environment variable.
+
+    Raises:
+        ValueError: neither gives a non-empty token, or the file cannot be read.
+    """
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read the token file {token_file!r}: {e.strerror}") from None
+        if not token:
+            raise ValueError(f"the token file {token_file!r} is empty")
+        return token
+    token = env.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(f"no token: pass --token-file FILE or set {TOKEN_ENV}")
+    return token

@@ -23,15 +23,15 @@ from typing import Any, TextIO
 
 import torch
 
-from .config import Config, load_config
-from .data import Batches, load_corpus, split
-from .digest import param_digest
-from .errors import DemonetError, PeerUnavailable
-from .log import setup_logging
-from .model import GPT
-from .optim import DeMo, Payload
-from .transport import Resync, RoundResult
-from .transport.grpc import GrpcClient, JoinInfo, catch_up, catch_up_timeout_s, keep_alive, load_token
+from demonet.config import Config, load_config, load_token
+from demonet.errors import DemonetError, PeerUnavailable
+from demonet.log import setup_logging
+from demonet.optim import DeMo, Payload
+from demonet.train.data import Batches, load_corpus, split
+from demonet.train.model import GPT
+from demonet.transport import Resync, RoundResult
+from demonet.transport.grpc import GrpcClient, JoinInfo, catch_up, catch_up_timeout_s, keep_alive
+from demonet.wire.digest import param_digest
 
 __all__ = ["add_arguments", "main", "run", "run_peer", "settle"]
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from demonet import netlab
+from demonet.lab import netlab
 
 PORT, PROXY_PORT, TOKEN = 7450, 7000, "soak-token"
 CONFIG = """[model]
@@ -65,7 +65,8 @@ class Soak:
         for n in range(peers):
             name = f"p{n}"
             host = lab.add_host(name, mbit=rng.choice([5, 20, 50, 100]))
-            proxy = host.popen([sys.executable, "-m", "demonet.netlab", "proxy", "--listen", f"127.0.0.1:{PROXY_PORT}",
+            proxy = host.popen([sys.executable, "-m", "demonet.lab.netlab", "proxy",
+                                "--listen", f"127.0.0.1:{PROXY_PORT}",
                                 "--target", f"{self.coord.addr}:{PORT}", "--delay-ms", str(rng.choice([5, 20, 50]))],
                                stdout=subprocess.PIPE)
             assert proxy.stdout is not None and "listening" in proxy.stdout.readline().decode()
@@ -80,7 +81,7 @@ class Soak:
 
     def start(self, name: str) -> None:
         self.procs[name] = self.hosts[name].popen(
-            [sys.executable, "-m", "demonet.cli", "peer", "--coordinator", f"127.0.0.1:{PROXY_PORT}", "--peer-id",
+            [sys.executable, "-m", "demonet", "peer", "--coordinator", f"127.0.0.1:{PROXY_PORT}", "--peer-id",
              name, "--out", str(self.out / "metrics"), "--threads", "1", "--reconnect-timeout-s", "120"],
             stdout=self._log(name), stderr=subprocess.STDOUT, env=self.env)
 

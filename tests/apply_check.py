@@ -16,9 +16,9 @@ import random
 
 import torch
 
-from demonet.digest import param_digest
 from demonet.optim import BASES, Compressed, DeMo, Payload
 from demonet.optim.payload import num_chunks
+from demonet.wire.digest import param_digest
 
 SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
     "big": ((512, 256), torch.float32),  # large enough for vector kernels and several threads

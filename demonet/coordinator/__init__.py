@@ -18,9 +18,9 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..config import Config, load_config
-from ..log import setup_logging
-from ..transport.grpc import load_token
+from demonet.config import Config, load_config, load_token
+from demonet.log import setup_logging
+
 from .metrics import Metrics
 from .server import CoordinatorOptions, CoordinatorServicer, add_to_server
 

@@ -1,6 +1,6 @@
 """The coordinator: a grpc.aio servicer around the round state machine and the canonical state.
 
-Imports grpc and the layers below; the round logic is in demonet.rounds, the tensors in state.py.
+Imports grpc and the layers below; the round logic is in demonet.coordinator.rounds, the tensors in state.py.
 One asyncio loop; torch work runs in `asyncio.to_thread`. Servicer methods keep the .proto names.
 """
 
@@ -20,15 +20,16 @@ from typing import Any
 
 import grpc
 
-from .. import wire
-from .._proto import demonet_pb2 as pb
-from .._proto import demonet_pb2_grpc as pb_grpc
-from ..config import Config
-from ..errors import InvalidPayload
-from ..merge import decode_contribution
-from ..optim import Payload
-from ..rounds import RoundConfig, Rounds, SubmitRejected
+from demonet import wire
+from demonet._proto import demonet_pb2 as pb
+from demonet._proto import demonet_pb2_grpc as pb_grpc
+from demonet.config import Config
+from demonet.errors import InvalidPayload
+from demonet.optim import Payload
+from demonet.wire.merge import decode_contribution
+
 from .metrics import Metrics
+from .rounds import RoundConfig, Rounds, SubmitRejected
 from .state import CanonicalState, ClosedAggregate, data_seed
 
 __all__ = ["CoordinatorOptions", "CoordinatorServicer", "Malformed", "add_to_server"]

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from .. import wire_params
-from ..config import Config
-from ..digest import param_digest
-from ..merge import MergeRules, merge
-from ..model import GPT
-from ..optim import DeMo, Payload
+from demonet.config import Config
+from demonet.optim import DeMo, Payload
+from demonet.train.model import GPT
+from demonet.wire import params as wire_params
+from demonet.wire.digest import param_digest
+from demonet.wire.merge import MergeRules, merge
 
 __all__ = ["CanonicalState", "ClosedAggregate", "data_seed"]
 

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from tqdm import tqdm
 
-from ..config import Config, load_config
-from ..log import setup_logging
-from ..transport.grpc import load_token
+from demonet.config import Config, load_config, load_token
+from demonet.log import setup_logging
+
 from .node import NodeOptions, run_node
 from .replicate import hybrid_mesh, replicated_step
 from .shard import FlexTrainer, state_bytes

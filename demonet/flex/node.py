@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..config import load_config
-from ..digest import param_digest
-from ..errors import DemonetError, PeerUnavailable
-from ..optim import Payload
-from ..transport import Resync, RoundResult
-from ..transport.grpc import GrpcClient, catch_up, catch_up_timeout_s, keep_alive
+from demonet.config import load_config
+from demonet.errors import DemonetError, PeerUnavailable
+from demonet.optim import Payload
+from demonet.transport import Resync, RoundResult
+from demonet.transport.grpc import GrpcClient, catch_up, catch_up_timeout_s, keep_alive
+from demonet.wire.digest import param_digest
+
 from .shard import FlexTrainer, join_shards
 
 __all__ = ["NodeOptions", "run_node"]

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..optim import Compressed, Payload, aggregate
+from demonet.optim import Compressed, Payload, aggregate
+
 from .shard import FlexTrainer
 
 __all__ = ["gather_payloads", "hybrid_mesh", "replicated_step"]

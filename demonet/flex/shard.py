@@ -27,12 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from ..config import Config
-from ..data import Batches, load_corpus, split
-from ..digest import param_digest
-from ..model import GPT
-from ..optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
-from ..optim.payload import num_chunks
+from demonet.config import Config
+from demonet.optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
+from demonet.optim.payload import num_chunks
+from demonet.train.data import Batches, load_corpus, split
+from demonet.train.model import GPT
+from demonet.wire.digest import param_digest
 
 __all__ = ["FlexTrainer", "chunk_plan", "join_shards", "local_rows", "state_bytes"]
 
@@ -123,7 +123,7 @@ class FlexTrainer:
     Args:
         cfg: the run (model, optimizer, batch size).
         mesh: the node's ranks, a 1-D mesh: parameters and momentum are sharded over it.
-        data_seed, data_rank, data_world: this rank's data stream (`demonet.data.Batches`).
+        data_seed, data_rank, data_world: this rank's data stream (`demonet.train.data.Batches`).
         device: where the shard lives.
     """
 
@@ -181,7 +181,7 @@ class FlexTrainer:
         return out
 
     def digest(self) -> str:
-        """`demonet.digest.param_digest` of the whole parameters, on local rank 0 ("" elsewhere).
+        """`demonet.wire.digest.param_digest` of the whole parameters, on local rank 0 ("" elsewhere).
 
         The shards are gathered to rank 0 one parameter at a time, so only one whole tensor is
         ever held there (every rank calls this).

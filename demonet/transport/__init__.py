@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..errors import DemonetError
-from ..optim import Payload
+from demonet.errors import DemonetError
+from demonet.optim import Payload
 
 __all__ = ["Gatherer", "NotMember", "Rejected", "Resync", "RoundResult", "StaleRound"]
 

@@ -13,27 +13,27 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 import torch
 
-from .. import wire, wire_params
-from .._proto import demonet_pb2 as pb
-from .._proto import demonet_pb2_grpc
-from ..errors import DemonetError, InvalidPayload, PeerUnavailable
-from ..optim import Payload
+from demonet import wire
+from demonet._proto import demonet_pb2 as pb
+from demonet._proto import demonet_pb2_grpc
+from demonet.errors import DemonetError, InvalidPayload, PeerUnavailable
+from demonet.optim import Payload
+from demonet.wire import params as wire_params
+
 from . import NotMember, Rejected, Resync, RoundResult, StaleRound
 
-__all__ = ["CoordinatorStatus", "GrpcClient", "JoinInfo", "catch_up", "catch_up_timeout_s", "keep_alive", "load_token"]
+__all__ = ["CoordinatorStatus", "GrpcClient", "JoinInfo", "catch_up", "catch_up_timeout_s", "keep_alive"]
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-TOKEN_ENV = "DEMONET_TOKEN"
 _RETRY_CODES = (
     grpc.StatusCode.UNAVAILABLE,  # not listening (yet, or restarting), connection lost
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -47,26 +47,6 @@ _BACKOFF_FIRST_S = 0.2
 _BACKOFF_CAP_S = 5.0
 _RECONNECT_BACKOFF_MAX_MS = 1000
 _MAX_MESSAGE_BYTES = 64 << 20  # parts are 2 MiB; room for a coordinator that cuts larger ones
-
-
-def load_token(token_file: str | None, env: Mapping[str, str]) -> str:
-    """The run token: the first line of `token_file`, else the DEMONET_TOKEN environment variable.
-
-    Raises:
-        ValueError: neither gives a non-empty token, or the file cannot be read.
-    """
-    if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as e:
-            raise ValueError(f"cannot read the token file {token_file!r}: {e.strerror}") from None
-        if not token:
-            raise ValueError(f"the token file {token_file!r} is empty")
-        return token
-    token = env.get(TOKEN_ENV, "").strip()
-    if not token:
-        raise ValueError(f"no token: pass --token-file FILE or set {TOKEN_ENV}")
-    return token
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import IO, Any
 
 import pytest
 
-from demonet import netlab
+from demonet.lab import netlab
 from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round
 from tests.procs import Reaper
 
@@ -124,7 +124,7 @@ class CoordinatorCluster:
             return self.peers[name].host
         assert self.coord is not None
         host = self.lab.add_host(f"{self.prefix}{name}", mbit=mbit)
-        proxy = host.popen([sys.executable, "-m", "demonet.netlab", "proxy", "--listen", f"127.0.0.1:{PROXY_PORT}",
+        proxy = host.popen([sys.executable, "-m", "demonet.lab.netlab", "proxy", "--listen", f"127.0.0.1:{PROXY_PORT}",
                             "--target", f"{self.coord.addr}:{PORT}", "--delay-ms", str(self.delay_ms)],
                            stdout=subprocess.PIPE, stderr=self._logfile(f"proxy-{name}"), stdin=subprocess.DEVNULL)
         assert proxy.stdout is not None and "listening" in proxy.stdout.readline().decode()
@@ -147,7 +147,7 @@ class CoordinatorCluster:
         elif gated:
             cmd = [sys.executable, "-c", GATE, *argv]
         else:
-            cmd = [sys.executable, "-m", "demonet.cli", *argv]
+            cmd = [sys.executable, "-m", "demonet", *argv]
         proc = host.popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                           stdout=self._logfile(log), stderr=subprocess.STDOUT, env=self.env)
         proc.log_name = log  # type: ignore[attr-defined]

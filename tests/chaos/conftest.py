@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from demonet import netlab
+from demonet.lab import netlab
 from tests.chaos.cluster import CoordinatorCluster
 from tests.procs import Reaper
 

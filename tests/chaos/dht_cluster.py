@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from demonet import netlab
+from demonet.lab import netlab
 from tests.chaos.cluster import TOKEN, WAIT_S, CoordinatorCluster, PeerHandle
 from tests.integration.common import DHT_GATE, rows_by_round
 
@@ -74,7 +74,7 @@ class DhtCluster(CoordinatorCluster):
         elif gated:
             cmd = [sys.executable, "-c", DHT_GATE, *argv]
         else:
-            cmd = [sys.executable, "-m", "demonet.cli", *argv]
+            cmd = [sys.executable, "-m", "demonet", *argv]
         proc = host.popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                           stdout=self._logfile(log), stderr=subprocess.STDOUT, env={**self.env, "DEMONET_TOKEN": TOKEN})
         proc.log_name = log  # type: ignore[attr-defined]

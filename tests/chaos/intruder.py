@@ -34,8 +34,8 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.config import load_config
 from demonet.errors import InvalidPayload
-from demonet.model import GPT
 from demonet.optim import DeMo
+from demonet.train.model import GPT
 
 POISONER = """
 import sys
@@ -44,7 +44,7 @@ from demonet.optim import Compressed, Payload
 
 MODE = sys.argv.pop(1)
 if "--dht" in sys.argv:
-    from demonet.transport.dht import DhtGatherer as Gatherer
+    from demonet.dht.gatherer import DhtGatherer as Gatherer
 else:
     from demonet.transport.grpc import GrpcClient as Gatherer
 _gather = Gatherer.gather

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from demonet import netlab
+from demonet.lab import netlab
 from tests.chaos.cluster import loss_fell, report, run_config
 from tests.chaos.dht_cluster import DhtCluster, digest_after
 from tests.procs import Reaper

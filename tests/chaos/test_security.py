@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from demonet import netlab
+from demonet.lab import netlab
 from tests.chaos.cluster import PORT, TOKEN, CoordinatorCluster, loss_fell, report, run_config
 from tests.chaos.dht_cluster import DhtCluster
 from tests.chaos.intruder import POISONER
@@ -41,7 +41,7 @@ def test_bad_input_at_every_rpc_is_refused_and_harms_nothing(cluster: Coordinato
         if token:
             env["DEMONET_TOKEN"] = token
         thieves.append(cluster.host(f"thief{n}", 100).popen(
-            [sys.executable, "-m", "demonet.cli", "peer", "--coordinator", "127.0.0.1:7000", "--peer-id", "thief",
+            [sys.executable, "-m", "demonet", "peer", "--coordinator", "127.0.0.1:7000", "--peer-id", "thief",
              "--out", str(cluster.out)], stdout=cluster._logfile(f"thief{n}"), stderr=subprocess.STDOUT, env=env))
     assert cluster.wait_exit(thieves, timeout_s=120) == [2, 2], cluster.log("thief0") + cluster.log("thief1")
     assert "refused the token" in cluster.log("thief0") and "no token" in cluster.log("thief1")
@@ -136,7 +136,7 @@ def _dht_poisoned_run(dht: DhtCluster, mode: str, clip: bool, rounds: int) -> di
 def test_dht_poisoned_updates_are_bounded_by_the_slice_owners_clipping(lab: netlab.Lab, tmp_path: Path,
                                                                       reap_children: Reaper) -> None:
     """The coordinator-mode scenario above in DHT mode: every slice owner merges with the coordinator's
-    rules (`demonet.merge`), so the poisoner's part of each slice is scaled to that slice's median norm."""
+    rules (`demonet.wire.merge`), so the poisoner's part of each slice is scaled to that slice's median norm."""
     pytest.importorskip("hivemind")
     rounds, mode = 30, "random"
     figures = {}

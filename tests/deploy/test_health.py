@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from demonet import cli, health
+from demonet import cli
 from demonet.config import load_config
-from demonet.coordinator import CoordinatorOptions, serve
+from demonet.coordinator import CoordinatorOptions, health, serve
 from tests.integration.common import tiny_config
 from tests.procs import free_port
 
@@ -79,8 +79,8 @@ def test_standalone_command_is_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     dead = f"127.0.0.1:{free_port()}"
-    down = subprocess.run([sys.executable, "-m", "demonet.health", "--coordinator", dead, "--timeout-s", "1"],
-                          capture_output=True, text=True, timeout=60)
+    down = subprocess.run([sys.executable, "-m", "demonet.health", "--coordinator", dead,
+                           "--timeout-s", "1"], capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and dead in down.stderr
 
 

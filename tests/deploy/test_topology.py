@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from demonet import netlab
+from demonet.lab import netlab
 from tests.deploy.common import DEPLOY, SECRETS_DIR, healthcheck_argv, load_compose, load_dockerfile, parse_command
 from tests.integration.common import tiny_config
 

@@ -37,7 +37,7 @@ print("gate: ready", file=sys.stderr, flush=True)
 sys.stdin.readline()
 raise SystemExit(main(sys.argv[1:]))
 """
-DHT_GATE = GATE.replace("_warm_up()\n", "import demonet.transport.dht\n_warm_up()\n")
+DHT_GATE = GATE.replace("_warm_up()\n", "import demonet.dht.gatherer\n_warm_up()\n")
 """The same gate, with the DHT transport (and hivemind) imported before the peer is let in."""
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from demonet import netlab
-from demonet.evidence import SYSTEMS
+from demonet.lab import netlab
+from demonet.lab.evidence import SYSTEMS
 
 ok, why = netlab.available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
 def test_every_system_runs_and_the_report_is_written(tmp_path: Path) -> None:
     out, plots = tmp_path / "bench", tmp_path / "docs"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    done = subprocess.run([sys.executable, "-m", "demonet.cli", "bench", "--out", str(out), "--plots", str(plots),
+    done = subprocess.run([sys.executable, "-m", "demonet", "bench", "--out", str(out), "--plots", str(plots),
                            "--mbit", "100", "--steps", "2", "--max-time-s", "150", "--no-progress"],
                           capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -41,7 +41,7 @@ def test_every_system_runs_and_the_report_is_written(tmp_path: Path) -> None:
 
 
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
-    bad = subprocess.run([sys.executable, "-m", "demonet.cli", "bench", "--out", str(tmp_path / "b"),
+    bad = subprocess.run([sys.executable, "-m", "demonet", "bench", "--out", str(tmp_path / "b"),
                           "--systems", "adamw-ddp,nosuch"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "nosuch" in bad.stderr
     assert not (tmp_path / "b").exists()

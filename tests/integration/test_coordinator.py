@@ -18,15 +18,16 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from demonet import wire, wire_params
+from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pbg
 from demonet.config import Config
-from demonet.data import Batches, load_corpus
-from demonet.digest import param_digest
-from demonet.model import GPT
 from demonet.optim import DeMo
+from demonet.train.data import Batches, load_corpus
+from demonet.train.model import GPT
 from demonet.transport.grpc import GrpcClient
+from demonet.wire import params as wire_params
+from demonet.wire.digest import param_digest
 from tests.integration.common import tiny_config
 from tests.procs import Reaper, free_port
 

@@ -40,7 +40,7 @@ GATE = """
 import sys
 from demonet.cli import main
 from demonet.peer import _warm_up
-import demonet.transport.dht
+import demonet.dht.gatherer
 _warm_up()
 print("gate: ready", flush=True)
 sys.stdin.readline()
@@ -75,7 +75,7 @@ class _Peers:
         if self.maddr:
             argv += ["--initial-peers", self.maddr]
         log = self.reaper.open(self.tmp / f"{name}.log", "ab")
-        cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet.cli", *argv]
+        cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet", *argv]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env={**os.environ, "DEMONET_TOKEN": token},
                                 start_new_session=True)
@@ -131,7 +131,7 @@ def test_up_dht_run_folder(tmp_path: Path) -> None:
     """`demonet up --dht`: three peers, every round with three contributors and one digest."""
     (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=5.0))
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "demonet.cli", "up", "--dht", "--peers", "3", "--steps", "4",
+    proc = subprocess.run([sys.executable, "-m", "demonet", "up", "--dht", "--peers", "3", "--steps", "4",
                            "--out", str(out), "--config", str(tmp_path / "run.toml"), "--no-progress"],
                           capture_output=True, timeout=240, start_new_session=True)
     logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((out / "logs").glob("*.log")))
@@ -184,7 +184,7 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path, reap_children: Reaper)
 
 async def test_wrong_token_records_and_messages_refused() -> None:
     """Two nodes with the run token and one without, in this process over loopback."""
-    from demonet.transport.dht import DhtGatherer, DhtOptions
+    from demonet.dht.gatherer import DhtGatherer, DhtOptions
 
     def opts(token: str, initial: tuple[str, ...] = ()) -> DhtOptions:
         return DhtOptions(run="auth", token=token, initial_peers=initial, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
@@ -232,7 +232,7 @@ def test_a_stopped_peer_leaves_no_dht_process_behind(tmp_path: Path, sig: int, r
     log = reap_children.open(tmp_path / "peer.log", "w")
     # Not in a session of its own: nothing but the peer itself is signalled (also by the reaper).
     proc = reap_children.add(subprocess.Popen(
-        [sys.executable, "-m", "demonet.cli", "peer", "--dht", "--run", "alone",
+        [sys.executable, "-m", "demonet", "peer", "--dht", "--run", "alone",
          "--config", str(tmp_path / "tiny.toml"), "--host-maddr", "/ip4/127.0.0.1/tcp/0",
          "--start-peers", "2", "--steps", "5", "--out", str(tmp_path / "out")],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, "DEMONET_TOKEN": TOKEN}))

@@ -78,7 +78,7 @@ class _Run:
         argv = ["peer", "--coordinator", self.address, "--peer-id", peer_id, "--out", str(self.out),
                 "--threads", "1", "--reconnect-timeout-s", "60", *extra]
         name = peer_id if not (self.tmp / f"{peer_id}.log").exists() else f"{peer_id}-{len(self.procs)}"
-        cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet.cli", *argv]
+        cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet", *argv]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                                 stdout=self._log(name), stderr=subprocess.STDOUT, env=self.env)
         self.names[proc.pid] = name

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from demonet.config import Config, load_config
-from demonet.digest import param_digest
+from demonet.wire.digest import param_digest
 from tests.procs import Reaper, free_port
 
 pytestmark = pytest.mark.slow
@@ -40,9 +40,9 @@ def _cfg() -> Config:
 
 def _reference(cfg: Config, chunks: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
     """Unsharded DeMo: one whole model per node, its gradient the mean over the node's ranks' batches."""
-    from demonet.data import Batches, load_corpus, split
-    from demonet.model import GPT
     from demonet.optim import DeMo, aggregate
+    from demonet.train.data import Batches, load_corpus, split
+    from demonet.train.model import GPT
 
     o = cfg.optim
     train_data, _ = split(load_corpus(None))
@@ -101,7 +101,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         result: dict[str, Any] = {"digest": param_digest(full.items()), "loaded_at": loaded_at,
                                   "resumed": param_digest(resumed.full_params().items())}
         if rank == 0:
-            from demonet.model import GPT
+            from demonet.train.model import GPT
 
             ref = _reference(cfg, first.chunks)
             torch.manual_seed(cfg.train.seed)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from demonet.digest import param_digest
+from demonet.wire.digest import param_digest
 from tests.procs import Reaper, free_port
 
 pytestmark = pytest.mark.slow

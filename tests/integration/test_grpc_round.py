@@ -45,7 +45,7 @@ class _Coordinator:
         (tmp / "tiny.toml").write_text(tiny_config(round_timeout_s=timeout_s, **net))
         self.reaper = reaper
         self.proc = reaper.add(subprocess.Popen(
-            [sys.executable, "-m", "demonet.cli", "coordinator", "--listen", "127.0.0.1:0", "--steps", str(steps),
+            [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--steps", str(steps),
              "--config", str(tmp / "tiny.toml"), "--state-dir", str(tmp / "state")],
             stdout=subprocess.PIPE, stderr=reaper.open(tmp / "coordinator.log", "w"), text=True,
             env={**os.environ, "DEMONET_TOKEN": TOKEN}))
@@ -143,7 +143,7 @@ def test_demonet_up_writes_the_run_folder(tmp_path: Path) -> None:
     (tmp_path / "tiny.toml").write_text(tiny_config(round_timeout_s=5.0))
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "demonet.cli", "up", "--peers", "2", "--steps", "3", "--out", str(out),
+        [sys.executable, "-m", "demonet", "up", "--peers", "2", "--steps", "3", "--out", str(out),
          "--config", str(tmp_path / "tiny.toml"), "--no-progress"],
         capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S, env={**os.environ, "DEMONET_TOKEN": ""})
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -79,7 +79,7 @@ class _Run:
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         log = open(self.tmp / f"{name}.log", "wb")
         self.files.append(log)
-        proc = subprocess.Popen([sys.executable, "-m", "demonet.cli", *argv], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, "-m", "demonet", *argv], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE if name == "coordinator" else log, stderr=log,
                                 env={**self.base_env, **env}, start_new_session=True)
         self.procs[name] = proc

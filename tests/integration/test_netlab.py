@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from demonet import netlab
+from demonet.lab import netlab
 
 ok, why = netlab.available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
@@ -91,7 +91,7 @@ def test_delay_proxy_adds_latency_each_way() -> None:
         host = lab.add_host("a")
         server = host.popen([sys.executable, "-c", echo], stdout=subprocess.PIPE, text=True)
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        proxy = host.popen([sys.executable, "-m", "demonet.netlab", "proxy", "--listen", "127.0.0.1:9101",
+        proxy = host.popen([sys.executable, "-m", "demonet.lab.netlab", "proxy", "--listen", "127.0.0.1:9101",
                             "--target", "127.0.0.1:9100", "--delay-ms", "50"], stdout=subprocess.PIPE, text=True)
         assert proxy.stdout is not None and "listening" in proxy.stdout.readline()
         t0 = time.monotonic()
@@ -113,6 +113,6 @@ def test_sweep_removes_only_dead_labs() -> None:
 
 
 def test_cli_rejects_bad_proxy_arguments() -> None:
-    bad = subprocess.run([sys.executable, "-m", "demonet.netlab", "proxy", "--listen", "nowhere",
+    bad = subprocess.run([sys.executable, "-m", "demonet.lab.netlab", "proxy", "--listen", "nowhere",
                           "--target", "127.0.0.1:1", "--delay-ms", "5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "HOST:PORT" in bad.stderr

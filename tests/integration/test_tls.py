@@ -46,7 +46,7 @@ def test_a_run_over_tls(tmp_path: Path, reap_children: Reaper) -> None:
         with pytest.raises(grpc.RpcError):
             pbg.CoordinatorStub(channel).Status(pb.StatusRequest(), timeout=5)  # type: ignore[no-untyped-call]
     peer = subprocess.run(
-        [sys.executable, "-m", "demonet.cli", "peer", "--coordinator", f"localhost:{port}", "--peer-id", "p",
+        [sys.executable, "-m", "demonet", "peer", "--coordinator", f"localhost:{port}", "--peer-id", "p",
          "--out", str(tmp_path / "peer"), "--threads", "1", "--tls-root-cert", str(cert)],
         capture_output=True, text=True, env=env, timeout=120)
     assert peer.returncode == 0, peer.stderr[-2000:]

@@ -49,7 +49,7 @@ def test_train_command_rejects_bad_flags(capsys: pytest.CaptureFixture[str], tmp
 def test_train_command_runs_a_local_cluster(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "demonet.cli", "train", "--peers", "2", "--steps", "6", "--out", str(out),
+        [sys.executable, "-m", "demonet", "train", "--peers", "2", "--steps", "6", "--out", str(out),
          "--no-progress", "--threads", "1"],
         capture_output=True, text=True, timeout=300, env={"DEMONET_TRAIN_EVAL_EVERY": "3", "PATH": ""},
     )

@@ -1,4 +1,4 @@
-"""Unit tests for demonet.data: the built-in corpus, the split, and seeded batch streams."""
+"""Unit tests for demonet.train.data: the built-in corpus, the split, and seeded batch streams."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from demonet.data import Batches, default_corpus, load_corpus, split
+from demonet.train.data import Batches, default_corpus, load_corpus, split
 
 DATA = torch.arange(1000, dtype=torch.int64) % 251  # distinct neighbours, so y == x shifted is checkable
 

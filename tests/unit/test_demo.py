@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from demonet.digest import param_digest
 from demonet.optim import DeMo, Payload, aggregate, dct_matrix
+from demonet.wire.digest import param_digest
 from tests.reference_demo import ReferenceDeMo
 
 

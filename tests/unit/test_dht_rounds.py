@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from demonet import wire
-from demonet.dht_rounds import (
+from demonet.dht.rules import (
     Announcement,
     SlicePlan,
     freeze,
@@ -22,8 +22,8 @@ from demonet.dht_rounds import (
     sign,
     verify,
 )
-from demonet.model import GPT, ModelConfig
 from demonet.optim import DeMo, Payload, aggregate
+from demonet.train.model import GPT, ModelConfig
 
 
 def _ann(peer: str, t: float, digest: str = "d") -> Announcement:
@@ -152,7 +152,7 @@ def test_param_ranges_are_contiguous_balanced_and_never_empty() -> None:
 
 
 def test_importing_demonet_needs_no_hivemind() -> None:
-    code = ("import sys, demonet.cli, demonet.peer_dht, demonet.dht_rounds; "
+    code = ("import sys, demonet.cli, demonet.dht.peer, demonet.dht.rules; "
             "print('hivemind' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from demonet import wire
-from demonet.data import Batches, load_corpus
-from demonet.model import GPT, ModelConfig
 from demonet.optim import Compressed, DeMo, Payload, aggregate
 from demonet.optim.payload import num_chunks
+from demonet.train.data import Batches, load_corpus
+from demonet.train.model import GPT, ModelConfig
 from tests.apply_check import apply_digests
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "demo_losses.json"

@@ -11,7 +11,7 @@ ALLOWED = {"torch", "math", "dataclasses", "typing", "collections", "__future__"
 
 
 def test_optim_imports_no_network_code() -> None:
-    code = ("import sys, demonet.optim, demonet.digest, demonet.model, demonet.data; "
+    code = ("import sys, demonet.optim, demonet.train.model, demonet.train.data; "
             "print(','.join(m for m in ('grpc', 'hivemind', 'google.protobuf', 'demonet.wire') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "", f"demonet.optim pulled in {out.stdout.strip()}"
@@ -33,8 +33,8 @@ def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
 
 def test_the_merge_is_wire_layer_code() -> None:
     """The one merge (coordinator and DHT slice owners alike) knows the math and the wire, no transport or service."""
-    code = ("import sys, demonet.merge; "
+    code = ("import sys, demonet.wire.merge; "
             "print(','.join(m for m in ('grpc', 'hivemind', 'demonet.transport', 'demonet.coordinator', "
-            "'demonet.peer', 'demonet.rounds') if m in sys.modules))")
+            "'demonet.peer', 'demonet.coordinator.rounds') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "", f"demonet.merge pulled in {out.stdout.strip()}"
+    assert out.stdout.strip() == "", f"demonet.wire.merge pulled in {out.stdout.strip()}"

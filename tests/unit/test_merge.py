@@ -6,8 +6,8 @@ import torch
 from demonet import wire
 from demonet.config import load_config
 from demonet.errors import InvalidPayload
-from demonet.merge import MergeRules, decode_contribution, merge
 from demonet.optim import Compressed, Payload
+from demonet.wire.merge import MergeRules, decode_contribution, merge
 
 SPECS = {"w": ((8, 8), (4, 4)), "b": ((8,), (1, 8))}
 

@@ -1,4 +1,4 @@
-"""Unit tests for demonet.model: shapes, initial loss, determinism, config validation."""
+"""Unit tests for demonet.train.model: shapes, initial loss, determinism, config validation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from demonet.model import BENCH_MODEL, GPT, TINY_MODEL, ModelConfig
+from demonet.train.model import BENCH_MODEL, GPT, TINY_MODEL, ModelConfig
 
 SMALL = ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4)
 

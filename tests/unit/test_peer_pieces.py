@@ -15,14 +15,16 @@ import grpc.aio
 import pytest
 import torch
 
-from demonet import cli, runfolder, wire
+from demonet import cli, wire
 from demonet._proto import demonet_pb2 as pb
+from demonet.cli import runfolder
+from demonet.config import load_token
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Compressed, DeMo, Payload, aggregate
 from demonet.peer import settle
 from demonet.transport import NotMember, Resync, RoundResult, StaleRound
 from demonet.transport import grpc as transport_grpc
-from demonet.transport.grpc import GrpcClient, JoinInfo, load_token
+from demonet.transport.grpc import GrpcClient, JoinInfo
 
 # -- run folder ------------------------------------------------------------------------------------------
 
@@ -347,8 +349,8 @@ def _info(round: int) -> JoinInfo:
 
 def _peer(outcomes: list[Any], tmp_path: Path) -> tuple[Any, _FakeClient]:
     from demonet.config import load_config
-    from demonet.model import GPT
     from demonet.peer import _Peer
+    from demonet.train.model import GPT
 
     cfg = load_config(None, {}, _info(0).run_config)
     params = {name: p.detach().clone() for name, p in GPT(cfg.model).named_parameters()}
@@ -375,7 +377,7 @@ async def test_peer_catches_up_after_each_kind_of_refusal(tmp_path: Path) -> Non
 async def test_peer_resyncs_when_its_digest_differs_after_applying(tmp_path: Path) -> None:
     import io
 
-    from demonet.digest import param_digest
+    from demonet.wire.digest import param_digest
 
     peer, client = _peer([], tmp_path)
     await peer.load_parameters(3)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from demonet.rounds import RoundConfig, Rounds, SubmitRejected
+from demonet.coordinator.rounds import RoundConfig, Rounds, SubmitRejected
 
 CFG = RoundConfig(round_timeout_s=10.0, min_peers=2, heartbeat_timeout_s=5.0)
 

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from demonet import _codec, wire
+from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 from demonet.optim.payload import ENCODINGS, Compressed, Payload
+from demonet.wire import _codec
 from tests.unit.test_wire import expected_of, make_compressed, num_chunks, parse, seal, small_payload
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from demonet._proto import demonet_pb2 as pb
-from demonet.digest import param_digest
 from demonet.errors import InvalidPayload
-from demonet.wire_params import decode_parameters, encode_parameters
+from demonet.wire.digest import param_digest
+from demonet.wire.params import decode_parameters, encode_parameters
 
 NAMED = [("w", torch.randn(4, 3)), ("b", torch.randn(3).to(torch.bfloat16)), ("s", torch.tensor(2.5))]
 EXPECTED = {n: (tuple(t.shape), t.dtype) for n, t in NAMED}

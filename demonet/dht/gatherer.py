@@ -1,7 +1,7 @@
 """The DHT-mode `Gatherer`: peers meet on a hivemind DHT and exchange payloads over its libp2p streams.
 
 Net layer: imports hivemind (the optional extra ``dht``; nothing imports this module unless DHT mode
-is asked for), the wire layer and demonet.dht_rounds (the pure rules). No coordinator: every round,
+is asked for), the wire layer and demonet.dht.rules (the pure rules). No coordinator: every round,
 members announce under a DHT key per round, freeze the same membership, reduce-scatter their payload
 slices to the slices' owners and all-gather the merged slices. Every record and message carries an
 HMAC of the run token.
@@ -25,15 +25,18 @@ import hivemind
 import torch
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
-from .. import dht_rounds, wire, wire_params
-from .._proto import demonet_pb2 as pb
-from ..digest import param_digest
-from ..errors import InvalidPayload, PeerUnavailable
-from ..merge import decode_contribution, merge
-from ..optim import Payload
-from . import NotMember, Resync, RoundResult
-from .dht_streams import HANDLER, DhtOptions, HmacValidator, _Round, _Streams
-from .dht_streams import now as _now
+from demonet import wire
+from demonet._proto import demonet_pb2 as pb
+from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.optim import Payload
+from demonet.transport import NotMember, Resync, RoundResult
+from demonet.wire import params as wire_params
+from demonet.wire.digest import param_digest
+from demonet.wire.merge import decode_contribution, merge
+
+from . import rules
+from .streams import HANDLER, DhtOptions, HmacValidator, _Round, _Streams
+from .streams import now as _now
 
 __all__ = ["DhtGatherer", "DhtOptions", "HmacValidator"]
 
@@ -95,7 +98,7 @@ class DhtGatherer(_Streams):
       other members, and dropped by everyone if none holds it.
     """
 
-    def __init__(self, opts: DhtOptions, peer_id: str, specs: dht_rounds.Specs) -> None:
+    def __init__(self, opts: DhtOptions, peer_id: str, specs: rules.Specs) -> None:
         self.opts, self.peer_id, self.specs = opts, peer_id, dict(specs)
         self._token = opts.token.encode()
         self.dht: Any = None
@@ -110,7 +113,7 @@ class DhtGatherer(_Streams):
         """Messages refused (bad MAC, another run, replayed)."""
 
     @classmethod
-    async def create(cls, opts: DhtOptions, peer_id: str, specs: dht_rounds.Specs) -> DhtGatherer:
+    async def create(cls, opts: DhtOptions, peer_id: str, specs: rules.Specs) -> DhtGatherer:
         """Start this peer's DHT node (a p2pd daemon) and register the stream handler.
 
         The initial peers may not be up yet (they start at the same time, or restart): the node is
@@ -276,7 +279,7 @@ class DhtGatherer(_Streams):
         digests = {p: v["digest"] for p, v in states.items() if isinstance(v.get("digest"), str)}
         if not digests:
             raise PeerUnavailable(f"no peer serves the parameters of round {round}")
-        good = dht_rounds.majority_digest(digests)
+        good = rules.majority_digest(digests)
         donors = sorted(p for p in digests if digests[p] == good and p != self.peer_id
                         and not states[p].get("client") and isinstance(states[p].get("address"), str))
         if not donors:
@@ -286,7 +289,7 @@ class DhtGatherer(_Streams):
             self.expected[round] = set(lists[0])
         sizes = [(name, max(1, int(torch.Size(shape).numel()) * dtype.itemsize)) for name, (shape, dtype)
                  in expected.items()]
-        ranges = dht_rounds.param_ranges(sizes, min(len(donors), _MAX_DONORS))
+        ranges = rules.param_ranges(sizes, min(len(donors), _MAX_DONORS))
         results = await asyncio.gather(*(self._load_range(round, i, len(ranges), names, expected, donors, states)
                                           for i, names in enumerate(ranges)))
         tensors: dict[str, torch.Tensor] = {}
@@ -338,7 +341,7 @@ class DhtGatherer(_Streams):
         if self.peer_id not in frozen.members:
             raise NotMember(f"round {r} froze without this peer (announced too late)")
         digests = {p: announced[p].digest for p in frozen.members}
-        good = dht_rounds.majority_digest(digests)
+        good = rules.majority_digest(digests)
         members = [p for p in frozen.members if digests[p] == good]
         # Joiners admitted for the next round: registered before this freeze, minus the store latency
         # (every member reads the same records then). Read while the payloads are exchanged.
@@ -352,9 +355,9 @@ class DhtGatherer(_Streams):
             raise NotMember(f"round {r}: no member can be dialed (all are in client mode)")
         st = self._round(r, mine=True)
         async with self._cond:
-            st.plan = dht_rounds.SlicePlan(self.specs, len(owners))
+            st.plan = rules.SlicePlan(self.specs, len(owners))
             st.owners, st.members = owners[:st.plan.n], members
-            st.mdigest = dht_rounds.members_digest(members)
+            st.mdigest = rules.members_digest(members)
             st.rs_deadline = max(frozen.deadline, _now()) + self.opts.exchange_timeout_s
             st.ag_deadline = st.rs_deadline + self.opts.exchange_timeout_s
             self._cond.notify_all()
@@ -388,8 +391,8 @@ class DhtGatherer(_Streams):
         return {p for p, v in joins.items() if isinstance(v.get("t"), float | int)
                 and v["t"] < freeze_deadline - self.opts.settle_s}
 
-    async def _freeze(self, r: int) -> tuple[dht_rounds.Frozen, dict[str, dht_rounds.Announcement]]:
-        """Read the round's announcements until the freeze is final (see `dht_rounds.freeze`)."""
+    async def _freeze(self, r: int) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
+        """Read the round's announcements until the freeze is final (see `rules.freeze`)."""
         expected = self.expected.get(r)
         # The first round waits for its start_peers to come up; later ones freeze within window_s.
         limit = time.monotonic() + (_START_TIMEOUT_S if expected is None else self.opts.window_s * 3 + 10)
@@ -398,9 +401,9 @@ class DhtGatherer(_Streams):
             announced = {}
             for p, v in (await self._get(self._key("members", r))).items():
                 with contextlib.suppress(KeyError, TypeError, ValueError):
-                    announced[p] = dht_rounds.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
+                    announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
                                                            bool(v["client"]))
-            frozen = dht_rounds.freeze(announced, expected=expected, start_peers=self.opts.start_peers,
+            frozen = rules.freeze(announced, expected=expected, start_peers=self.opts.start_peers,
                                        window_s=self.opts.window_s)
             if frozen is not None and (frozen.settled or read_at >= frozen.deadline + self.opts.settle_s):
                 if not frozen.complete:

@@ -1,7 +1,7 @@
 """A peer in DHT mode: no coordinator. Peers meet on a hivemind DHT and build each round's aggregate together.
 
 Service layer: the same round loop, checkpoints and metrics as a coordinator-mode peer (`demonet.peer`),
-with `demonet.transport.dht.DhtGatherer` as its transport. hivemind is imported only when a DHT peer
+with `demonet.dht.gatherer.DhtGatherer` as its transport. hivemind is imported only when a DHT peer
 runs (the optional extra ``dht``), never by importing this module.
 """
 
@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import Config, load_config
-from .coordinator.state import data_seed
-from .digest import param_digest
-from .errors import DemonetError, PeerUnavailable
-from .merge import MergeRules
-from .peer import _Peer, _rounds, _warm_up
-from .transport.grpc import JoinInfo, load_token
+from demonet.config import Config, load_config, load_token
+from demonet.coordinator.state import data_seed
+from demonet.errors import DemonetError, PeerUnavailable
+from demonet.peer import _Peer, _rounds, _warm_up
+from demonet.transport.grpc import JoinInfo
+from demonet.wire.digest import param_digest
+from demonet.wire.merge import MergeRules
 
 if TYPE_CHECKING:
-    from .transport.dht import DhtGatherer, DhtOptions
+    from .gatherer import DhtGatherer, DhtOptions
 
 __all__ = ["add_arguments", "run", "run_dht_peer"]
 
@@ -127,7 +127,7 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
     Returns:
         0 after the last round or a graceful stop; 1 if the run could not be reached or joined.
     """
-    from .transport.dht import DhtGatherer
+    from .gatherer import DhtGatherer
 
     if threads:
         torch.set_num_threads(threads)
@@ -212,7 +212,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `demonet peer --dht` with parsed flags; returns the exit code."""
     try:
-        from .transport.dht import DhtOptions
+        from .gatherer import DhtOptions
     except ImportError as e:
         print(f"demonet peer: DHT mode needs hivemind (pip install 'demonet[dht]'): {e}", file=sys.stderr)
         return 2

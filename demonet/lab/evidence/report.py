@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from ..data import Batches, load_corpus, split
-from ..model import GPT, ModelConfig
+from demonet.train.data import Batches, load_corpus, split
+from demonet.train.model import GPT, ModelConfig
+
 from . import SYSTEMS, BenchSetup, Run
 
 __all__ = ["curve", "eval_loss", "summarize", "table", "plot"]

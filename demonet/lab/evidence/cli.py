@@ -14,7 +14,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import netlab
+from demonet.lab import netlab
+
 from . import SYSTEMS, BenchSetup, load_runs, run_bench
 
 __all__ = ["add_arguments", "main", "run"]

@@ -22,11 +22,12 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
+from demonet._proto import demonet_pb2 as pb
+from demonet.errors import InvalidPayload
+from demonet.optim.payload import ENCODINGS, Compressed, Payload
+from demonet.optim.payload import num_chunks as chunk_count
+
 from . import _codec
-from ._proto import demonet_pb2 as pb
-from .errors import InvalidPayload
-from .optim.payload import ENCODINGS, Compressed, Payload
-from .optim.payload import num_chunks as chunk_count
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

@@ -2,7 +2,7 @@
 
 Membership freeze (who is in a round), the majority digest, the slice plan of the sparse
 reduce-scatter, the parameter ranges a joiner loads from several donors, and the HMAC of the run
-token. Imports the math layer's dataclasses and torch; the transport (demonet.transport.dht) calls these.
+token. Imports the math layer's dataclasses and torch; the transport (demonet.dht.gatherer) calls these.
 
 Shape legend: R = rows (chunks) of one tensor inside a slice, K = entries per row, U = merged entries per row.
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .optim import Compressed, Payload
-from .optim.payload import num_chunks
+from demonet.optim import Compressed, Payload
+from demonet.optim.payload import num_chunks
 
 __all__ = ["Announcement", "Frozen", "SlicePlan", "freeze", "majority_digest", "members_digest", "param_ranges",
            "sign", "verify"]

@@ -8,7 +8,7 @@ A partition is the switch end of a link set down.
     with Lab() as lab:
         coord = lab.add_host("coord", mbit=100)
         slow = lab.add_host("peer0", mbit=2)
-        proc = coord.popen([sys.executable, "-m", "demonet.cli", "coordinator", "--host", coord.addr, ...])
+        proc = coord.popen([sys.executable, "-m", "demonet", "coordinator", "--host", coord.addr, ...])
         slow.set_link(up=False)  # partition
 
 Everything a lab creates (namespaces, and with them veths and bridges; the processes it started) is removed
@@ -292,8 +292,8 @@ def _parse_addr(text: str) -> tuple[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m demonet.netlab proxy --listen H:P --target H:P --delay-ms D``, or ``sweep``."""
-    parser = argparse.ArgumentParser(prog="python -m demonet.netlab")
+    """``python -m demonet.lab.netlab proxy --listen H:P --target H:P --delay-ms D``, or ``sweep``."""
+    parser = argparse.ArgumentParser(prog="python -m demonet.lab.netlab")
     sub = parser.add_subparsers(dest="cmd", required=True)
     proxy = sub.add_parser("proxy", help="forward TCP with added latency")
     proxy.add_argument("--listen", type=_parse_addr, required=True)

@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from . import wire
-from .config import Config
+from demonet import wire
+from demonet.config import Config
+from demonet.optim import DeMo, aggregate
+from demonet.wire.digest import param_digest
+
 from .data import Batches, load_corpus, split
-from .digest import param_digest
 from .model import GPT
-from .optim import DeMo, aggregate
 
 __all__ = ["run_local"]
 

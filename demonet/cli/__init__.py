@@ -1,7 +1,7 @@
 """The `demonet` command: one entry point with subcommands.
 
 Reads configuration (demonet.config) and hands explicit arguments to the library; `demonet up`
-(demonet.up) launches a coordinator and peers as processes and turns their metrics into a run folder.
+(demonet.cli.up) launches a coordinator and peers as processes and turns their metrics into a run folder.
 """
 
 from __future__ import annotations
@@ -19,12 +19,15 @@ from typing import Any
 
 import torch
 
-from . import health, peer, peer_dht, up
-from .config import load_config
-from .errors import DemonetError
-from .log import setup_logging
+from demonet import health, peer
+from demonet.config import TOKEN_ENV, load_config, load_token
+from demonet.dht import peer as peer_dht
+from demonet.errors import DemonetError
+from demonet.log import setup_logging
+from demonet.transport.grpc import GrpcClient
+
+from . import up
 from .runfolder import to_json
-from .transport.grpc import TOKEN_ENV, GrpcClient, load_token
 
 __all__ = ["main"]
 
@@ -87,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "coordinator":
         return _coordinator(rest)
     if args.command == "bench":
-        from .evidence.cli import main as bench
+        from demonet.lab.evidence.cli import main as bench
 
         return bench(rest)
     if rest:
@@ -106,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .local import run_local
+    from demonet.train.local import run_local
 
     try:
         cfg = load_config(args.config, os.environ, {
@@ -126,7 +129,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _coordinator(argv: list[str]) -> int:
     try:
-        from . import coordinator
+        from demonet import coordinator
     except ImportError as e:
         print(f"demonet coordinator: the coordinator cannot be imported ({e})", file=sys.stderr)
         return 2

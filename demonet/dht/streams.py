@@ -1,6 +1,6 @@
 """The DHT-mode transport's pieces below the round logic: options, record signing, and the libp2p streams.
 
-Net layer, part of demonet.transport.dht (imported only with it): the HMAC validator of DHT records,
+Net layer, part of demonet.dht.gatherer (imported only with it): the HMAC validator of DHT records,
 `DhtOptions`, and `_Streams`, which sends and serves the signed stream messages (parts, merged
 slices, parameter ranges) over hivemind's P2P.
 """
@@ -19,11 +19,13 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils import get_dht_time
 
-from .. import dht_rounds, wire_params
-from .._proto import demonet_pb2 as pb
-from ..errors import InvalidPayload, PeerUnavailable
-from ..merge import MergeRules
-from ..optim import Payload
+from demonet._proto import demonet_pb2 as pb
+from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.optim import Payload
+from demonet.wire import params as wire_params
+from demonet.wire.merge import MergeRules
+
+from . import rules
 
 __all__ = ["DhtOptions", "HmacValidator"]
 
@@ -58,13 +60,13 @@ class HmacValidator(RecordValidatorBase):  # type: ignore[misc]
         return b"|".join([record.key, record.subkey, value, repr(float(record.expiration_time)).encode()])
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        return bytes(record.value) + dht_rounds.sign(self._token, self._body(record, record.value))
+        return bytes(record.value) + rules.sign(self._token, self._body(record, record.value))
 
     def validate(self, record: DHTRecord) -> bool:
         value = bytes(record.value)
         if len(value) <= _MAC_BYTES:
             return False
-        return dht_rounds.verify(self._token, self._body(record, value[:-_MAC_BYTES]), value[-_MAC_BYTES:])
+        return rules.verify(self._token, self._body(record, value[:-_MAC_BYTES]), value[-_MAC_BYTES:])
 
     def strip_value(self, record: DHTRecord) -> bytes:
         return bytes(record.value)[:-_MAC_BYTES]
@@ -117,7 +119,7 @@ class DhtOptions:
 class _Round:
     """What this peer knows of one round: its plan once frozen, parts in, merged slices held."""
 
-    plan: dht_rounds.SlicePlan | None = None
+    plan: rules.SlicePlan | None = None
     owners: list[str] = field(default_factory=list)
     members: list[str] = field(default_factory=list)  # the effective members (majority digest)
     mdigest: str = ""
@@ -176,7 +178,7 @@ class _Streams:
 
     def _message(self, kind: int, round: int, **fields: Any) -> pb.DhtMessage:
         msg = pb.DhtMessage(run=self.opts.run, round=round, sender=self.peer_id, kind=kind, sent_at=now(), **fields)
-        msg.mac = dht_rounds.sign(self._token, msg.SerializeToString())
+        msg.mac = rules.sign(self._token, msg.SerializeToString())
         return msg
 
     def _messages(self, kind: int, round: int, data: bytes, **fields: Any) -> list[pb.DhtMessage]:
@@ -187,7 +189,7 @@ class _Streams:
         """Why a message is refused ('' if it is good)."""
         mac = msg.mac
         msg.mac = b""
-        ok = dht_rounds.verify(self._token, msg.SerializeToString(), mac)
+        ok = rules.verify(self._token, msg.SerializeToString(), mac)
         msg.mac = mac
         if not ok:
             return "bad run token"
@@ -312,7 +314,7 @@ class _Streams:
             return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameters of round {r} here", last=True)]
         named = self._params[1]()
         sizes = [(name, max(1, t.numel() * t.element_size())) for name, t in named]
-        ranges = dht_rounds.param_ranges(sizes, n)
+        ranges = rules.param_ranges(sizes, n)
         if i >= len(ranges):
             return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameter range {i} of {n}", last=True)]
         wanted = set(ranges[i])

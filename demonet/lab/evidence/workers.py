@@ -19,8 +19,8 @@ from typing import IO, Any
 
 import torch
 
-from ..data import Batches, load_corpus, split
-from ..model import GPT, ModelConfig
+from demonet.train.data import Batches, load_corpus, split
+from demonet.train.model import GPT, ModelConfig
 
 __all__ = ["main"]
 
@@ -126,8 +126,8 @@ def _hivemind(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m demonet.evidence.workers {ddp,hivemind} ...``: one baseline peer."""
-    parser = argparse.ArgumentParser(prog="python -m demonet.evidence.workers")
+    """``python -m demonet.lab.evidence.workers {ddp,hivemind} ...``: one baseline peer."""
+    parser = argparse.ArgumentParser(prog="python -m demonet.lab.evidence.workers")
     parser.add_argument("system", choices=("ddp", "hivemind"))
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)

@@ -22,9 +22,11 @@ from typing import IO
 
 from tqdm import tqdm
 
-from .errors import DemonetError
+from demonet.config import TOKEN_ENV
+from demonet.errors import DemonetError
+from demonet.transport.grpc import GrpcClient
+
 from .runfolder import merge_metrics, plot_loss, summarize_run, to_json
-from .transport.grpc import TOKEN_ENV, GrpcClient
 
 __all__ = ["run"]
 
@@ -50,7 +52,7 @@ class _Child:
 
 def _spawn(name: str, argv: list[str], logs: Path, env: dict[str, str]) -> _Child:
     log = open(logs / f"{name}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "demonet.cli", *argv], stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([sys.executable, "-m", "demonet", *argv], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env=env)
     return _Child(name, proc, log)
 

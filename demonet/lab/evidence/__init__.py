@@ -1,6 +1,6 @@
 """`demonet bench`: demonet against AdamW-DDP and hivemind.Optimizer, side by side over shaped links.
 
-A bench package: starts every system as real processes in a `demonet.netlab` lab (4 peers, each link
+A bench package: starts every system as real processes in a `demonet.lab.netlab` lab (4 peers, each link
 shaped with tbf), samples the links' kernel byte counters, and hands the step records to `report`.
 Each system is one launcher function in `SYSTEMS`; a new system is one more entry.
 """
@@ -22,8 +22,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..model import ModelConfig
-from ..netlab import Host, Lab
+from demonet.lab.netlab import Host, Lab
+from demonet.train.model import ModelConfig
 
 __all__ = ["EVIDENCE_MODEL", "SYSTEMS", "BenchSetup", "Run", "System", "load_runs", "run_bench", "run_system",
            "save_run"]
@@ -33,7 +33,7 @@ EVIDENCE_MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_layers=4
 backward of 4 x 64 tokens stays near 0.1 s on one CPU core."""
 
 _PORT = 29500
-_WORKERS = [sys.executable, "-m", "demonet.evidence.workers"]
+_WORKERS = [sys.executable, "-m", "demonet.lab.evidence.workers"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +116,7 @@ def _log_file(out: Path, name: str) -> Any:
 
 def _param_bytes(setup: BenchSetup) -> int:
     """Bytes of the model's fp32 parameters (or of one fp32 gradient)."""
-    from ..model import GPT
+    from demonet.train.model import GPT
 
     return 4 * sum(p.numel() for p in GPT(setup.model).parameters())
 
@@ -182,7 +182,7 @@ def _demonet(encoding: str) -> Launcher:
         ]) + "\n")
         env = {**os.environ, "DEMONET_TOKEN": secrets.token_urlsafe(16)}
         address = f"{coord.addr}:7450"
-        cli = [sys.executable, "-m", "demonet.cli"]
+        cli = [sys.executable, "-m", "demonet"]
         log = _log_file(out, "coord")
         coord.popen([*cli, "coordinator", "--listen", address, "--config", str(out / "run.toml"),
                      "--steps", str(setup.steps)], stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
@@ -215,7 +215,7 @@ def _demonet_dht(encoding: str) -> Launcher:
             P2P.generate_identity(str(identity))
         port = 7460
         first = f"/ip4/{hosts[0].addr}/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"
-        cli = [sys.executable, "-m", "demonet.cli", "peer", "--dht", "--run", "bench",
+        cli = [sys.executable, "-m", "demonet", "peer", "--dht", "--run", "bench",
                "--config", str(out / "run.toml"), "--steps", str(setup.steps), "--start-peers", str(setup.peers),
                "--out", str(out), "--threads", "1", "--checkpoint-every", "0"]
         for rank, host in enumerate(hosts):

@@ -1,6 +1,6 @@
 """The wire layer for dense named tensors: the canonical parameters a joining peer downloads.
 
-Part of the wire layer with demonet/wire.py: the only modules that touch protobuf messages of
+Part of the wire layer with demonet/wire/__init__.py: the only modules that touch protobuf messages of
 tensors. Imports the math layer's digest; nothing networked.
 """
 
@@ -11,9 +11,10 @@ from collections.abc import Iterable, Mapping
 import torch
 from google.protobuf.message import DecodeError
 
-from ._proto import demonet_pb2 as pb
+from demonet._proto import demonet_pb2 as pb
+from demonet.errors import InvalidPayload
+
 from .digest import param_digest
-from .errors import InvalidPayload
 
 __all__ = ["MAX_PARAMETER_BYTES", "decode_parameters", "encode_parameters"]
 

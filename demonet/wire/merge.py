@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import wire
-from .optim import Compressed, Payload, aggregate_clipped, quantize
+from demonet import wire
+from demonet.optim import Compressed, Payload, aggregate_clipped, quantize
 
 __all__ = ["MergeRules", "Merged", "decode_contribution", "merge"]
 
