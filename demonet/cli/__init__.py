@@ -24,10 +24,10 @@ from demonet.config import TOKEN_ENV, load_config, load_token
 from demonet.dht import peer as peer_dht
 from demonet.errors import DemonetError
 from demonet.log import setup_logging
+from demonet.train.runfolder import to_json
 from demonet.transport.grpc import GrpcClient
 
 from . import up
-from .runfolder import to_json
 
 __all__ = ["main"]
 

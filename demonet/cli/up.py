@@ -24,9 +24,8 @@ from tqdm import tqdm
 
 from demonet.config import TOKEN_ENV
 from demonet.errors import DemonetError
+from demonet.train.runfolder import merge_metrics, plot_loss, summarize_run, to_json
 from demonet.transport.grpc import GrpcClient
-
-from .runfolder import merge_metrics, plot_loss, summarize_run, to_json
 
 __all__ = ["run"]
 

@@ -116,6 +116,12 @@ class Rounds:
                 return True
         return False
 
+    def withdraw(self, peer_id: str, now: float, *, drop: bool = False) -> None:
+        """A member that will not submit to the open round: the round stops waiting for it, and it is a
+        member again from the next round (with `drop`: not at all; it must join again)."""
+        if self.members.pop(peer_id, None) is not None and not drop:
+            self.joiners[peer_id] = now
+
     def submit(self, peer_id: str, round: int, now: float) -> None:
         """Count a member's payload for the open round.
 

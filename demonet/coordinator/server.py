@@ -26,11 +26,12 @@ from demonet._proto import demonet_pb2_grpc as pb_grpc
 from demonet.config import Config
 from demonet.errors import InvalidPayload
 from demonet.optim import Payload
+from demonet.train.data import data_seed
 from demonet.wire.merge import decode_contribution
 
 from .metrics import Metrics
 from .rounds import RoundConfig, Rounds, SubmitRejected
-from .state import CanonicalState, ClosedAggregate, data_seed
+from .state import CanonicalState, ClosedAggregate
 
 __all__ = ["CoordinatorOptions", "CoordinatorServicer", "Malformed", "add_to_server"]
 

@@ -6,7 +6,6 @@ is used once, to create the initial named tensors; after that the state is only 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -22,16 +21,11 @@ from demonet.wire import params as wire_params
 from demonet.wire.digest import param_digest
 from demonet.wire.merge import MergeRules, merge
 
-__all__ = ["CanonicalState", "ClosedAggregate", "data_seed"]
+__all__ = ["CanonicalState", "ClosedAggregate"]
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "coordinator-state.pt"
-
-
-def data_seed(run_seed: int, peer_id: str) -> int:
-    """A peer's own data stream seed: stable across reconnects, different for every peer."""
-    return int.from_bytes(hashlib.blake2b(f"{run_seed}:{peer_id}".encode(), digest_size=8).digest(), "little") >> 1
 
 
 @dataclass(frozen=True)

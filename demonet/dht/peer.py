@@ -9,103 +9,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from demonet.config import Config, load_config, load_token
-from demonet.coordinator.state import data_seed
-from demonet.errors import DemonetError, PeerUnavailable
-from demonet.peer import _Peer, _rounds, _warm_up
-from demonet.transport.grpc import JoinInfo
-from demonet.wire.digest import param_digest
+from demonet.errors import PeerUnavailable
+from demonet.train.data import data_seed
+from demonet.train.loop import RoundLoop, stop_on_signals, warm_up
+from demonet.train.trainer import Trainer
+from demonet.transport import JoinInfo
 from demonet.wire.merge import MergeRules
 
+from .membership import DhtMembership
+
 if TYPE_CHECKING:
-    from .gatherer import DhtGatherer, DhtOptions
+    from .gatherer import DhtOptions
 
 __all__ = ["add_arguments", "run", "run_dht_peer"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class _DhtPeer(_Peer):
-    """A `_Peer` whose transport is the DHT: it publishes its state each round and rejoins by itself."""
-
-    @property
-    def dht(self) -> DhtGatherer:
-        return self.client  # type: ignore[return-value]
-
-    @property
-    def peer_id(self) -> str:
-        return self.dht.peer_id
-
-    publishing: asyncio.Task[None] | None = None
-
-    async def begin_round(self) -> None:
-        """Tell the DHT this peer starts the round with its digest, and serve its parameters to joiners.
-
-        The records are stored while the peer trains (the previous round's stores are awaited first).
-        """
-        if self.publishing is not None:
-            try:
-                await self.publishing
-            except PeerUnavailable as e:
-                self._log(logging.WARNING, "publishing the round's state: %s", e)
-        self.publishing = asyncio.create_task(
-            self.dht.publish_state(self.round, self.digest, lambda: list(self.model.named_parameters())))
-
-    async def load_parameters(self, round: int, *, resync: bool = False) -> None:
-        """Load the parameters at the start of `round` from several donors into the model (`resync`
-        only matters to a coordinator; the donors keep no count)."""
-        expected = {name: (tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()}
-        tensors, size, donors = await self.dht.load_parameters(round, expected)
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(tensors[name])
-        self.round, self.digest = round, param_digest(self.model.named_parameters())
-        self._log(logging.INFO, "parameters of round %d loaded from %d donors (%s; %d bytes, digest %s)", round,
-                  len(donors), ", ".join(donors), size, self.digest[:12])
-
-    async def catch_up(self, reason: DemonetError) -> None:
-        """Late, or not the majority's parameters: register for the next rounds and load the parameters."""
-        self._log(logging.INFO, "catching up (%s)", reason)
-        await self.rejoin()
-
-    async def rejoin(self) -> None:
-        """Register for the next rounds, wait to be admitted to one, and load its parameters."""
-        opts = self.dht.opts
-        wait_s = opts.window_s + 3 * opts.exchange_timeout_s + 30.0
-        # Bounded by time, not by tries: while rounds are shorter than a DHT store, a registration
-        # can miss the rounds it names several times in a row before one lands in time.
-        give_up_at = time.monotonic() + wait_s
-        tries = 0
-        while tries == 0 or time.monotonic() < give_up_at:
-            tries += 1
-            head = await self.dht.head_round()
-            if head is None:
-                raise PeerUnavailable("the DHT knows no round of this run")
-            targets = [head + 1, head + 2, head + 3]
-            await self.dht.register(targets)
-            for r in targets:
-                if await self.dht.admitted(r, wait_s):
-                    try:
-                        await self.load_parameters(r)
-                        return
-                    except DemonetError as e:
-                        self._log(logging.WARNING, "could not load the parameters of round %d: %s", r, e)
-                        break
-        raise PeerUnavailable(f"not admitted to the run after {tries} tries in {wait_s:.0f} s")
 
 
 async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path, total_rounds: int,
@@ -132,54 +60,37 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
     if threads:
         torch.set_num_threads(threads)
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    gatherer: DhtGatherer | None = None
-    peer: _DhtPeer | None = None
-    try:
-        await asyncio.to_thread(_warm_up)
-        gatherer = await DhtGatherer.create(opts, peer_id, {})
-        if on_ready is not None:
-            on_ready(gatherer.visible_maddrs())
-        await gatherer.check_initial_peers()
-        info = JoinInfo(peer_id=peer_id, round=0, run_config=cfg.to_dict(),
-                        data_seed=data_seed(cfg.train.seed, peer_id), round_timeout_s=opts.window_s,
-                        heartbeat_interval_s=1.0, total_rounds=total_rounds)
-        peer = _DhtPeer(gatherer, info, cfg, out, torch.device(device),  # type: ignore[arg-type]
-                        accumulate, checkpoint_every, stop=stop)
-        gatherer.specs = dict(peer.opt.param_specs())
-        peer.digest = param_digest(peer.model.named_parameters())
-        # kernels that differ between peers are what would make them resync
-        peer._log(logging.INFO, "CPU kernels %s, %d threads", torch.backends.cpu.get_cpu_capability(),
-                  torch.get_num_threads())
-        head = await gatherer.head_round()
-        if head is None or head == 0:  # a new run: every peer starts from the seeded init
-            peer._log(logging.INFO, "starting the run (%d parameters, digest %s)", peer.model.num_params(),
-                      peer.digest[:12])
-        else:
-            peer._log(logging.INFO, "the run is at round %d: joining", head)
-            if total_rounds and head + 1 >= total_rounds:
-                peer._log(logging.INFO, "the run is over")
-                return 0
-            await peer.rejoin()
-        await asyncio.to_thread(peer.resume)
-        return await _rounds(peer, None)  # a DHT peer's announcements each round are its heartbeat
-    except PeerUnavailable as e:
-        logger.error("[%s] %s", peer_id, e)
-        return 1
-    except PermissionError as e:
-        logger.error("[%s] %s", peer_id, e)
-        return 2
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        if peer is not None and peer.publishing is not None:
-            peer.publishing.cancel()
-            with contextlib.suppress(asyncio.CancelledError, DemonetError):
-                await peer.publishing
-        if gatherer is not None:
-            await gatherer.close()
+    membership: DhtMembership | None = None
+    with stop_on_signals(stop):
+        try:
+            await asyncio.to_thread(warm_up)
+            gatherer = await DhtGatherer.create(opts, peer_id, {})
+            membership = DhtMembership(gatherer, JoinInfo(
+                peer_id=peer_id, round=0, run_config=cfg.to_dict(), data_seed=data_seed(cfg.train.seed, peer_id),
+                round_timeout_s=opts.window_s, heartbeat_interval_s=0.0, total_rounds=total_rounds))
+            if on_ready is not None:
+                on_ready(gatherer.visible_maddrs())
+            await gatherer.check_initial_peers()
+            trainer = Trainer.for_run(cfg, data_seed=membership.info.data_seed, device=torch.device(device),
+                                      accumulate=accumulate, checkpoint=out / f"peer-{peer_id}.pt")
+            gatherer.specs = dict(trainer.opt.param_specs())
+            loop = RoundLoop(trainer, membership, gatherer, peer_id, out / f"metrics-{peer_id}.jsonl",
+                             checkpoint_every, stop)
+            info = await membership.join()
+            # kernels that differ between peers are what would make them resync
+            loop.log.info("%s (%d parameters); CPU kernels %s, %d threads",
+                          "starting the run" if info.fresh else f"the run is at round {info.round - 1}: joining",
+                          trainer.num_params(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
+            return await loop.run(info)
+        except PeerUnavailable as e:
+            logger.error("[%s] %s", peer_id, e)
+            return 1
+        except PermissionError as e:
+            logger.error("[%s] %s", peer_id, e)
+            return 2
+        finally:
+            if membership is not None:
+                await membership.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -87,7 +87,7 @@ def run_hybrid(cfg: Config, *, steps: int, out: Path, device: torch.device, rank
         dist.all_reduce(found, op=dist.ReduceOp.MIN)
         if not found.item():
             raise ValueError(f"--resume: some node has no checkpoint under {out} (node-<i>/)")
-        trainer.load(ckpt)
+        trainer.load_folder(ckpt)
         steps_at = torch.tensor([trainer.step, -trainer.step])
         dist.all_reduce(steps_at, op=dist.ReduceOp.MAX)
         if steps_at[0] != -steps_at[1]:
@@ -110,8 +110,8 @@ def run_hybrid(cfg: Config, *, steps: int, out: Path, device: torch.device, rank
                 bar.update(1)
                 bar.set_postfix(loss=f"{float(stats[0]) / world:.4f}")
                 if checkpoint_every and trainer.step % checkpoint_every == 0:
-                    trainer.save(ckpt)
-        trainer.save(ckpt)
+                    trainer.save_folder(ckpt)
+        trainer.save_folder(ckpt)
     finally:
         if metrics is not None:
             metrics.close()

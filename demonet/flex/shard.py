@@ -10,6 +10,7 @@ Shape legend: C = chunks of one tensor, K = entries per chunk, N = h * w coeffic
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -32,6 +33,8 @@ from demonet.optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
 from demonet.optim.payload import num_chunks
 from demonet.train.data import Batches, load_corpus, split
 from demonet.train.model import GPT
+from demonet.train.trainer import settle
+from demonet.transport import RoundResult
 from demonet.wire.digest import param_digest
 
 __all__ = ["FlexTrainer", "chunk_plan", "join_shards", "local_rows", "state_bytes"]
@@ -128,7 +131,7 @@ class FlexTrainer:
     """
 
     def __init__(self, cfg: Config, mesh: DeviceMesh, *, data_seed: int, data_rank: int, data_world: int,
-                 device: torch.device) -> None:
+                 device: torch.device, checkpoint: Path | None = None) -> None:
         o = cfg.optim
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.group = mesh.get_group()
@@ -147,6 +150,8 @@ class FlexTrainer:
         self.batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                                seed=data_seed, rank=data_rank, world=data_world)
         self.step = 0
+        self.checkpoint = checkpoint
+        """The node's checkpoint folder (`save`, `load`), for the round loop; None: none."""
 
     def train_step(self) -> tuple[float, Payload]:
         """Forward and backward on this rank's batch (FSDP reduce-scatters the mean gradient inside
@@ -232,7 +237,7 @@ class FlexTrainer:
         return {"model": get_model_state_dict(self.model), "optim": optim,
                 f"data{self.rank}": self.batches.state_dict(), "step": torch.tensor(self.step)}
 
-    def save(self, folder: Path) -> None:
+    def save_folder(self, folder: Path) -> None:
         """Write this node's checkpoint (every rank of the node calls it).
 
         The ranks write a fresh folder next to it, which then replaces the old one: a crash midway
@@ -252,7 +257,7 @@ class FlexTrainer:
             shutil.rmtree(old, ignore_errors=True)
         dist.barrier(group=self.group)
 
-    def load(self, folder: Path) -> None:
+    def load_folder(self, folder: Path) -> None:
         """Resume from `save`'s folder: parameters, momentum (and Adam moments), data stream, step."""
         state = self._dcp_state()
         dcp_load(state, checkpoint_id=os.fspath(folder), process_group=self.group)
@@ -267,3 +272,38 @@ class FlexTrainer:
                     entries["step"] = state["optim"][f"{name}.step"].clone()
         self.batches.load_state_dict(state[f"data{self.rank}"])
         self.step = int(state["step"])
+
+    # -- the round loop's view (`demonet.train.loop.Replica`); every rank calls each of these --------
+
+    def expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {name: (shape, torch.float32) for name, shape in self.full_shapes.items()}
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.full_params().items())
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.load_full(tensors)
+
+    def restore(self, payload: Payload) -> None:
+        self.opt.restore(payload)
+
+    def settle(self, payload: Payload, result: RoundResult, contributed: bool) -> None:
+        """`demonet.train.trainer.settle` on this rank's rows of the aggregate."""
+        settle(self.opt, payload, result, contributed, local=self.local_aggregate)
+
+    def save(self, meta: dict[str, Any]) -> None:
+        """The node's checkpoint folder, and `meta` (round, resyncs) beside it as JSON."""
+        if self.checkpoint is None:
+            return
+        self.save_folder(self.checkpoint)
+        if self.rank == 0:
+            (self.checkpoint / "round.json").write_text(json.dumps(meta))
+
+    def saved(self) -> dict[str, Any] | None:
+        path = self.checkpoint / "round.json" if self.checkpoint is not None else None
+        return dict(json.loads(path.read_text())) if path is not None and path.exists() else None
+
+    def resume(self, *, momentum: bool) -> None:
+        """Take the whole checkpoint (momentum, data streams) only if it is of the current round."""
+        if momentum and self.checkpoint is not None:
+            self.load_folder(self.checkpoint)

@@ -7,6 +7,7 @@ Shape legend: N = corpus bytes, B = batch, T = time (tokens).
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Batches", "default_corpus", "load_corpus", "split"]
+__all__ = ["Batches", "data_seed", "default_corpus", "load_corpus", "split"]
 
 # Used only when pydoc_data is missing (some distro Pythons strip it). Fixed order, so the
 # fallback corpus is the same on every peer running the same Python.
@@ -179,3 +180,8 @@ class Batches:
                 )
         self._generator.set_state(state["generator"])
         self.num_batches = int(state["num_batches"])
+
+
+def data_seed(run_seed: int, peer_id: str) -> int:
+    """A peer's own data stream seed: stable across reconnects, different for every peer."""
+    return int.from_bytes(hashlib.blake2b(f"{run_seed}:{peer_id}".encode(), digest_size=8).digest(), "little") >> 1

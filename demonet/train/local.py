@@ -1,136 +1,134 @@
-"""A local cluster: N peers in one process, each with its own model replica, data shard and DeMo.
+"""A local cluster: N peers and their coordinator in one process, each peer with its own replica, data and DeMo.
 
-Every round each peer trains on its own batch, compresses, and its payload goes through the real
-wire format (encode, validate, decode); the aggregate comes back the same way, and every peer must
-end the round with the same parameter digest. No sockets: the networked transports build on this.
+Every peer runs the same `demonet.train.loop.RoundLoop` as a networked one, over the in-process
+coordinator (`demonet.coordinator.local`): payloads, aggregates and parameters go through the real
+wire format, and the coordinator merges and applies exactly as the gRPC one does. No sockets.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from demonet import wire
 from demonet.config import Config
-from demonet.optim import DeMo, aggregate
-from demonet.wire.digest import param_digest
+from demonet.coordinator.local import LocalCoordinator
+from demonet.coordinator.state import ClosedAggregate
+from demonet.transport.coordinated import CoordinatorMembership
 
 from .data import Batches, load_corpus, split
+from .loop import RoundLoop
 from .model import GPT
+from .runfolder import merge_metrics, summarize_run
+from .trainer import Trainer
 
 __all__ = ["run_local"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class _Peer:
-    rank: int
-    model: GPT
-    opt: DeMo
-    batches: Batches
-
-
-def _build_peers(cfg: Config, train_data: torch.Tensor) -> list[_Peer]:
-    peers = []
-    device = torch.device(cfg.train.device)
-    for rank in range(cfg.train.peers):
-        torch.manual_seed(cfg.train.seed)  # every replica starts from the same weights
-        model = GPT(cfg.model).to(device)
-        o = cfg.optim
-        opt = DeMo.from_settings(model.named_parameters(), o)
-        batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
-                          seed=cfg.train.seed, rank=rank, world=cfg.train.peers)
-        peers.append(_Peer(rank, model, opt, batches))
-    return peers
-
-
 @torch.no_grad()
-def _val_loss(model: GPT, val_data: torch.Tensor, cfg: Config, device: torch.device) -> float:
+def _val_loss(params: Mapping[str, torch.Tensor], val_data: torch.Tensor, cfg: Config) -> float:
+    """The mean loss of the canonical parameters on 4 fixed validation batches."""
+    model = GPT(cfg.model)
+    model.load_state_dict(dict(params), strict=False)
     batches = Batches(val_data, batch_size=8, seq_len=cfg.train.seq_len, seed=12345)
     losses = []
     for _ in range(4):
-        x_BT, y_BT = next(batches)
-        _, loss = model(x_BT.to(device), y_BT.to(device))
+        _, loss = model(*next(batches))
         assert loss is not None
         losses.append(float(loss))
     return sum(losses) / len(losses)
 
 
-def run_local(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
+def run_local(cfg: Config, *, progress: bool = True, faults: Mapping[tuple[str, int], str] | None = None
+              ) -> dict[str, Any]:
     """Train `cfg.train.peers` peers for `cfg.train.steps` rounds; write the run folder.
+
+    Args:
+        cfg: the run.
+        progress: show a progress bar of the rounds.
+        faults: a fault plan for the in-process coordinator (`demonet.coordinator.local.FAULTS`).
 
     Returns:
         the summary also written to ``<out>/summary.json``: first and last mean train loss, the
-        final validation loss, bytes per peer per round, wall time, and the final digest.
+        validation loss of the canonical parameters every ``train.eval_every`` rounds, bytes per peer
+        per round, wall time, and the final digest.
 
     Raises:
         RuntimeError: the peers' parameters diverged (a determinism bug; never expected).
     """
+    return asyncio.run(_run(cfg, progress=progress, faults=faults))
+
+
+async def _run(cfg: Config, *, progress: bool, faults: Mapping[tuple[str, int], str] | None) -> dict[str, Any]:
     out = Path(cfg.train.out)
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("metrics*.jsonl"):
+        old.unlink()  # a fresh run; the peers append
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-    device = torch.device(cfg.train.device)
-    train_data, val_data = split(load_corpus(cfg.train.corpus or None))
-    peers = _build_peers(cfg, train_data)
-    specs = peers[0].opt.param_specs()
-    logger.info("local cluster: %d peers, %d parameters each, %d steps, run folder %s", len(peers),
-                peers[0].model.num_params(), cfg.train.steps, out)
-    history: list[float] = []
+    # All peers join before the first round opens, the coordinator waits for them (and the deadline
+    # is generous: peers train one after another on the same cores).
+    cfg = dataclasses.replace(cfg, net=dataclasses.replace(
+        cfg.net, start_peers=cfg.train.peers, min_peers=1, round_timeout_s=max(cfg.net.round_timeout_s, 600.0),
+        heartbeat_timeout_s=max(cfg.net.heartbeat_timeout_s, 1200.0)))
+    _, val_data = split(load_corpus(cfg.train.corpus or None))
     val_losses: dict[int, float] = {}
+    bar = tqdm(total=cfg.train.steps, disable=not progress, desc="train", unit="round")
+
+    def closed(agg: ClosedAggregate) -> None:
+        done = agg.round + 1
+        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+            val_losses[done] = _val_loss(hub.state.params, val_data, cfg)
+            logger.info("[local round=%d] val loss %.4f", done, val_losses[done])
+        bar.set_postfix(up_kB=f"{len(agg.data) / 1e3:.1f}")
+        bar.update(1)
+
+    hub = LocalCoordinator(cfg, total_rounds=cfg.train.steps, faults=faults, on_close=closed)
+    device = torch.device(cfg.train.device)
+    loops = []
+    for rank in range(cfg.train.peers):
+        membership = CoordinatorMembership(hub.client(f"p{rank}"), "the local coordinator")
+        info = await membership.join()
+        trainer = Trainer.for_run(cfg, data_seed=info.data_seed, device=device)
+        loops.append((RoundLoop(trainer, membership, membership.client, info.peer_id,
+                                out / f"metrics-{info.peer_id}.jsonl", checkpoint_every=0), info))
+    logger.info("local cluster: %d peers, %d parameters each, %d steps, run folder %s", len(loops),
+                loops[0][0].replica.num_params(), cfg.train.steps, out)  # type: ignore[attr-defined]
     start = time.perf_counter()
-    bytes_up = bytes_down = 0
-    with open(out / "metrics.jsonl", "w") as metrics, \
-            tqdm(total=cfg.train.steps, disable=not progress, desc="train", unit="round") as bar:
-        for step in range(cfg.train.steps):
-            t0 = time.perf_counter()
-            losses, received, sizes = [], [], []
-            for peer in peers:
-                x_BT, y_BT = next(peer.batches)
-                _, loss = peer.model(x_BT.to(device), y_BT.to(device))
-                assert loss is not None
-                loss.backward()
-                losses.append(float(loss.detach()))
-                data = wire.encode(peer.opt.compress(), step=step)
-                sizes.append(len(data))
-                received.append(wire.decode(data, expected=specs)[1])
-            agg_data = wire.encode(aggregate(received), step=step)
-            _, agg = wire.decode(agg_data, expected=specs)
-            digests = []
-            for peer in peers:
-                peer.opt.apply(agg)
-                peer.opt.zero_grad(set_to_none=True)
-                digests.append(param_digest(peer.model.named_parameters()))
-            if len(set(digests)) != 1:
-                raise RuntimeError(f"round {step}: peers' parameters diverged: {digests}")
-            round_time_s = time.perf_counter() - t0
-            for peer, loss_value, size in zip(peers, losses, sizes, strict=True):
-                metrics.write(json.dumps({"round": step, "peer": peer.rank, "loss": loss_value,
-                                          "bytes_up": size, "bytes_down": len(agg_data),
-                                          "param_digest": digests[0], "round_time_s": round_time_s}) + "\n")
-            bytes_up, bytes_down = sum(sizes) // len(sizes), len(agg_data)
-            history.append(sum(losses) / len(losses))
-            last = cfg.train.eval_every and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps)
-            if last:
-                val_losses[step + 1] = _val_loss(peers[0].model, val_data, cfg, device)
-                logger.info("[local step=%d] train loss %.4f val loss %.4f", step + 1, history[-1],
-                            val_losses[step + 1])
-            bar.set_postfix(loss=f"{history[-1]:.3f}", up_kB=f"{bytes_up / 1e3:.1f}", down_kB=f"{bytes_down / 1e3:.1f}")
-            bar.update(1)
-    window = max(1, min(10, len(history) // 4))
+    ticker = asyncio.create_task(hub.tick_forever())
+    quiet = logging.getLogger(RoundLoop.__module__)  # the bar and the validation lines show the progress
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        codes = await asyncio.gather(*(loop.run(info) for loop, info in loops))
+    finally:
+        quiet.setLevel(level)
+        ticker.cancel()
+        bar.close()
+    if any(codes):
+        raise RuntimeError(f"a peer of the local cluster failed (exit codes {codes})")
+    digests = {loop.peer_id: loop.digest for loop, _ in loops}
+    if set(digests.values()) != {hub.state.digest}:
+        raise RuntimeError(f"peers' parameters diverged from the canonical {hub.state.digest[:12]}: {digests}")
+    rows = merge_metrics(out)
+    run = summarize_run(rows)
+    if not run["digests_agree"]:
+        raise RuntimeError(f"peers' parameters diverged in rounds {run['disagreeing_rounds'][:10]}")
     summary = {
-        "peers": len(peers), "steps": cfg.train.steps, "params": peers[0].model.num_params(),
-        "first_loss": sum(history[:window]) / window, "last_loss": sum(history[-window:]) / window,
-        "val_loss": val_losses, "bytes_up_per_round": bytes_up, "bytes_down_per_round": bytes_down,
-        "dense_fp32_bytes": 4 * peers[0].model.num_params(), "wall_time_s": time.perf_counter() - start,
-        "param_digest": digests[0],
+        "peers": len(loops), "steps": cfg.train.steps, "params": loops[0][0].replica.num_params(),  # type: ignore
+        "first_loss": run["first_loss"], "last_loss": run["last_loss"], "val_loss": val_losses,
+        "bytes_up_per_round": run["bytes_up_per_round"], "bytes_down_per_round": run["bytes_down_per_round"],
+        "dense_fp32_bytes": 4 * sum(p.numel() for p in hub.state.params.values()),
+        "wall_time_s": time.perf_counter() - start, "param_digest": hub.state.digest,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -1,18 +1,62 @@
-"""Transports: how a peer's payload for a round becomes the round's aggregate.
+"""Transports: how a peer gets into a run and how its payload for a round becomes the round's aggregate.
 
-A transport is a `Gatherer`. Imports the math layer's dataclasses and demonet.errors only; the
-implementations (`demonet.transport.grpc`, ...) are imported by name, never from here.
+A transport is a `Membership` (join, parameters, heartbeat, catch up) and a `Gatherer` (submit a payload,
+get the round's outcome); `demonet.train.loop.RoundLoop` drives any pair of them. Imports torch, the math
+layer's dataclasses and demonet.errors only: no grpc, no hivemind, no service module. The
+implementations (`demonet.transport.grpc`, `demonet.coordinator.local`, `demonet.dht.membership`,
+`demonet.flex.link`) are imported by name, never from here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from demonet.errors import DemonetError
+import torch
+
+from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload
 
-__all__ = ["Gatherer", "NotMember", "Rejected", "Resync", "RoundResult", "StaleRound"]
+__all__ = ["Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Parameters", "Rejected", "Resync",
+           "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive"]
+
+Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+"""A model's parameters as name -> (shape, dtype), in order: what a parameter download must fit."""
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    """Where a run stands for a peer that joins it."""
+
+    peer_id: str
+    round: int
+    """The first round this peer is a member of."""
+    run_config: dict[str, Any]
+    """{"model": {...}, "optim": {...}, "train": {...}, "net": {...}}: overrides for `demonet.config.load_config`."""
+    data_seed: int
+    round_timeout_s: float
+    heartbeat_interval_s: float
+    """0: the transport needs no heartbeats (a DHT peer's announcements each round are its heartbeat)."""
+    total_rounds: int
+    """The run ends after this many rounds; 0: no end."""
+    fresh: bool = False
+    """No round has closed yet: every peer starts from the seeded initial parameters, nothing to download."""
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """Downloaded parameters at the start of a round."""
+
+    round: int
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    size: int
+    """Bytes received."""
+    source: str = "the coordinator"
+    """Where they came from, for the log."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +78,8 @@ class RoundResult:
     kept: Payload | None = None
     """What of this peer's payload the aggregate holds, when that is not simply the aggregate (DHT mode:
     a slice merged without this payload); None: the aggregate."""
+    data: bytes = field(default=b"", repr=False)
+    """The aggregate's validated wire bytes as received, for relaying (a FlexDeMo node to its ranks)."""
 
 
 class Gatherer(Protocol):
@@ -60,6 +106,48 @@ class Gatherer(Protocol):
         ...
 
 
+class Membership(Protocol):
+    """How a peer gets into a run, gets its parameters, stays a member and gets back in step."""
+
+    async def join(self) -> JoinInfo:
+        """Enter the run (or learn that it is over); raises `PeerUnavailable` if it cannot be reached."""
+        ...
+
+    async def first_parameters(self, info: JoinInfo, expected: Expected) -> Parameters | None:
+        """The parameters to start from after `join` (None: the seeded initial ones)."""
+        ...
+
+    async def parameters(self, round: int, expected: Expected, *, resync: bool = False) -> Parameters:
+        """The canonical parameters at the start of `round` (or a later one); `resync`: because this
+        peer's digest after applying round - 1 differed from the canonical one."""
+        ...
+
+    async def catch_up(self, reason: DemonetError, round: int, expected: Expected) -> Parameters:
+        """Get back in step after the payload of `round` was refused (`reason`); bounded by time.
+
+        Raises:
+            PeerUnavailable: not back in step in time.
+        """
+        ...
+
+    async def heartbeat(self, round: int) -> None:
+        """Say this peer is alive at `round`; join again if the run dropped it (`keep_alive` calls it)."""
+        ...
+
+    async def begin_round(self, round: int, digest: str,
+                          named_parameters: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
+        """Called before a round's training with the digest the peer starts it with."""
+        ...
+
+    async def agree(self, value: bool) -> bool:
+        """One decision for every rank of a multi-rank member (its rank 0's); `value` elsewhere."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the membership holds (tasks, connections)."""
+        ...
+
+
 class Rejected(DemonetError):
     """The payload was not taken into the round; the peer restores it and gets back in step."""
 
@@ -78,3 +166,62 @@ class StaleRound(Rejected):
     def __init__(self, message: str, *, open_round: int) -> None:
         super().__init__(message)
         self.open_round = open_round
+
+
+CATCH_UP_MIN_S = 30.0
+"""Getting back in step is bounded by time, never by a count: at least this long, and at least
+`CATCH_UP_ROUNDS` round timeouts (rounds of milliseconds can outrun several tries in a row)."""
+CATCH_UP_ROUNDS = 10
+
+
+def catch_up_timeout_s(round_timeout_s: float) -> float:
+    return max(CATCH_UP_MIN_S, CATCH_UP_ROUNDS * round_timeout_s)
+
+
+async def catch_up(reason: Exception, *, join: Callable[[], Awaitable[JoinInfo]],
+                   download: Callable[[int], Awaitable[Parameters]], round: int, timeout_s: float) -> Parameters:
+    """Get back in step with a coordinator after a round's payload was refused (the caller restored it):
+    download the parameters of the round to continue at, joining again first if it dropped this member.
+
+    Args:
+        reason: why: `NotMember` (join, then the round the coordinator names), `StaleRound` (its open
+            round), `Resync` (this round's parameters), anything else (an aggregate that failed
+            validation: the parameters after the round).
+        join: joins the run again.
+        download: downloads the parameters at the start of a round.
+        round: the round the member is at.
+        timeout_s: the run moving on while this member catches up restarts the attempt; past this
+            long, it gives up.
+
+    Raises:
+        PeerUnavailable: not back in step within `timeout_s` (or the coordinator stayed unreachable).
+    """
+    give_up_at = time.monotonic() + timeout_s
+    while True:
+        try:
+            if isinstance(reason, NotMember):
+                return await download((await join()).round)
+            if isinstance(reason, StaleRound):
+                return await download(reason.open_round)
+            if isinstance(reason, Resync):
+                return await download(round)
+            return await download(round + 1)
+        except (NotMember, StaleRound) as e:  # the run moved on while this member caught up
+            if time.monotonic() >= give_up_at:
+                raise PeerUnavailable(f"could not get back in step with the coordinator in {timeout_s:.0f} s: "
+                                      f"{e}") from None
+            reason = e
+
+
+async def keep_alive(membership: Membership, round_of: Callable[[], int], interval_s: float,
+                     log: logging.LoggerAdapter[logging.Logger]) -> None:
+    """`membership.heartbeat` every `interval_s` until cancelled; a failed beat is logged, not raised.
+
+    Start it before the first parameter download: a joiner on a slow link is alive while it downloads.
+    """
+    while True:
+        await asyncio.sleep(max(interval_s, 0.1))
+        try:
+            await membership.heartbeat(round_of())
+        except DemonetError as e:
+            log.warning("heartbeat: %s", e)

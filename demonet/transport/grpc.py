@@ -22,13 +22,13 @@ import torch
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc
-from demonet.errors import DemonetError, InvalidPayload, PeerUnavailable
+from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Payload
 from demonet.wire import params as wire_params
 
-from . import NotMember, Rejected, Resync, RoundResult, StaleRound
+from . import JoinInfo, NotMember, Rejected, Resync, RoundResult, StaleRound
 
-__all__ = ["CoordinatorStatus", "GrpcClient", "JoinInfo", "catch_up", "catch_up_timeout_s", "keep_alive"]
+__all__ = ["CoordinatorStatus", "GrpcClient"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,22 +47,6 @@ _BACKOFF_FIRST_S = 0.2
 _BACKOFF_CAP_S = 5.0
 _RECONNECT_BACKOFF_MAX_MS = 1000
 _MAX_MESSAGE_BYTES = 64 << 20  # parts are 2 MiB; room for a coordinator that cuts larger ones
-
-
-@dataclass(frozen=True)
-class JoinInfo:
-    """What the coordinator tells a peer that joins (proto JoinReply, with run_config parsed)."""
-
-    peer_id: str
-    round: int
-    """The first round this peer is a member of."""
-    run_config: dict[str, Any]
-    """{"model": {...}, "optim": {...}, "train": {...}}: overrides for `demonet.config.load_config`."""
-    data_seed: int
-    round_timeout_s: float
-    heartbeat_interval_s: float
-    total_rounds: int
-    """The run ends after this many rounds; 0: no end."""
 
 
 @dataclass(frozen=True)
@@ -295,7 +279,7 @@ class GrpcClient:
                 raise InvalidPayload(f"GetAggregate({round}): the aggregate is for round {step}")
         return RoundResult(round=round, aggregate=aggregate, contributors=tuple(header.contributors),
                            param_digest=header.param_digest, aborted=bool(header.aborted), bytes_up=len(data),
-                           bytes_down=len(agg_data or b""))
+                           bytes_down=len(agg_data or b""), data=agg_data or b"")
 
     async def _lost(self, round: int, reason: str) -> Rejected:
         """What a lost round (its aggregate is gone) means for this peer, asked with a heartbeat."""
@@ -350,67 +334,3 @@ class GrpcClient:
     async def close(self) -> None:
         """Close the channel; calls still open are cancelled."""
         await self._channel.close()
-
-
-# -- membership: the pieces a peer and a FlexDeMo node share ----------------------------------------
-
-CATCH_UP_MIN_S = 30.0
-"""Getting back in step is bounded by time, never by a count: at least this long, and at least
-`CATCH_UP_ROUNDS` round timeouts (rounds of milliseconds can outrun several tries in a row)."""
-CATCH_UP_ROUNDS = 10
-
-
-def catch_up_timeout_s(round_timeout_s: float) -> float:
-    return max(CATCH_UP_MIN_S, CATCH_UP_ROUNDS * round_timeout_s)
-
-
-async def catch_up(reason: Exception, *, join: Callable[[], Awaitable[JoinInfo]],
-                   download: Callable[[int], Awaitable[_T]], round: int, timeout_s: float) -> _T:
-    """Get back in step after a round's payload was refused (the caller restored it): download the
-    parameters of the round to continue at, joining again first if the coordinator dropped this member.
-
-    Args:
-        reason: why: `NotMember` (join, then the round the coordinator names), `StaleRound` (its open
-            round), `Resync` (this round's parameters), anything else (an aggregate that failed
-            validation: the parameters after the round).
-        join: joins the run again.
-        download: downloads the parameters at the start of a round, returns what the caller needs.
-        round: the round the member is at.
-        timeout_s: the run moving on while this member catches up restarts the attempt; past this
-            long, it gives up.
-
-    Raises:
-        PeerUnavailable: not back in step within `timeout_s` (or the coordinator stayed unreachable).
-    """
-    give_up_at = time.monotonic() + timeout_s
-    while True:
-        try:
-            if isinstance(reason, NotMember):
-                return await download((await join()).round)
-            if isinstance(reason, StaleRound):
-                return await download(reason.open_round)
-            if isinstance(reason, Resync):
-                return await download(round)
-            return await download(round + 1)
-        except (NotMember, StaleRound) as e:  # the run moved on while this member caught up
-            if time.monotonic() >= give_up_at:
-                raise PeerUnavailable(f"could not get back in step with the coordinator in {timeout_s:.0f} s: "
-                                      f"{e}") from None
-            reason = e
-
-
-async def keep_alive(client: GrpcClient, round_of: Callable[[], int], interval_s: float,
-                     log: Callable[[int, str], None]) -> None:
-    """Heartbeat every `interval_s` until cancelled; join again if the coordinator dropped this member.
-
-    Start it before the first parameter download: a joiner on a slow link is alive while it downloads.
-    """
-    while True:
-        await asyncio.sleep(max(interval_s, 0.1))
-        try:
-            _, member = await client.heartbeat(round_of())
-            if not member:
-                log(logging.WARNING, "the coordinator dropped this member: joining again")
-                await client.join()
-        except DemonetError as e:
-            log(logging.WARNING, f"heartbeat: {e}")

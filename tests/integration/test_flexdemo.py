@@ -91,10 +91,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for step in range(STEPS):
             replicated_step(first, replicate)
             if step + 1 == SAVE_AT:
-                first.save(out / f"ckpt-node{node}")
+                first.save_folder(out / f"ckpt-node{node}")
         full = first.full_params()
         resumed = trainer()
-        resumed.load(out / f"ckpt-node{node}")
+        resumed.load_folder(out / f"ckpt-node{node}")
         loaded_at = resumed.step
         while resumed.step < STEPS:
             replicated_step(resumed, replicate)

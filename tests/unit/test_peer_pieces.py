@@ -17,11 +17,11 @@ import torch
 
 from demonet import cli, wire
 from demonet._proto import demonet_pb2 as pb
-from demonet.cli import runfolder
 from demonet.config import load_token
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Compressed, DeMo, Payload, aggregate
-from demonet.peer import settle
+from demonet.train import runfolder
+from demonet.train.trainer import settle
 from demonet.transport import NotMember, Resync, RoundResult, StaleRound
 from demonet.transport import grpc as transport_grpc
 from demonet.transport.grpc import GrpcClient, JoinInfo
@@ -167,7 +167,7 @@ def test_settle_restores_and_applies_by_outcome(case: str) -> None:
                          contributors=("x",) if case == "missed" else ("me", "x"), param_digest="",
                          aborted=case == "aborted", bytes_up=1, bytes_down=1,
                          kept=_entries(_KEPT) if case == "contributor-kept" else None)
-    settle(opt, _entries(_PAYLOAD), result, "me")
+    settle(opt, _entries(_PAYLOAD), result, "me" in result.contributors)
     for name, p in (("a", a), ("b", b)):
         want = torch.ones(1, 16)
         for i, v in _RESTORED[case][name].items():
@@ -349,21 +349,28 @@ def _info(round: int) -> JoinInfo:
 
 def _peer(outcomes: list[Any], tmp_path: Path) -> tuple[Any, _FakeClient]:
     from demonet.config import load_config
-    from demonet.peer import _Peer
+    from demonet.train.loop import RoundLoop
     from demonet.train.model import GPT
+    from demonet.train.trainer import Trainer
+    from demonet.transport.coordinated import CoordinatorMembership
 
     cfg = load_config(None, {}, _info(0).run_config)
     params = {name: p.detach().clone() for name, p in GPT(cfg.model).named_parameters()}
     client = _FakeClient(outcomes, params)
-    peer = _Peer(client, _info(3), cfg, tmp_path, torch.device("cpu"), 1, 0)  # type: ignore[arg-type]
+    trainer = Trainer.for_run(cfg, data_seed=7, device=torch.device("cpu"), checkpoint=tmp_path / "peer-me.pt")
+    peer = RoundLoop(trainer, CoordinatorMembership(client), client, "me", None, 0)  # type: ignore[arg-type]
     return peer, client
+
+
+async def _load(peer: Any, round: int) -> None:
+    await peer._load(await peer.membership.parameters(round, peer.replica.expected()))
 
 
 async def test_peer_catches_up_after_each_kind_of_refusal(tmp_path: Path) -> None:
     import io
 
     peer, client = _peer([Resync("digest"), StaleRound("late", open_round=7), NotMember("dropped")], tmp_path)
-    await peer.load_parameters(3)
+    await _load(peer, 3)
     metrics = io.StringIO()
     for _ in range(3):
         assert await peer.run_round(metrics)
@@ -380,17 +387,18 @@ async def test_peer_resyncs_when_its_digest_differs_after_applying(tmp_path: Pat
     from demonet.wire.digest import param_digest
 
     peer, client = _peer([], tmp_path)
-    await peer.load_parameters(3)
+    await _load(peer, 3)
     # "": no canonical digest to compare with (as in DHT mode); then one that differs; then none again.
     client.outcomes = ["", "not-the-digest-after-applying", ""]
     metrics = io.StringIO()
     assert await peer.run_round(metrics)
-    momentum_before = [m.clone() for m in (peer.opt.state[p]["momentum"] for p in peer.model.parameters())]
+    state = peer.replica.opt.state
+    momentum_before = [state[p]["momentum"].clone() for p in peer.replica.model.parameters()]
     assert await peer.run_round(metrics)
-    assert peer.digest == param_digest(peer.model.named_parameters())
+    assert peer.digest == param_digest(peer.replica.model.named_parameters())
     downloaded = peer.digest
-    moved = [not torch.equal(a, peer.opt.state[p]["momentum"]) for a, p in zip(momentum_before, peer.model.parameters(),
-                                                                                   strict=True)]
+    moved = [not torch.equal(a, peer.replica.opt.state[p]["momentum"])
+             for a, p in zip(momentum_before, peer.replica.model.parameters(), strict=True)]
     assert any(moved)  # the round's gradient went into the momentum
     assert await peer.run_round(metrics)
     first, line, after = (json.loads(row) for row in metrics.getvalue().splitlines())
@@ -398,9 +406,9 @@ async def test_peer_resyncs_when_its_digest_differs_after_applying(tmp_path: Pat
     assert (line["round"], line["resynced"], line["resyncs"], line["param_digest"]) == (4, True, 1, downloaded)
     assert (after["round"], after["resyncs"], "resynced" in after) == (5, 1, False)  # the count is cumulative
     assert (peer.round, client.asked, client.resyncs) == (6, [3, 5], [5])  # the download says it is a resync
-    peer.save_checkpoint()
-    saved = torch.load(peer.checkpoint_path, weights_only=True)
+    peer._save()
+    saved = torch.load(tmp_path / "peer-me.pt", weights_only=True)
     assert saved["round"] == 6 and saved["resyncs"] == 1
     restarted, _ = _peer([], tmp_path)  # the same peer id and folder: its rows go on counting from 1
-    restarted.resume()
+    restarted._resume()
     assert restarted.resyncs == 1

@@ -1,0 +1,116 @@
+"""Membership in a DHT run: where the run is, admission to a round, parameters from several donors.
+
+Service-side glue between `demonet.train.loop.RoundLoop` and `demonet.dht.gatherer.DhtGatherer`; the
+DHT itself (records, freeze, exchange) lives there. Imports no grpc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from demonet.errors import DemonetError, PeerUnavailable
+from demonet.transport import Expected, JoinInfo, Parameters
+
+if TYPE_CHECKING:
+    from .gatherer import DhtGatherer
+
+__all__ = ["DhtMembership"]
+
+logger = logging.getLogger(__name__)
+
+
+class DhtMembership:
+    """A `demonet.transport.Membership` over the DHT: a peer registers for the next rounds, waits to be
+    admitted to one, and loads that round's parameters from the peers that hold them.
+
+    Args:
+        dht: this peer's DHT node and round exchange.
+        info: what joining tells the loop (the run's config is the peer's own; every peer must use
+            the same); its `round` is replaced by where the run stands when `join` is called.
+    """
+
+    def __init__(self, dht: DhtGatherer, info: JoinInfo) -> None:
+        self.dht, self.info = dht, info
+        self.publishing: asyncio.Task[None] | None = None
+
+    async def join(self) -> JoinInfo:
+        """Where the run stands: a new run (no round frozen yet) starts from the seeded parameters."""
+        head = await self.dht.head_round()
+        fresh = head is None or head == 0
+        total = self.info.total_rounds
+        round = 0 if fresh else head + 1  # type: ignore[operator]
+        if not fresh and total and round >= total:
+            round = total  # the run is over
+        return JoinInfo(peer_id=self.info.peer_id, round=round, run_config=self.info.run_config,
+                        data_seed=self.info.data_seed, round_timeout_s=self.info.round_timeout_s,
+                        heartbeat_interval_s=0.0, total_rounds=total, fresh=fresh)
+
+    async def first_parameters(self, info: JoinInfo, expected: Expected) -> Parameters | None:
+        return None if info.fresh else await self.rejoin(expected)
+
+    async def parameters(self, round: int, expected: Expected, *, resync: bool = False) -> Parameters:
+        """The parameters at the start of `round` from several donors (`resync` only matters to a
+        coordinator; donors keep no count)."""
+        tensors, size, donors = await self.dht.load_parameters(round, expected)
+        return Parameters(round, tensors, size, f"{len(donors)} donors ({', '.join(donors)})")
+
+    async def catch_up(self, reason: DemonetError, round: int, expected: Expected) -> Parameters:
+        """Late, or not the majority's parameters: register for the next rounds and load the parameters."""
+        return await self.rejoin(expected)
+
+    async def rejoin(self, expected: Expected) -> Parameters:
+        """Register for the next rounds, wait to be admitted to one, and load its parameters."""
+        opts = self.dht.opts
+        wait_s = opts.window_s + 3 * opts.exchange_timeout_s + 30.0
+        # Bounded by time, not by tries: while rounds are shorter than a DHT store, a registration
+        # can miss the rounds it names several times in a row before one lands in time.
+        give_up_at = time.monotonic() + wait_s
+        tries = 0
+        while tries == 0 or time.monotonic() < give_up_at:
+            tries += 1
+            head = await self.dht.head_round()
+            if head is None:
+                raise PeerUnavailable("the DHT knows no round of this run")
+            targets = [head + 1, head + 2, head + 3]
+            await self.dht.register(targets)
+            for r in targets:
+                if await self.dht.admitted(r, wait_s):
+                    try:
+                        return await self.parameters(r, expected)
+                    except DemonetError as e:
+                        logger.warning("[%s] could not load the parameters of round %d: %s", self.info.peer_id, r, e)
+                        break
+        raise PeerUnavailable(f"not admitted to the run after {tries} tries in {wait_s:.0f} s")
+
+    async def heartbeat(self, round: int) -> None:
+        """A DHT peer's announcements each round are its heartbeat."""
+
+    async def begin_round(self, round: int, digest: str,
+                          named_parameters: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
+        """Tell the DHT this peer starts the round with its digest, and serve its parameters to joiners.
+
+        The records are stored while the peer trains (the previous round's stores are awaited first).
+        """
+        if self.publishing is not None:
+            try:
+                await self.publishing
+            except PeerUnavailable as e:
+                logger.warning("[%s round=%d] publishing the round's state: %s", self.info.peer_id, round, e)
+        self.publishing = asyncio.create_task(self.dht.publish_state(round, digest, named_parameters))
+
+    async def agree(self, value: bool) -> bool:
+        return value
+
+    async def close(self) -> None:
+        if self.publishing is not None:
+            self.publishing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, DemonetError):
+                await self.publishing
+        await self.dht.close()
