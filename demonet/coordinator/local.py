@@ -191,7 +191,7 @@ class LocalClient:
         """Play a planned fault: the round stops waiting for this peer, then the matching error."""
         hub = self.hub
         async with hub.cond:
-            hub.rounds.withdraw(self.peer_id, _now(), drop=fault == "refused")
+            hub.rounds.withdraw(self.peer_id, _now(), drop=fault in ("refused", "down", "hang"))
             hub.cond.notify_all()
         if fault == "down":
             raise PeerUnavailable(f"round {round}: the coordinator is unreachable (planned fault)")

@@ -39,7 +39,7 @@ WAIT_S = 90.0
 GATE = """
 import sys
 from demonet.cli import main
-from demonet.peer import _warm_up
+from demonet.train.loop import warm_up as _warm_up
 import demonet.dht.gatherer
 _warm_up()
 print("gate: ready", flush=True)

@@ -15,8 +15,8 @@ import pytest
 
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.peer import run_peer
-from demonet.transport import NotMember, Resync, StaleRound
-from demonet.transport.grpc import GrpcClient, JoinInfo, catch_up
+from demonet.transport import JoinInfo, NotMember, Resync, StaleRound, catch_up
+from demonet.transport.grpc import GrpcClient
 from tests.integration.common import metrics_rows, tiny_config
 
 

@@ -1,0 +1,138 @@
+"""Every error path of the one round loop, on cue, over the in-process coordinator (no sockets).
+
+Two peers run `RoundLoop` against `LocalCoordinator` with a fault plan keyed on (peer, round): the
+loop must restore the payload that reached no aggregate, get back in step the way each error says,
+write no row for the lost round, and end on the canonical digest with the other peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from demonet.config import Config, load_config
+from demonet.coordinator.local import LocalCoordinator
+from demonet.optim import Payload
+from demonet.train.loop import RoundLoop
+from demonet.train.trainer import Trainer
+from demonet.transport.coordinated import CoordinatorMembership
+
+ROUNDS = 6
+FAULTY = "p1"
+
+
+def _cfg() -> Config:
+    return load_config(None, {}, {
+        "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16},
+        "train": {"seq_len": 16, "batch_size": 2},
+        "optim": {"compression_topk": 4, "compression_chunk": 8},
+        "net": {"start_peers": 2, "round_timeout_s": 20.0, "heartbeat_timeout_s": 60.0}})
+
+
+class _Run:
+    """Two peers and their coordinator; `restored[peer]` lists the rounds whose whole payload went back."""
+
+    def __init__(self, tmp_path: Path, faults: dict[tuple[str, int], str], *, stop_at: int | None = None) -> None:
+        self.tmp_path, self.stop_at = tmp_path, stop_at
+        self.hub = LocalCoordinator(_cfg(), total_rounds=ROUNDS, faults=faults, on_close=self._closed)
+        self.loops: dict[str, RoundLoop] = {}
+        self.restored: dict[str, list[int]] = {}
+        self.codes: dict[str, int] = {}
+
+    def _closed(self, agg: Any) -> None:
+        if self.stop_at is not None and agg.round + 1 >= self.stop_at:
+            self.loops[FAULTY].stop.set()  # SIGTERM while the faulty peer hangs in its gather
+
+    async def _peer(self, peer_id: str) -> None:
+        membership = CoordinatorMembership(self.hub.client(peer_id))
+        info = await membership.join()
+        trainer = Trainer.for_run(self.hub.cfg, data_seed=info.data_seed, device=torch.device("cpu"),
+                                  checkpoint=self.tmp_path / f"peer-{peer_id}.pt")
+        loop = RoundLoop(trainer, membership, membership.client, peer_id, self.tmp_path / f"metrics-{peer_id}.jsonl",
+                         checkpoint_every=0, stop_grace_s=0.2)
+        self.loops[peer_id] = loop
+        self.restored[peer_id] = []
+        restore = trainer.opt.restore
+
+        def recording(payload: Payload, kept: Payload | None = None) -> None:
+            if kept is None:  # all of it went back (with `kept`: what the aggregate dropped)
+                self.restored[peer_id].append(loop.round)
+            restore(payload, kept)
+
+        trainer.opt.restore = recording  # type: ignore[method-assign]
+        self.codes[peer_id] = await loop.run(info)
+
+    async def run(self) -> None:
+        ticker = asyncio.create_task(self.hub.tick_forever(max_sleep_s=0.05))
+        try:
+            async with asyncio.timeout(240):
+                await asyncio.gather(self._peer("p0"), self._peer(FAULTY))
+        finally:
+            ticker.cancel()
+
+    def rows(self, peer_id: str) -> list[dict[str, Any]]:
+        path = self.tmp_path / f"metrics-{peer_id}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize(("fault", "rows", "resyncs"), [
+    ("refused", [0, 1, 4, 5], 0),  # dropped: joins again in round 3, a member from the round after
+    ("stale", [0, 1, 3, 4, 5], 0),  # the round closed without it: continue from the open one
+    ("resync", [0, 1, 3, 4, 5], 1),  # other parameters: download them, count it
+    ("invalid", [0, 1, 3, 4, 5], 0),  # a bad aggregate: the parameters after the round
+])
+async def test_a_refused_payload_is_restored_and_the_peer_gets_back_in_step(
+        tmp_path: Path, fault: str, rows: list[int], resyncs: int) -> None:
+    run = _Run(tmp_path, {(FAULTY, 2): fault})
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    assert run.restored == {"p0": [], FAULTY: [2]}  # the lost round's payload went back, once
+    assert [r["round"] for r in run.rows(FAULTY)] == rows
+    assert [r["round"] for r in run.rows("p0")] == list(range(ROUNDS))
+    assert [r["contributors"] for r in run.rows("p0")] == [2 if r in rows else 1 for r in range(ROUNDS)]
+    assert run.rows(FAULTY)[-1]["resyncs"] == resyncs
+    assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
+
+
+async def test_an_aborted_round_restores_every_payload_and_applies_nothing(tmp_path: Path) -> None:
+    run = _Run(tmp_path, {("*", 2): "abort"})
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    assert run.restored == {"p0": [2], FAULTY: [2]}
+    for peer in ("p0", FAULTY):
+        rows = run.rows(peer)
+        assert [r["round"] for r in rows] == list(range(ROUNDS))
+        assert [r["aborted"] for r in rows] == [False, False, True, False, False, False]
+        assert rows[2]["param_digest"] == rows[1]["param_digest"] != rows[3]["param_digest"]
+    assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
+
+
+async def test_an_unreachable_run_ends_the_peer_with_its_checkpoint(tmp_path: Path) -> None:
+    run = _Run(tmp_path, {(FAULTY, 2): "down"})
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 1}
+    assert run.restored[FAULTY] == [2]
+    assert [r["round"] for r in run.rows(FAULTY)] == [0, 1]
+    saved = torch.load(tmp_path / f"peer-{FAULTY}.pt", weights_only=True)
+    assert saved["round"] == 2  # the momentum it saved is the one of the round it resumes at
+    assert [r["contributors"] for r in run.rows("p0")][2:] == [1, 1, 1, 1]  # the run went on without it
+
+
+async def test_a_stop_during_a_gather_abandons_the_round_after_the_grace(tmp_path: Path) -> None:
+    run = _Run(tmp_path, {(FAULTY, 2): "hang"}, stop_at=4)
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    assert run.restored[FAULTY] == [2]
+    assert [r["round"] for r in run.rows(FAULTY)] == [0, 1]
+    saved = torch.load(tmp_path / f"peer-{FAULTY}.pt", weights_only=True)
+    assert saved["round"] == 2 and saved["param_digest"] == run.rows(FAULTY)[-1]["param_digest"]
+
+
+def test_a_fault_plan_names_known_faults() -> None:
+    with pytest.raises(ValueError, match="fault 'lost' for"):
+        LocalCoordinator(_cfg(), total_rounds=1, faults={("p0", 1): "lost"})
