@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demonet.optim import BASES, CHUNK_POLICIES, ENCODINGS
+from demonet.optim import BASES, CHUNK_POLICIES, ENCODINGS, check_lr
 from demonet.train.model import ModelConfig
 
 __all__ = ["TOKEN_ENV", "Config", "NetConfig", "OptimConfig", "TrainConfig", "load_config", "load_token"]
@@ -25,7 +25,7 @@ class OptimConfig:
     """The DeMo optimizer."""
 
     lr: float = 3e-3
-    """Learning rate; folded into the momentum, as the reference does."""
+    """Learning rate, > 0 (`demonet.optim.check_lr`); folded into the momentum, as the reference does."""
     compression_decay: float = 0.999
     """Momentum decay beta, in [0, 1)."""
     compression_topk: int = 32
@@ -44,7 +44,7 @@ class OptimConfig:
     """``pad`` never collapses awkward dimensions to tiny chunks; ``reference`` is bloc97's rule."""
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "lr should be > 0")
+        check_lr(self.lr)  # the optimizer's own rule
         _check(0 <= self.compression_decay < 1, "compression_decay should be in [0, 1)")
         _check(self.compression_topk > 0, "compression_topk should be > 0")
         _check(self.compression_chunk > 0, "compression_chunk should be > 0")

@@ -1,7 +1,8 @@
 """The DeMo optimizer: a drop-in for bloc97/DeMo, split into compress / aggregate / apply for networks.
 
-Math layer: imports torch only. `step()` inside a torch.distributed group imports torch.distributed
-lazily (the drop-in contract needs its all_gather); the networked path never does.
+Math layer: imports torch only (no protobuf, grpc, hivemind or asyncio). `step()` inside a
+torch.distributed group gathers through `demonet.optim.gather` (the drop-in contract needs an
+all_gather); the networked path never does.
 
 Shape legend: B = blocks of a bucket, N = h * w coefficients per block, K = entries kept per block.
 The momentum lives in the DCT domain, in block layout (B, N): the transform is orthonormal and
@@ -14,106 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from .aggregate import aggregate
-from .chunking import CHUNK_POLICIES, chunk_shape
-from .dct import add_blocks_, block_view, dct_matrix, encode, to_blocks
+from .buckets import Bucket, Slot, build_buckets, local_tensor
+from .dct import add_blocks_, block_view, encode, to_blocks
 from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow
-from .payload import ENCODINGS, Compressed, Payload, matrix_shape, num_chunks, quantize
+from .gather import gather_payloads, world_size
+from .options import DeMoOptions, check_args
+from .payload import Compressed, Payload, quantize
 from .topk import topk_abs
 
-__all__ = ["BASES", "DeMo", "DeMoOptions"]
-
-BASES = ("sign", "sgd", "adamw")
-"""The base optimizer phi applied to the decoded aggregate u (DeMo v2): ``sign`` is Signum, as the
-reference (``p -= lr * sign(u)``); ``sgd`` is the identity (``p -= lr * u``); ``adamw`` runs Adam's
-moments on u (FlexDeMo's DeToAdamW) with decoupled weight decay."""
+__all__ = ["DeMo"]
 
 _STATE_KEYS = ("momentum", "exp_avg", "exp_avg_sq")
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One parameter's rows in its bucket."""
-
-    param: torch.Tensor
-    name: str
-    index: int  # position in the optimizer's param order (state_dict key)
-    shape: tuple[int, ...]  # of the local tensor: a sharded (DTensor) parameter's own shard
-    rows: int
-    cols: int
-    start: int
-    stop: int
-
-
-@dataclass(eq=False)
-class _Bucket:
-    """Parameters of one group sharing a chunk shape, device and momentum dtype: one batch of blocks."""
-
-    group: int
-    h: int
-    w: int
-    slots: list[_Slot] = field(default_factory=list)
-    num_blocks: int = 0
-    momentum_BN: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    exp_avg_BN: torch.Tensor | None = None
-    exp_avg_sq_BN: torch.Tensor | None = None
-    bases: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))  # (D_h, D_w.T) for encode
-    exact_bases: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))  # (D_h, D_w), float64
-
-
-@dataclass(frozen=True)
-class DeMoOptions:
-    """DeMo's settings beyond the reference's signature, validated once, when made.
-
-    Attributes:
-        base: the base optimizer, one of `BASES`.
-        alpha: momentum subtraction coefficient in (0, 1] (DeMo v2); 1.0 is the reference.
-        encoding: value encoding of the payload, one of `demonet.optim.ENCODINGS`.
-        chunk_policy: ``reference`` (divisors, the default for parity) or ``pad`` (see
-            `demonet.optim.chunking`).
-        betas, eps: Adam's coefficients for ``base="adamw"``.
-        bucket_cap_mb: blocks are transformed in buckets of at most this size (a larger tensor gets
-            a bucket of its own); scratch memory is three buckets. 4 MiB keeps a bucket's passes in
-            a CPU's last-level cache.
-        chunks: an explicit (h, w) chunk per parameter name, instead of `chunk_policy` on its shape.
-            A sharded parameter (a DTensor, e.g. under FSDP2's ``fully_shard``) is optimized on its
-            local shard (``to_local()``); giving it the whole parameter's chunk keeps the shard's
-            blocks exactly the whole parameter's blocks when the shard is a whole number of chunks.
-    """
-
-    base: str = "sign"
-    alpha: float = 1.0
-    encoding: str = "fp32"
-    chunk_policy: str = "reference"
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    bucket_cap_mb: float = 4.0
-    chunks: Mapping[str, tuple[int, int]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.base in BASES, f"base should be one of {BASES}, got {self.base!r}"),
-            (0.0 < self.alpha <= 1.0, f"alpha should be in (0, 1], got {self.alpha}"),
-            (self.encoding in ENCODINGS, f"encoding should be one of {ENCODINGS}, got {self.encoding!r}"),
-            (self.chunk_policy in CHUNK_POLICIES,
-             f"chunk_policy should be one of {CHUNK_POLICIES}, got {self.chunk_policy!r}"),
-            (len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
-             f"betas should be in [0, 1), got {self.betas}"),
-            (self.eps > 0.0, f"eps should be > 0, got {self.eps}"),
-            (self.bucket_cap_mb > 0.0, f"bucket_cap_mb should be > 0, got {self.bucket_cap_mb}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        for name, hw in self.chunks.items():
-            if len(hw) != 2 or not all(isinstance(x, int) and x > 0 for x in hw):
-                raise ValueError(f"chunks[{name!r}] should be two positive ints (h, w), got {hw!r}")
 
 
 class DeMo(torch.optim.Optimizer):
@@ -154,7 +72,7 @@ class DeMo(torch.optim.Optimizer):
         if options is not None and extras:
             raise TypeError(f"give either options or its fields as keywords, not both: {sorted(extras)}")
         self.options = options if options is not None else DeMoOptions(**extras)  # TypeError: an unknown name
-        _check_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay)
+        check_args(lr, compression_decay, compression_topk, compression_chunk, weight_decay)
         self._chunks = dict(self.options.chunks)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.compression_decay = compression_decay
@@ -182,51 +100,15 @@ class DeMo(torch.optim.Optimizer):
     # -- construction --------------------------------------------------------------------------------
 
     def _build_buckets(self) -> None:
-        self._buckets: list[_Bucket] = []
-        self._slots: list[_Slot] = []
-        self._bucket_of: dict[str, _Bucket] = {}
-        open_buckets: dict[tuple[Any, ...], _Bucket] = {}
-        index = -1
-        for gi, group in enumerate(self.param_groups):
-            names = group.get("param_names")
-            for pi, p in enumerate(group["params"]):
-                index += 1
-                if not p.requires_grad:
-                    continue
-                name = names[pi] if names else str(index)
-                if name in self._bucket_of:
-                    raise ValueError(f"parameter name {name!r} appears twice")
-                shape = tuple(_local(p).shape)
-                rows, cols = matrix_shape(shape)
-                h, w = self._chunks.get(name) or chunk_shape(rows, cols, self.compression_chunk,
-                                                             self.options.chunk_policy)
-                num_blocks = num_chunks(shape, (h, w))
-                key = (gi, h, w, p.device, _momentum_dtype(p.dtype))
-                bucket = open_buckets.get(key)
-                if bucket is None or (bucket.num_blocks + num_blocks) * h * w > self._bucket_cap:
-                    bucket = open_buckets[key] = _Bucket(group=gi, h=h, w=w)
-                    self._buckets.append(bucket)
-                slot = _Slot(p, name, index, shape, rows, cols, bucket.num_blocks, bucket.num_blocks + num_blocks)
-                bucket.slots.append(slot)
-                bucket.num_blocks += num_blocks
-                self._slots.append(slot)
-                self._bucket_of[name] = bucket
+        self._buckets, self._slots = build_buckets(
+            self.param_groups, chunks=self._chunks, compression_chunk=self.compression_chunk,
+            chunk_policy=self.options.chunk_policy, bucket_cap=self._bucket_cap, adam=self.options.base == "adamw")
+        self._bucket_of = {slot.name: bucket for bucket in self._buckets for slot in bucket.slots}
         for bucket in self._buckets:
-            p = bucket.slots[0].param
-            dtype = _momentum_dtype(p.dtype)
-            shape = (bucket.num_blocks, bucket.h * bucket.w)
-            bucket.momentum_BN = torch.zeros(shape, dtype=dtype, device=p.device)
-            if self.options.base == "adamw":
-                bucket.exp_avg_BN = torch.zeros(shape, dtype=dtype, device=p.device)
-                bucket.exp_avg_sq_BN = torch.zeros(shape, dtype=dtype, device=p.device)
-            bucket.bases = (dct_matrix(bucket.h, dtype, p.device),
-                            dct_matrix(bucket.w, dtype, p.device).t().contiguous())
-            bucket.exact_bases = (dct_matrix(bucket.h, torch.float64, p.device),
-                                  dct_matrix(bucket.w, torch.float64, p.device))
             for slot in bucket.slots:
                 self._bind_state(bucket, slot)
 
-    def _bind_state(self, bucket: _Bucket, slot: _Slot) -> None:
+    def _bind_state(self, bucket: Bucket, slot: Slot) -> None:
         """Point the param's entries in `self.state` at its rows of the bucket buffers."""
         state = self.state[slot.param]
         state["momentum"] = bucket.momentum_BN[slot.start:slot.stop]
@@ -235,7 +117,7 @@ class DeMo(torch.optim.Optimizer):
             state["exp_avg_sq"] = bucket.exp_avg_sq_BN[slot.start:slot.stop]
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
 
-    def _scratch_for(self, bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _scratch_for(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Three (B, h, w) work buffers, kept between steps: large fresh tensors cost page faults."""
         m = bucket.momentum_BN
         numel = m.numel()
@@ -272,7 +154,7 @@ class DeMo(torch.optim.Optimizer):
             dst, src = [], []  # gradients that tile exactly: one batched copy per bucket
             for slot in bucket.slots:
                 grad, x_CHW = slot.param.grad, x_BHW[slot.start:slot.stop]
-                grad = None if grad is None else _local(grad)
+                grad = None if grad is None else local_tensor(grad)
                 if grad is None:
                     x_CHW.zero_()
                     continue
@@ -344,7 +226,7 @@ class DeMo(torch.optim.Optimizer):
                 u_BHW.mul_(step)  # the update, -lr * u, rounded once
                 step = 1.0
             # else u is -1, 0 or 1: step * u is exact, so a fused multiply-add rounds as add does
-            locals_ = [_local(slot.param) for slot in bucket.slots]
+            locals_ = [local_tensor(slot.param) for slot in bucket.slots]
             if wd != 0.0:
                 torch._foreach_mul_(locals_, as_opmath(1.0 - lr * wd, locals_[0].dtype))
             params, updates = [], []  # parameters that tile exactly: one batched add per bucket
@@ -363,7 +245,7 @@ class DeMo(torch.optim.Optimizer):
             if params:
                 torch._foreach_add_(params, updates, alpha=step)
 
-    def _decode(self, bucket: _Bucket, agg: Payload, u_BHW: torch.Tensor, sign: bool) -> None:
+    def _decode(self, bucket: Bucket, agg: Payload, u_BHW: torch.Tensor, sign: bool) -> None:
         """u = IDCT(aggregate) for the bucket's blocks, exactly (`decode_exact`), or sign(u) with `sign`
         (`decode_sign` where float32 GEMMs are IEEE: the same bits, faster): the same bits everywhere."""
         d_h, d_w = bucket.exact_bases
@@ -382,7 +264,7 @@ class DeMo(torch.optim.Optimizer):
         if sign:
             u_BHW.sign_()
 
-    def _adam_direction(self, bucket: _Bucket, u_BHW: torch.Tensor, t_BHW: torch.Tensor) -> None:
+    def _adam_direction(self, bucket: Bucket, u_BHW: torch.Tensor, t_BHW: torch.Tensor) -> None:
         """Replace u by Adam's bias-corrected m / (sqrt(v) + eps), updating the moments.
 
         One rounding per operation, in a fixed order (see `apply`): ``m = beta1*m + (1-beta1)*u``,
@@ -440,9 +322,10 @@ class DeMo(torch.optim.Optimizer):
                 loss = closure()
         payload = self.compress()
         payloads = [payload]
-        if _world_size(self.process_group) > 1:
-            payloads = _all_gather(payload, self.process_group)
+        if world_size(self.process_group) > 1:
+            payloads, _ = gather_payloads(payload, self.process_group)
         self.apply(aggregate(payloads))
+        # The reference's accounting (int64 indices), not the narrower bytes gather_payloads sends.
         per_peer = sum(c.idx.numel() * (8 + c.val.element_size()) for c in payload.tensors.values())
         self.data_transmit, self.data_receive = per_peer, per_peer * len(payloads)
         return loss
@@ -477,22 +360,6 @@ class DeMo(torch.optim.Optimizer):
                 self.state[slot.param]["step"] = entries["step"].detach().clone().float().cpu()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor DeMo reads and writes: a DTensor's local shard (duck-typed: no torch.distributed
-    import), or the tensor itself. Under no_grad the shard shares the parameter's storage."""
-    to_local = getattr(t, "to_local", None)
-    if to_local is None:
-        return t
-    with torch.no_grad():
-        local: torch.Tensor = to_local()
-    return local
-
-
-def _momentum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 momentum under half-precision params: the reference's bf16 error feedback is lossy."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _pad_cols(x_CK: torch.Tensor, width: int, fill: torch.Tensor | float) -> torch.Tensor:
     """Right-pad rows to `width` columns with `fill` (a scalar, or a (C, 1) column)."""
     if x_CK.shape[1] == width:
@@ -500,50 +367,3 @@ def _pad_cols(x_CK: torch.Tensor, width: int, fill: torch.Tensor | float) -> tor
     extra = width - x_CK.shape[1]
     pad = fill.expand(-1, extra) if isinstance(fill, torch.Tensor) else x_CK.new_full((x_CK.shape[0], extra), fill)
     return torch.cat([x_CK, pad], dim=1)
-
-
-def _world_size(group: Any) -> int:
-    import torch.distributed as dist  # only the drop-in step() needs it
-
-    if not dist.is_available() or not dist.is_initialized():
-        return 1
-    return int(dist.get_world_size(group))
-
-
-def _all_gather(payload: Payload, group: Any) -> list[Payload]:
-    """Every rank's payload in rank order: two all_gathers in all (the reference does two per param)."""
-    import torch.distributed as dist
-
-    parts = list(payload.tensors.values())
-    idx_flat = torch.cat([c.idx.reshape(-1) for c in parts])
-    val_flat = torch.cat([c.val.reshape(-1) for c in parts])
-    world = dist.get_world_size(group)
-    idx_all = [torch.empty_like(idx_flat) for _ in range(world)]
-    val_all = [torch.empty_like(val_flat) for _ in range(world)]
-    dist.all_gather(idx_all, idx_flat, group=group)
-    dist.all_gather(val_all, val_flat, group=group)
-    sizes = [c.idx.numel() for c in parts]
-    gathered = []
-    for idx_w, val_w in zip(idx_all, val_all, strict=True):
-        tensors = {}
-        for (name, c), i_flat, v_flat in zip(payload.tensors.items(), torch.split(idx_w, sizes),
-                                             torch.split(val_w, sizes), strict=True):
-            tensors[name] = Compressed(idx=i_flat.view_as(c.idx), val=v_flat.view_as(c.val), shape=c.shape,
-                                       chunk=c.chunk)
-        gathered.append(Payload(tensors=tensors, encoding=payload.encoding))
-    return gathered
-
-
-def _check_args(lr: float, decay: float, topk: int, chunk: int, weight_decay: float) -> None:
-    """The reference's arguments. lr may be 0 (a frozen group, as in torch's optimizers); a run's
-    config asks for lr > 0, since a run that cannot learn is a mistake there."""
-    checks = [
-        (lr >= 0.0, f"lr should be >= 0, got {lr}"),
-        (0.0 <= decay < 1.0, f"compression_decay should be in [0, 1), got {decay}"),
-        (isinstance(topk, int) and topk > 0, f"compression_topk should be a positive int, got {topk}"),
-        (isinstance(chunk, int) and chunk > 0, f"compression_chunk should be a positive int, got {chunk}"),
-        (weight_decay >= 0.0, f"weight_decay should be >= 0, got {weight_decay}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)

@@ -24,6 +24,7 @@ def test_precedence_cli_over_env_over_toml(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("toml", "env", "message"), [
     ("[optim]\nlr = -1.0\n", {}, "lr should be > 0"),
+    ("[optim]\nlr = 0.0\n", {}, "lr should be > 0, got 0.0"),  # the optimizer's own check (check_lr)
     ("[optim]\ncompression_topk = 0\n", {}, "compression_topk"),
     ("[optim]\nbase = 'lion'\n", {}, "base should be one of"),
     ("[nope]\nx = 1\n", {}, "unknown section"),

@@ -203,7 +203,8 @@ def test_bases_and_encodings_descend(base: str, encoding: str) -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"compression_topk": 0}, "compression_topk"), ({"compression_topk": -3}, "compression_topk"),
     ({"compression_chunk": 0}, "compression_chunk"), ({"compression_decay": 1.0}, "compression_decay"),
-    ({"compression_decay": -0.1}, "compression_decay"), ({"lr": -1.0}, "lr"), ({"base": "lion"}, "base"),
+    ({"compression_decay": -0.1}, "compression_decay"), ({"lr": -1.0}, "lr should be > 0"),
+    ({"lr": 0.0}, "lr should be > 0, got 0.0"), ({"lr": float("nan")}, "lr should be > 0"), ({"base": "lion"}, "base"),
     ({"alpha": 0.0}, "alpha"), ({"alpha": 1.5}, "alpha"), ({"encoding": "fp8"}, "encoding"),
     ({"chunk_policy": "x"}, "chunk_policy"), ({"weight_decay": -1.0}, "weight_decay"),
 ])
