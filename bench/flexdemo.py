@@ -66,9 +66,9 @@ def _wire_bytes(trainer: Any, payload: Any, group: dist.ProcessGroup) -> int:
 def _worker(rank: int, mode: str, lr: float, args: argparse.Namespace, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from demonet.flex.replicate import gather_payloads, hybrid_mesh
+    from demonet.flex.replicate import hybrid_mesh
     from demonet.flex.shard import FlexTrainer, state_bytes
-    from demonet.optim import aggregate
+    from demonet.optim import aggregate, gather_payloads
     from demonet.train.data import Batches, load_corpus, split
     from demonet.train.model import GPT
 
