@@ -132,10 +132,9 @@ class RoundLoop:
                 await asyncio.to_thread(self._save)
 
     async def _rounds(self, beats: asyncio.Task[None] | None) -> int:
-        opened = open(self.metrics, "a") if self.metrics is not None else contextlib.nullcontext(None)
         if self.metrics is not None:
             self.metrics.parent.mkdir(parents=True, exist_ok=True)
-        with opened as metrics:
+        with open(self.metrics, "a") if self.metrics is not None else contextlib.nullcontext(None) as metrics:
             while await self.membership.agree(not self.stop.is_set()
                                               and (not self.total_rounds or self.round < self.total_rounds)):
                 if not await self.run_round(metrics):
