@@ -75,9 +75,7 @@ async def _client(stub: pbg.CoordinatorStub, name: str, payload: Payload, rounds
         data = wire.encode(payload, step=r)
 
         async def parts(data: bytes = data, r: int = r, digest: str = digest) -> AsyncIterator[pb.SubmitPart]:
-            for raw in wire.split(data):
-                part = pb.PayloadPart()
-                part.ParseFromString(raw)
+            for part in wire.split(data):
                 yield pb.SubmitPart(peer_id=name, round=r, param_digest=digest, loss=1.0, part=part)
 
         await start.wait()

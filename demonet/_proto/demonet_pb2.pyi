@@ -281,7 +281,7 @@ class StatusReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., phase: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., submitted: _Optional[int] = ..., seconds_left: _Optional[float] = ..., param_digest: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., last_loss: _Optional[float] = ..., rounds_closed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., rejected: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
 
 class DhtMessage(_message.Message):
-    __slots__ = ("run", "round", "sender", "kind", "slice", "num_slices", "members_digest", "contributors", "data", "last", "error", "sent_at", "mac")
+    __slots__ = ("run", "round", "sender", "kind", "slice", "num_slices", "members_digest", "contributors", "error", "sent_at", "part", "mac")
     RUN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -290,10 +290,9 @@ class DhtMessage(_message.Message):
     NUM_SLICES_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
-    DATA_FIELD_NUMBER: _ClassVar[int]
-    LAST_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
     run: str
     round: int
@@ -303,9 +302,8 @@ class DhtMessage(_message.Message):
     num_slices: int
     members_digest: str
     contributors: _containers.RepeatedScalarFieldContainer[str]
-    data: bytes
-    last: bool
     error: str
     sent_at: float
+    part: PayloadPart
     mac: bytes
-    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., kind: _Optional[_Union[DhtKind, str]] = ..., slice: _Optional[int] = ..., num_slices: _Optional[int] = ..., members_digest: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., data: _Optional[bytes] = ..., last: bool = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., kind: _Optional[_Union[DhtKind, str]] = ..., slice: _Optional[int] = ..., num_slices: _Optional[int] = ..., members_digest: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., mac: _Optional[bytes] = ...) -> None: ...

@@ -206,9 +206,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             blob = await asyncio.to_thread(self.state.parameters_blob, round_)
         self.metrics.add("bytes_down", len(blob))
         for part in wire.split(blob):
-            msg = pb.PayloadPart()
-            msg.ParseFromString(part)
-            yield msg
+            yield part
 
     async def Submit(self, request_iterator: AsyncIterator[pb.SubmitPart],
                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.SubmitReply:
@@ -229,7 +227,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         return self._refused(e)
                 elif (part.peer_id, part.round) != (head.peer_id, head.round):
                     raise InvalidPayload("parts of one submission name different peers or rounds")
-                data = reassembler.add(part.part.SerializeToString())
+                data = reassembler.add(part.part)
             if head is None or data is None:
                 raise InvalidPayload("the submission ended before its payload was complete")
             step, payload = await asyncio.to_thread(decode_contribution, data, expected=self.state.specs,
@@ -300,9 +298,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.metrics.add("bytes_down", len(closed.data))
         if closed.data:
             for part in wire.split(closed.data):
-                msg = pb.PayloadPart()
-                msg.ParseFromString(part)
-                yield pb.AggregateChunk(part=msg)
+                yield pb.AggregateChunk(part=part)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatusReply:
         await self._admit(request, context)

@@ -19,6 +19,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils import get_dht_time
 
+from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Payload
@@ -31,7 +32,7 @@ __all__ = ["DhtOptions", "HmacValidator"]
 
 logger = logging.getLogger(__name__)
 
-HANDLER = "demonet.dht.v1"
+HANDLER = "demonet.dht.v2"  # v2: payloads travel as PayloadPart messages (v1 had DhtMessage.data and last)
 _PART_BYTES = 1 << 20
 _MAC_BYTES = 32
 _KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
@@ -181,9 +182,11 @@ class _Streams:
         msg.mac = rules.sign(self._token, msg.SerializeToString())
         return msg
 
-    def _messages(self, kind: int, round: int, data: bytes, **fields: Any) -> list[pb.DhtMessage]:
-        cuts = [data[i:i + _PART_BYTES] for i in range(0, len(data), _PART_BYTES)] or [b""]
-        return [self._message(kind, round, data=cut, last=i == len(cuts) - 1, **fields) for i, cut in enumerate(cuts)]
+    def _messages(self, kind: int, round: int, data: bytes | None, **fields: Any) -> list[pb.DhtMessage]:
+        """One message without a part if `data` is None, else one message per part of `data`."""
+        if data is None:
+            return [self._message(kind, round, **fields)]
+        return [self._message(kind, round, part=part, **fields) for part in wire.split(data, part_bytes=_PART_BYTES)]
 
     def _check(self, msg: pb.DhtMessage) -> str:
         """Why a message is refused ('' if it is good)."""
@@ -199,17 +202,20 @@ class _Streams:
             return "sent too long ago"
         return ""
 
-    async def _call(self, address: str, kind: int, round: int, *, timeout_s: float, data: bytes = b"",
+    async def _call(self, address: str, kind: int, round: int, *, timeout_s: float, data: bytes | None = None,
                     **fields: Any) -> tuple[pb.DhtMessage, bytes]:
-        """One request stream to a peer and its reply stream; returns (the first reply, the reply's data)."""
+        """One request stream to a peer and its reply stream; returns (the first reply, the reply's data:
+        b"" for a reply without parts)."""
         requests = self._messages(kind, round, data, **fields)
+        max_bytes = wire_params.MAX_PARAMETER_BYTES if kind == pb.DHT_KIND_PARAMS else wire.DEFAULT_MAX_BYTES
+        parts = wire.Reassembler(max_bytes=max_bytes)
+        whole: bytes | None = None
 
         async def send() -> AsyncIterator[pb.DhtMessage]:
             for msg in requests:
                 yield msg
 
         first: pb.DhtMessage | None = None
-        chunks = []
         try:
             async with asyncio.timeout(timeout_s):
                 stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(address), HANDLER, send(),
@@ -221,26 +227,36 @@ class _Streams:
                     first = first or msg
                     if msg.error:
                         raise PeerUnavailable(f"refused: {msg.error}")
-                    chunks.append(msg.data)
-                    if msg.last:
+                    if not msg.HasField("part"):
+                        break
+                    whole = parts.add(msg.part)
+                    if whole is not None:
                         break
         except TimeoutError:
             raise PeerUnavailable(f"no answer within {timeout_s:.1f} s") from None
-        except PeerUnavailable:
+        except (PeerUnavailable, InvalidPayload):
             raise
         except Exception as e:  # hivemind's P2P raises its own errors (daemon, handler, connection) for a lost peer
             raise PeerUnavailable(f"{type(e).__name__}: {e}") from None
         if first is None:
             raise PeerUnavailable("the stream ended without an answer")
-        return first, b"".join(chunks)
+        if first.HasField("part") and whole is None:
+            raise PeerUnavailable("the reply stream ended before its payload was whole")
+        return first, whole or b""
 
     async def _handle(self, requests: AsyncIterator[pb.DhtMessage], context: P2PContext
                       ) -> AsyncIterator[pb.DhtMessage]:
         """Serve one stream: a part for a slice we own, a merged slice, or a range of parameters."""
         head: pb.DhtMessage | None = None
-        chunks = []
+        parts = wire.Reassembler()  # only a PART request carries parts: a payload slice
+        data: bytes | None = None
         async for msg in requests:
             why = self._check(msg)
+            if not why and msg.HasField("part"):
+                try:
+                    data = parts.add(msg.part)  # None until whole; a part after that raises
+                except InvalidPayload as e:
+                    why = f"bad part: {e}"
             if why:
                 self.refused += 1
                 logger.warning("[%s] refused a message from %s: %s", self.peer_id, context.remote_id, why)
@@ -251,34 +267,35 @@ class _Streams:
                     drained += 1
                     if drained >= _MAX_DRAIN:
                         break
-                yield self._message(pb.DHT_KIND_REPLY, msg.round, error=why, last=True)
+                yield self._message(pb.DHT_KIND_REPLY, msg.round, error=why)
                 return
-            head = head or msg
-            chunks.append(msg.data)  # read to the end of the stream: closing early breaks the caller's pipe
+            head = head or msg  # read to the end of the stream: closing early breaks the caller's pipe
         if head is None:
             return
-        data = b"".join(chunks)
         r = head.round
         if head.kind in (pb.DHT_KIND_PART, pb.DHT_KIND_FETCH) and self._far(r):
-            yield self._message(pb.DHT_KIND_REPLY, r, error=f"round {r} is not kept here (at {self.latest})", last=True)
+            yield self._message(pb.DHT_KIND_REPLY, r, error=f"round {r} is not kept here (at {self.latest})")
             return
         if head.kind == pb.DHT_KIND_PART:
+            if data is None:
+                yield self._message(pb.DHT_KIND_REPLY, r, error="the part's payload is not whole")
+                return
             st = self._round(r)
             async with self._cond:
                 st.parts.setdefault(head.slice, {})[head.sender] = (head.members_digest, data)
                 st.bytes_down += len(data)
                 self._cond.notify_all()
-            yield self._message(pb.DHT_KIND_REPLY, r, last=True)
+            yield self._message(pb.DHT_KIND_REPLY, r)
         elif head.kind == pb.DHT_KIND_FETCH:
             async for reply in self._serve_slice(r, head.slice, head.sender):
                 yield reply
         elif head.kind == pb.DHT_KIND_PING:
-            yield self._message(pb.DHT_KIND_REPLY, r, last=True)
+            yield self._message(pb.DHT_KIND_REPLY, r)
         elif head.kind == pb.DHT_KIND_PARAMS:
             for reply in self._serve_params(r, head.slice, head.num_slices):
                 yield reply
         else:
-            yield self._message(pb.DHT_KIND_REPLY, r, error=f"unknown request kind {head.kind}", last=True)
+            yield self._message(pb.DHT_KIND_REPLY, r, error=f"unknown request kind {head.kind}")
 
     async def _serve_slice(self, r: int, s: int, sender: str) -> AsyncIterator[pb.DhtMessage]:
         st = self._round(r)
@@ -297,7 +314,7 @@ class _Streams:
                                 await self._cond.wait()
             held = st.merged.get(s)
         if held is None:
-            yield self._message(pb.DHT_KIND_REPLY, r, error=f"slice {s} of round {r} is not held here", last=True)
+            yield self._message(pb.DHT_KIND_REPLY, r, error=f"slice {s} of round {r} is not held here")
             return
         contributors, data, _ = held
         for msg in self._messages(pb.DHT_KIND_REPLY, r, data, slice=s, contributors=list(contributors)):
@@ -311,12 +328,12 @@ class _Streams:
         """Parameters at the start of round `r`, range `i` of `n`; encoded at once in the event loop, so
         the optimizer cannot step them meanwhile (it steps after `gather` returned, which also ends serving)."""
         if self._params is None or self._params[0] != r or not 0 <= i < n:
-            return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameters of round {r} here", last=True)]
+            return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameters of round {r} here")]
         named = self._params[1]()
         sizes = [(name, max(1, t.numel() * t.element_size())) for name, t in named]
         ranges = rules.param_ranges(sizes, n)
         if i >= len(ranges):
-            return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameter range {i} of {n}", last=True)]
+            return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameter range {i} of {n}")]
         wanted = set(ranges[i])
         data = wire_params.encode_parameters([(name, t) for name, t in named if name in wanted], round=r)
         return self._messages(pb.DHT_KIND_REPLY, r, data)

@@ -233,7 +233,7 @@ class GrpcClient:
             data = None
             call = self._stub.GetParameters(request, metadata=self._metadata, timeout=self.wait_timeout_s)
             async for part in call:
-                data = parts.add(part.SerializeToString())
+                data = parts.add(part)
             if data is None:
                 raise InvalidPayload(f"GetParameters({round}): the stream ended before the parameters were whole")
             return data
@@ -289,7 +289,7 @@ class GrpcClient:
         return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
 
     async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: str) -> None:
-        parts = [pb.PayloadPart.FromString(p) for p in wire.split(data)]
+        parts = wire.split(data)
 
         def requests() -> Iterator[Any]:
             for part in parts:
@@ -322,7 +322,7 @@ class GrpcClient:
             if kind == "header" and header is None:
                 header = chunk.header
             elif kind == "part" and header is not None and not header.aborted:
-                data = parts.add(chunk.part.SerializeToString())
+                data = parts.add(chunk.part)
             else:
                 raise InvalidPayload(f"GetAggregate({round}): unexpected {kind} in the stream")
         if header is None or (not header.aborted and data is None):

@@ -1,6 +1,6 @@
 """The wire layer for dense named tensors: the canonical parameters a joining peer downloads.
 
-Part of the wire layer with demonet/wire/__init__.py: the only modules that touch protobuf messages of
+Part of the wire layer with demonet/wire/codec.py: the only modules that touch protobuf messages of
 tensors. Imports the math layer's digest; nothing networked.
 """
 

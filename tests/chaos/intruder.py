@@ -76,13 +76,13 @@ METHODS = {  # name -> (kind, reply type)
     "GetParameters": ("stream_out", pb.PayloadPart), "Submit": ("stream_in", pb.SubmitReply),
     "GetAggregate": ("stream_out", pb.AggregateChunk), "Status": ("unary", pb.StatusReply),
 }
-_TRAILER = len(wire._TRAILER_HEAD) + 32
+_TRAILER = len(wire.codec._TRAILER_HEAD) + 32
 
 
 def _seal(msg: Any) -> bytes:
     """A payload message serialized with a correct digest, so the check goes past the digest."""
     body = msg.SerializeToString()
-    return body + wire._TRAILER_HEAD + hashlib.sha256(body).digest()
+    return body + wire.codec._TRAILER_HEAD + hashlib.sha256(body).digest()
 
 
 def _parse(data: bytes) -> Any:
@@ -214,7 +214,7 @@ class Intruder:
 
     def parts(self, data: bytes, round: int, digest: str, peer_id: str | None = None) -> list[bytes]:
         return [pb.SubmitPart(peer_id=peer_id or self.peer_id, round=round, param_digest=digest, loss=1.0,
-                              part=pb.PayloadPart.FromString(p)).SerializeToString() for p in wire.split(data)]
+                              part=p).SerializeToString() for p in wire.split(data)]
 
     async def submit(self, category: str, parts: list[bytes]) -> None:
         code, replies = await self.call("Submit", parts, self.meta())
@@ -272,7 +272,7 @@ class Intruder:
             body = bytearray(good[:-_TRAILER])
             for _ in range(self.rng.randint(1, 4)):
                 body[self.rng.randrange(len(body))] ^= 1 << self.rng.randrange(8)
-            sealed = bytes(body) + wire._TRAILER_HEAD + hashlib.sha256(body).digest()
+            sealed = bytes(body) + wire.codec._TRAILER_HEAD + hashlib.sha256(body).digest()
             try:
                 _parse(sealed)
             except Exception:  # noqa: BLE001 - not even a protobuf any more: still worth sending
@@ -302,12 +302,12 @@ class Intruder:
         good = self.valid_payload(run_config, r)
         small = wire.split(good, part_bytes=max(1, len(good) // 3))
         mixed = [pb.SubmitPart(peer_id=self.peer_id if i == 0 else "a", round=r, param_digest=digest,
-                               part=pb.PayloadPart.FromString(p)).SerializeToString() for i, p in enumerate(small)]
+                               part=p).SerializeToString() for i, p in enumerate(small)]
         await self.submit("parts_mixed_peers", mixed)
         mixed = [pb.SubmitPart(peer_id=self.peer_id, round=r + i, param_digest=digest,
-                               part=pb.PayloadPart.FromString(p)).SerializeToString() for i, p in enumerate(small)]
+                               part=p).SerializeToString() for i, p in enumerate(small)]
         await self.submit("parts_mixed_rounds", mixed)
-        parts = [pb.PayloadPart.FromString(p) for p in small]
+        parts = small
         twice = [parts[0], parts[0], *parts[1:]]
         await self.submit("parts_duplicate", [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
                                                             part=p).SerializeToString() for p in twice])

@@ -94,7 +94,7 @@ class Peer:
         data = None
         async for part in self.stub.GetParameters(pb.ParametersRequest(peer_id=self.peer_id, round=round_),
                                                   metadata=self.md, timeout=30):
-            data = parts.add(part.SerializeToString())
+            data = parts.add(part)
         expected = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
         assert data is not None
         got_round, tensors = wire_params.decode_parameters(data, expected=expected)
@@ -108,9 +108,7 @@ class Peer:
 
     async def submit_bytes(self, round_: int, data: bytes, digest: str | None = None) -> pb.SubmitReply:
         async def parts() -> AsyncIterator[pb.SubmitPart]:
-            for raw in wire.split(data):
-                part = pb.PayloadPart()
-                part.ParseFromString(raw)
+            for part in wire.split(data):
                 yield pb.SubmitPart(peer_id=self.peer_id, round=round_, param_digest=digest or self.digest(),
                                     loss=1.0, part=part)
 
@@ -139,7 +137,7 @@ class Peer:
             if chunk.HasField("header"):
                 header = chunk.header
             else:
-                data = parts.add(chunk.part.SerializeToString())
+                data = parts.add(chunk.part)
         assert header is not None
         agg = wire.decode(data, expected=self.opt.param_specs())[1] if data else None
         return header, agg

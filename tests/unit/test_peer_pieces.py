@@ -223,7 +223,7 @@ def _chunks(round: int, agg: Payload | None, contributors: tuple[str, ...]) -> l
                                                          contributors=list(contributors), param_digest="abc"))
     if agg is None:
         return [header]
-    return [header] + [pb.AggregateChunk(part=pb.PayloadPart.FromString(p))
+    return [header] + [pb.AggregateChunk(part=p)
                        for p in wire.split(wire.encode(agg, step=round), part_bytes=300)]
 
 

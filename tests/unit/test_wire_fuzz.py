@@ -20,7 +20,7 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 from demonet.optim.payload import ENCODINGS, Compressed, Payload
-from demonet.wire import _codec
+from demonet.wire import _indices
 from tests.unit.test_wire import expected_of, make_compressed, num_chunks, parse, seal, small_payload
 
 
@@ -195,8 +195,8 @@ def m_padding_bits(msg: pb.Payload, rng: random.Random) -> None:
     for t in msg.tensors:
         n = t.chunk_h * t.chunk_w
         bits = {
-            pb.INDEX_CODING_PACKED: _codec.index_width(n) * t.k,
-            pb.INDEX_CODING_ELIAS_FANO: _codec.ef_chunk_bits(n, t.k),
+            pb.INDEX_CODING_PACKED: _indices.index_width(n) * t.k,
+            pb.INDEX_CODING_ELIAS_FANO: _indices.ef_chunk_bits(n, t.k),
             pb.INDEX_CODING_BITMAP: n,
         }[t.index_coding]
         chunks = _chunks(t)
@@ -227,7 +227,7 @@ def m_upper_bits(msg: pb.Payload, rng: random.Random) -> None:
     if t.index_coding == pb.INDEX_CODING_BITMAP:
         bit = chunk * n + rng.randrange(n)
     else:
-        low, per = _codec.ef_low_bits(n, t.k), _codec.ef_chunk_bits(n, t.k)
+        low, per = _indices.ef_low_bits(n, t.k), _indices.ef_chunk_bits(n, t.k)
         bit = chunk * per + t.k * low + rng.randrange(per - t.k * low)
     data = bytearray(t.indices)
     data[bit // 8] ^= 1 << (bit % 8)
@@ -241,10 +241,10 @@ def m_out_of_range(msg: pb.Payload, rng: random.Random) -> None:
     num = _chunks(t)
     if t.index_coding == pb.INDEX_CODING_PACKED:
         idx_CK = np.array([[rng.randrange(15), 15] for _ in range(num)])
-        [t.indices] = _codec.encode_indices(["packed"], idx_CK, 15, [num])
+        [t.indices] = _indices.encode_indices(["packed"], idx_CK, 15, [num])
     else:  # Elias-Fano with l = 2 can spell 15 (high 3, low 3)
         idx_CK = np.array([[0, 15] for _ in range(num)])
-        [t.indices] = _codec.encode_indices(["elias_fano"], idx_CK, 15, [num])
+        [t.indices] = _indices.encode_indices(["elias_fano"], idx_CK, 15, [num])
         t.index_coding = pb.INDEX_CODING_ELIAS_FANO
 
 
@@ -301,7 +301,7 @@ def test_unsorted_entropy_indices_are_rejected() -> None:
     msg = parse(wire.encode(small_payload("fp32", 0), step=0, index_coding="entropy"))
     t = msg.tensors.add(name="extra", shape=[64], chunk_h=1, chunk_w=64, k=2, value_encoding=msg.encoding)
     t.index_coding = pb.INDEX_CODING_ELIAS_FANO
-    [t.indices] = _codec.encode_indices(["elias_fano"], np.array([[3, 1]]), 64, [1])  # same high part, lows descending
+    [t.indices] = _indices.encode_indices(["elias_fano"], np.array([[3, 1]]), 64, [1])  # one high part, lows descending
     t.values = struct.pack("<2f", 1.0, 2.0)
     assert "sorted" in _rejected(seal(msg))
 
