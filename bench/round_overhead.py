@@ -11,6 +11,9 @@ For N in --peers-list (2, 4, 8) it runs `demonet up --peers N --steps S --out <t
 Round 0 is left out of the medians (first-call costs). Then the goals, met or not:
 - round time <= 1.15x compute at 4 peers;
 - bytes down <= 1.5x bytes up at 2, 4 and 8 peers.
+With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base REV`) every
+run is made twice, back to back, once on DIR's code and once on this tree's, and a last table
+compares the two side by side (same machine, same minute).
 Run from the repo root: `python bench/round_overhead.py`. Prints a table; not a test.
 """
 
@@ -32,14 +35,18 @@ GOAL_OVERHEAD_PEERS = 4
 GOAL_BYTES = 1.5
 
 
-def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = False) -> tuple[int, float, str]:
-    """`demonet up [--dht]` with N peers; returns (exit code, wall seconds, the tail of its stderr)."""
+def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = False,
+           code: Path | None = None) -> tuple[int, float, str]:
+    """`demonet up [--dht]` with N peers (on the demonet in `code`, default this tree); returns (exit code,
+    wall seconds, the tail of its stderr)."""
     cmd = [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", str(steps), "--out",
            str(out), "--no-progress", *(["--dht"] if dht else [])]
     if config:
         cmd += ["--config", config]
+    root = (code or Path(__file__).resolve().parent.parent).resolve()
+    env = {**os.environ, "PYTHONPATH": str(root)}
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
     return proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]
 
 
@@ -69,6 +76,7 @@ def main() -> None:
     parser.add_argument("--peers-list", default="2,4,8", help="peer counts, comma-separated (2,4,8)")
     parser.add_argument("--steps", type=int, default=30, help="rounds per run (30)")
     parser.add_argument("--config", help="TOML run config (default: the embedded default model)")
+    parser.add_argument("--baseline", type=Path, help="a checkout of another commit: run it too, side by side")
     args = parser.parse_args()
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
 
@@ -85,8 +93,17 @@ def main() -> None:
           "| down B/peer/round | down / up | digests agree | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     results: dict[int, dict[str, Any]] = {}
+    baseline: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="round_overhead-") as tmp:
         for n in counts:
+            if args.baseline is not None:
+                out = Path(tmp) / f"baseline-{n}"
+                code, _, err = run_up(n, args.steps, args.config, out, code=args.baseline)
+                metrics = out / "metrics.jsonl"
+                if code == 0 and metrics.exists():
+                    baseline[n] = measure([json.loads(line) for line in metrics.read_text().splitlines()])
+                else:
+                    print(err, file=sys.stderr)
             out = Path(tmp) / f"peers-{n}"
             code, wall, err = run_up(n, args.steps, args.config, out)
             metrics = out / "metrics.jsonl"
@@ -101,6 +118,18 @@ def main() -> None:
                   f"| {m['up']:,.0f} | {m['down']:,.0f} | {m['down_up']:.2f}x | {'yes' if m['agree'] else 'NO'} "
                   f"| {wall:.0f} |")
 
+    if args.baseline is not None:
+        print()
+        print(f"## against {args.baseline} (run just before each row above)")
+        print()
+        print("| peers | round / slowest compute, baseline | this tree | round s, baseline | this tree "
+              "| round s ratio (this / baseline) |")
+        print("|---|---|---|---|---|---|")
+        for n in counts:
+            if n in baseline and n in results:
+                b, m = baseline[n], results[n]
+                print(f"| {n} | {b['overhead_slowest']:.2f}x | {m['overhead_slowest']:.2f}x | {b['round_s']:.3f} "
+                      f"| {m['round_s']:.3f} | {m['round_s'] / b['round_s']:.2f} |")
     print()
     print("## goals")
     if GOAL_OVERHEAD_PEERS in results:
