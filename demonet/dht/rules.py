@@ -2,7 +2,8 @@
 
 Membership freeze (who is in a round), the majority digest, the slice plan of the sparse
 reduce-scatter, the parameter ranges a joiner loads from several donors, and the HMAC of the run
-token. Imports the math layer's dataclasses and torch; the transport (demonet.dht.gatherer) calls these.
+token. Imports the math layer's dataclasses and torch; must not import asyncio, grpc, hivemind or any
+other demonet.dht module. The transport's parts (demonet.dht.board, exchange, donor, streams) call these.
 
 Shape legend: R = rows (chunks) of one tensor inside a slice, K = entries per row, U = merged entries per row.
 """
@@ -158,7 +159,7 @@ class SlicePlan:
 
     def slice_specs(self, s: int) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
         """What a valid message for slice `s` holds: synthetic name -> (shape, chunk)."""
-        out = {}
+        out: dict[str, tuple[tuple[int, ...], tuple[int, int]]] = {}
         for piece in self.slices[s]:
             h, w = self.specs[piece.name][1]
             out[f"{piece.name}@{piece.lo}"] = ((piece.hi - piece.lo) * h, w), (h, w)

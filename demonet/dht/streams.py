@@ -1,20 +1,19 @@
-"""The DHT-mode transport's pieces below the round logic: options, record signing, and the libp2p streams.
+"""The DHT-mode transport's libp2p side: options, record signing, and the signed stream messages.
 
-Net layer, part of demonet.dht.gatherer (imported only with it): the HMAC validator of DHT records,
-`DhtOptions`, and `_Streams`, which sends and serves the signed stream messages (parts, merged
-slices, parameter ranges) over hivemind's P2P.
+Net layer, used by demonet.dht.node and the round components (board, exchange, donor): the HMAC
+validator of DHT records, `DhtOptions`, and `Streams`, which sends signed requests over hivemind's
+P2P and serves the requests other peers send to the handlers registered with it. Must not import
+grpc, demonet.transport.grpc or the round components.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils import get_dht_time
@@ -22,20 +21,18 @@ from hivemind.utils import get_dht_time
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload, PeerUnavailable
-from demonet.optim import Payload
 from demonet.wire import params as wire_params
 from demonet.wire.merge import MergeRules
 
 from . import rules
 
-__all__ = ["DhtOptions", "HmacValidator"]
+__all__ = ["HANDLER", "DhtOptions", "HmacValidator", "Reply", "Streams", "now", "retry"]
 
 logger = logging.getLogger(__name__)
 
 HANDLER = "demonet.dht.v2"  # v2: payloads travel as PayloadPart messages (v1 had DhtMessage.data and last)
 _PART_BYTES = 1 << 20
 _MAC_BYTES = 32
-_KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
 _REPLAY_S = 600.0  # messages sent longer ago than this (by the sender's clock) are refused
 _MAX_DRAIN = 64  # messages read after a refused one, so that the refusal reaches its sender
 
@@ -116,64 +113,66 @@ class DhtOptions:
             raise ValueError("start_peers should be >= 1")
 
 
-@dataclass(eq=False)
-class _Round:
-    """What this peer knows of one round: its plan once frozen, parts in, merged slices held."""
+@dataclass
+class Reply:
+    """A handler's answer to one request: `data` (cut into messages) with extra fields, or an `error`."""
 
-    plan: rules.SlicePlan | None = None
-    owners: list[str] = field(default_factory=list)
-    members: list[str] = field(default_factory=list)  # the effective members (majority digest)
-    mdigest: str = ""
-    rs_deadline: float = 0.0
-    ag_deadline: float = 0.0
-    parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
-    merged: dict[int, tuple[tuple[str, ...], bytes, Payload]] = field(default_factory=dict)
-    fetched: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers that fetched it from here
-    bytes_up: int = 0
-    bytes_down: int = 0
+    data: bytes | None = None
+    """None: a reply without parts (an acknowledgement)."""
+    fields: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    sent: Callable[[], Awaitable[None]] | None = None
+    """Called once the last message of the reply went out (not on an error)."""
 
 
-class _Streams:
-    """The stream side of a DHT peer: signed messages, calls with retries, and the handler that serves them."""
+Handler = Callable[[pb.DhtMessage, bytes | None], Awaitable[Reply]]
+"""(the request's first message, its payload: None for a request without parts) -> the reply."""
+"""Serves one request kind: (the request's first message, the request's data) -> the reply."""
 
-    opts: DhtOptions
-    peer_id: str
-    p2p: Any
-    refused: int
-    _token: bytes
-    _cond: asyncio.Condition
-    _rounds: dict[int, _Round]
-    _params: tuple[int, Callable[[], list[tuple[str, torch.Tensor]]]] | None
 
-    latest: int = -1
-    """The latest round this peer gathered for; streams about rounds far from it are refused."""
+async def retry(attempt: Callable[[float], Awaitable[Any]], deadline: float) -> str:
+    """Run `attempt(timeout_s)` until it succeeds or `deadline` (DHT time) passes; returns the last
+    error ('' on success). A stream can break while both peers are fine, so one failure is not final."""
+    delay_s, error = 0.05, ""
+    while True:
+        try:
+            await attempt(max(0.1, deadline - now()))
+            return ""
+        except (PeerUnavailable, InvalidPayload) as e:
+            error = str(e)
+        if now() + delay_s >= deadline:
+            return error
+        await asyncio.sleep(delay_s)
+        delay_s = min(2 * delay_s, 0.5)
 
-    def _round(self, r: int, *, mine: bool = False) -> _Round:
-        """The state of round `r`; `mine`: this peer starts it (older rounds are forgotten then)."""
-        if mine and r > self.latest:
-            self.latest = r
-            for old in [k for k in self._rounds if k < r - _KEEP_ROUNDS]:
-                del self._rounds[old]
-        return self._rounds.setdefault(r, _Round())
 
-    def _far(self, r: int) -> bool:
-        """A round this peer keeps no state for: long over, or too far ahead (a peer out of step)."""
-        return r < self.latest - _KEEP_ROUNDS or (self.latest >= 0 and r > self.latest + 2)
+class Streams:
+    """Signed messages over one peer's libp2p endpoint: calls to other peers, and the handler that serves them.
 
-    async def _retry(self, attempt: Callable[[float], Any], deadline: float) -> str:
-        """Run `attempt(timeout_s)` until it succeeds or `deadline` (DHT time) passes; returns the last
-        error ('' on success). A stream can break while both peers are fine, so one failure is not final."""
-        delay_s, error = 0.05, ""
-        while True:
-            try:
-                await attempt(max(0.1, deadline - now()))
-                return ""
-            except (PeerUnavailable, InvalidPayload) as e:
-                error = str(e)
-            if now() + delay_s >= deadline:
-                return error
-            await asyncio.sleep(delay_s)
-            delay_s = min(2 * delay_s, 0.5)
+    Requests are dispatched by kind to the handlers given to `serve`; a ping is answered here.
+    """
+
+    def __init__(self, opts: DhtOptions, peer_id: str, p2p: Any) -> None:
+        self.opts, self.peer_id, self.p2p = opts, peer_id, p2p
+        self._token = opts.token.encode()
+        self._handlers: dict[int, Handler] = {pb.DHT_KIND_PING: self._ping}
+        self.refused = 0
+        """Messages refused (bad MAC, another run, replayed)."""
+
+    def serve(self, kind: int, handler: Handler) -> None:
+        """Answer requests of `kind` (a `pb.DhtKind`) with `handler`."""
+        self._handlers[kind] = handler
+
+    async def open(self) -> None:
+        await self.p2p.add_protobuf_handler(HANDLER, self._handle, pb.DhtMessage, stream_input=True,
+                                            stream_output=True)
+
+    async def close(self) -> None:
+        await self.p2p.remove_protobuf_handler(HANDLER, stream_input=True, stream_output=True)
+
+    @staticmethod
+    async def _ping(head: pb.DhtMessage, data: bytes | None) -> Reply:
+        return Reply()
 
     # -- messages --------------------------------------------------------------------------------------
 
@@ -202,8 +201,8 @@ class _Streams:
             return "sent too long ago"
         return ""
 
-    async def _call(self, address: str, kind: int, round: int, *, timeout_s: float, data: bytes | None = None,
-                    **fields: Any) -> tuple[pb.DhtMessage, bytes]:
+    async def call(self, address: str, kind: int, round: int, *, timeout_s: float, data: bytes | None = None,
+                   **fields: Any) -> tuple[pb.DhtMessage, bytes]:
         """One request stream to a peer and its reply stream; returns (the first reply, the reply's data:
         b"" for a reply without parts)."""
         requests = self._messages(kind, round, data, **fields)
@@ -246,7 +245,7 @@ class _Streams:
 
     async def _handle(self, requests: AsyncIterator[pb.DhtMessage], context: P2PContext
                       ) -> AsyncIterator[pb.DhtMessage]:
-        """Serve one stream: a part for a slice we own, a merged slice, or a range of parameters."""
+        """Serve one stream: check every message, read the request to its end, answer with its kind's handler."""
         head: pb.DhtMessage | None = None
         parts = wire.Reassembler()  # only a PART request carries parts: a payload slice
         data: bytes | None = None
@@ -273,67 +272,15 @@ class _Streams:
         if head is None:
             return
         r = head.round
-        if head.kind in (pb.DHT_KIND_PART, pb.DHT_KIND_FETCH) and self._far(r):
-            yield self._message(pb.DHT_KIND_REPLY, r, error=f"round {r} is not kept here (at {self.latest})")
+        if head.HasField("part") and data is None:
+            yield self._message(pb.DHT_KIND_REPLY, r, error="the request's payload is not whole")
             return
-        if head.kind == pb.DHT_KIND_PART:
-            if data is None:
-                yield self._message(pb.DHT_KIND_REPLY, r, error="the part's payload is not whole")
-                return
-            st = self._round(r)
-            async with self._cond:
-                st.parts.setdefault(head.slice, {})[head.sender] = (head.members_digest, data)
-                st.bytes_down += len(data)
-                self._cond.notify_all()
-            yield self._message(pb.DHT_KIND_REPLY, r)
-        elif head.kind == pb.DHT_KIND_FETCH:
-            async for reply in self._serve_slice(r, head.slice, head.sender):
-                yield reply
-        elif head.kind == pb.DHT_KIND_PING:
-            yield self._message(pb.DHT_KIND_REPLY, r)
-        elif head.kind == pb.DHT_KIND_PARAMS:
-            for reply in self._serve_params(r, head.slice, head.num_slices):
-                yield reply
-        else:
-            yield self._message(pb.DHT_KIND_REPLY, r, error=f"unknown request kind {head.kind}")
-
-    async def _serve_slice(self, r: int, s: int, sender: str) -> AsyncIterator[pb.DhtMessage]:
-        st = self._round(r)
-        limit = self.opts.window_s + 3 * self.opts.exchange_timeout_s  # the round must freeze and merge by then
-
-        def answered() -> bool:
-            # The owner answers once merged; another member once it holds the slice or the phase is over.
-            return s in st.merged or (st.plan is not None and now() >= st.ag_deadline)
-
-        async with self._cond:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(limit):
-                    while not answered():
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(max(0.01, st.ag_deadline - now()) if st.plan else 1.0):
-                                await self._cond.wait()
-            held = st.merged.get(s)
-        if held is None:
-            yield self._message(pb.DHT_KIND_REPLY, r, error=f"slice {s} of round {r} is not held here")
+        handler = self._handlers.get(head.kind)
+        reply = await handler(head, data) if handler is not None else Reply(error=f"unknown request kind {head.kind}")
+        if reply.error:
+            yield self._message(pb.DHT_KIND_REPLY, r, error=reply.error)
             return
-        contributors, data, _ = held
-        for msg in self._messages(pb.DHT_KIND_REPLY, r, data, slice=s, contributors=list(contributors)):
+        for msg in self._messages(pb.DHT_KIND_REPLY, r, reply.data, **reply.fields):
             yield msg
-        async with self._cond:
-            st.bytes_up += len(data)
-            st.fetched.setdefault(s, set()).add(sender)
-            self._cond.notify_all()
-
-    def _serve_params(self, r: int, i: int, n: int) -> list[pb.DhtMessage]:
-        """Parameters at the start of round `r`, range `i` of `n`; encoded at once in the event loop, so
-        the optimizer cannot step them meanwhile (it steps after `gather` returned, which also ends serving)."""
-        if self._params is None or self._params[0] != r or not 0 <= i < n:
-            return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameters of round {r} here")]
-        named = self._params[1]()
-        sizes = [(name, max(1, t.numel() * t.element_size())) for name, t in named]
-        ranges = rules.param_ranges(sizes, n)
-        if i >= len(ranges):
-            return [self._message(pb.DHT_KIND_REPLY, r, error=f"no parameter range {i} of {n}")]
-        wanted = set(ranges[i])
-        data = wire_params.encode_parameters([(name, t) for name, t in named if name in wanted], round=r)
-        return self._messages(pb.DHT_KIND_REPLY, r, data)
+        if reply.sent is not None:
+            await reply.sent()

@@ -1,10 +1,11 @@
 """The one merge of a round's payloads, as the coordinator and every DHT slice owner do it.
 
 Wire layer: the math's `aggregate_clipped`, the values rounded through the aggregate's encoding,
-encoded as peers download it, and decoded back, so that the merger applies exactly what the others
-will. Both modes defend against poisoned but well-formed updates the same way: a payload (or a
-slice's part of one) above `MergeRules.max_norm` is refused when it is decoded, and each one above
-the round's median norm is scaled down to it before the merge.
+encoded as peers download it, and the same values as the others will decode them, so that the
+merger applies exactly what they do (without decoding its own bytes). Both modes defend against
+poisoned but well-formed updates the same way: a payload (or a slice's part of one) above
+`MergeRules.max_norm` is refused when it is decoded, and each one above the round's median norm is
+scaled down to it before the merge.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from demonet import wire
 from demonet.optim import Compressed, Payload, aggregate_clipped, quantize
+
+from . import _codec
 
 __all__ = ["MergeRules", "Merged", "decode_contribution", "merge"]
 
@@ -73,12 +78,44 @@ def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected
     `rules.encoding`, and encoded with entropy-coded indices. Deterministic: the same payloads in the
     same order give the same bytes on every machine, except that clipping's factors come from a
     float64 sum of squares.
+
+    `Merged.payload` is not decoded from `Merged.data`, yet it is what `wire.decode(data, expected=...)`
+    returns, bit for bit: see `_as_received`.
     """
     merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip)
     tensors = {}
     for name, c in merged.tensors.items():
         val, scale = quantize(c.val.float(), rules.encoding)
         tensors[name] = Compressed(idx=c.idx, val=val, shape=c.shape, chunk=c.chunk, scale=scale)
-    data = wire.encode(Payload(tensors=tensors, encoding=rules.encoding), step=step, index_coding="entropy")
-    _, applied = wire.decode(data, expected=expected)  # exactly what the others will decode
-    return Merged(data=data, payload=applied, factors=tuple(factors))
+    sent = Payload(tensors=tensors, encoding=rules.encoding)
+    data = wire.encode(sent, step=step, index_coding="entropy")
+    return Merged(data=data, payload=_as_received(sent, expected), factors=tuple(factors))
+
+
+def _as_received(sent: Payload, expected: Mapping[str, Any]) -> Payload:
+    """What a peer decodes from ``wire.encode(sent, index_coding="entropy")``, without decoding it.
+
+    The two agree bit for bit because `wire.encode` (1) sorts each row by index with `_codec.sort_rows`,
+    the very function used here, before it codes the indices losslessly; (2) refuses values whose
+    decoded bits differ from `val` (`_codec.encode_values` compares them, so `val`, which went
+    through `quantize`, is what receivers get); (3) sends an fp16 scale as its float32 bits. Decode
+    also returns the tensors in `expected`'s order, on the CPU. tests/unit/test_merge.py checks it.
+    """
+    cs = {name: sent.tensors[name] for name in expected}
+    by_k: dict[int, list[str]] = {}  # tensors with the same k are sorted in one go, as encode batches them
+    for name, c in cs.items():
+        by_k.setdefault(c.k, []).append(name)
+    tensors = {}
+    for names in by_k.values():
+        rows = [int(cs[name].idx.shape[0]) for name in names]
+        idx_RK = torch.cat([cs[name].idx for name in names]).detach().to("cpu", torch.int64).numpy()  # (R, K)
+        val_RK = torch.cat([cs[name].val for name in names]).detach().to("cpu", torch.float32).numpy()  # (R, K)
+        idx_RK, val_RK = _codec.sort_rows(idx_RK, val_RK)
+        parts = zip(names, torch.split(torch.from_numpy(idx_RK), rows), torch.split(torch.from_numpy(val_RK), rows),
+                    strict=True)
+        for name, idx_CK, val_CK in parts:
+            c = cs[name]
+            scale = None if c.scale is None else c.scale.detach().to("cpu", torch.float32)
+            tensors[name] = Compressed(idx=idx_CK, val=val_CK, shape=tuple(c.shape), chunk=c.chunk, scale=scale)
+    tensors = {name: tensors[name] for name in expected}
+    return Payload(tensors=tensors, encoding=sent.encoding)

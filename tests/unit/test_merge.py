@@ -64,3 +64,28 @@ def test_merge_clips_a_poisoner_and_serves_what_it_applies() -> None:
     loud = merge([honest[0], poisoned, *honest[1:]], step=5, rules=MergeRules(topk=6, clip=False), expected=SPECS)
     norm = lambda p: float(torch.cat([c.val.flatten() for c in p.tensors.values()]).norm())  # noqa: E731
     assert norm(loud.payload) > 50 * norm(merged.payload)
+
+
+@pytest.mark.parametrize("encoding", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("topk", [2, 6, 16])
+def test_what_the_merger_applies_is_bit_identical_to_what_peers_decode(encoding: str, topk: int) -> None:
+    """`merge` does not decode its own bytes; its payload must still be what `wire.decode` gives, bit for bit.
+
+    topk 16 exceeds the senders' distinct indices per row, so rows carry zero padding (repeated indices).
+    """
+    payloads = [_payload(s, scale=10.0 ** (s % 3 - 1)) for s in range(5)]
+    payloads[2].tensors["w"].val[0, 0] = -0.0  # a signed zero travels as such
+    merged = merge(payloads, step=9, rules=MergeRules(topk=topk, encoding=encoding), expected=SPECS)
+    step, decoded = wire.decode(merged.data, expected=SPECS)
+    assert step == 9 and decoded.encoding == merged.payload.encoding == encoding
+    assert list(decoded.tensors) == list(merged.payload.tensors) == list(SPECS)
+    for name, want in decoded.tensors.items():
+        got = merged.payload.tensors[name]
+        assert got.idx.dtype == want.idx.dtype == torch.int64 and torch.equal(got.idx, want.idx), name
+        assert got.val.dtype == want.val.dtype == torch.float32
+        assert torch.equal(got.val.view(torch.int32), want.val.view(torch.int32)), name
+        assert (got.shape, got.chunk) == (want.shape, want.chunk)
+        assert (got.scale is None) == (want.scale is None)
+        if want.scale is not None:
+            assert got.scale is not None and got.scale.shape == want.scale.shape
+            assert torch.equal(got.scale.view(torch.int32), want.scale.view(torch.int32))

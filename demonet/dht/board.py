@@ -1,0 +1,143 @@
+"""The round board of DHT mode: who is in each round, read from and written to the DHT's records.
+
+Net layer over demonet.dht.node: announcements and the freeze of a round's membership, the run's
+head round, joiners' registrations and admission, and each peer's published state (digest, address,
+the peers it expects next). The rules themselves are demonet.dht.rules. Must not import grpc,
+demonet.transport.grpc, or the exchange of payloads (demonet.dht.exchange).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from demonet.errors import PeerUnavailable
+from demonet.transport import NotMember
+
+from . import rules
+from .node import DhtNode
+from .streams import DhtOptions, now
+
+__all__ = ["RoundBoard"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_START_TIMEOUT_S = 600.0  # how long the first round waits for its start_peers
+
+
+class RoundBoard:
+    """This peer's view of the run's rounds on the DHT.
+
+    Timeouts (DHT time, the same clock on every peer): ``window_s``, from a round's first announcement
+    to its freeze at the latest; ``settle_s``, the store latency a freeze at its deadline allows for.
+    """
+
+    def __init__(self, node: DhtNode) -> None:
+        self._node = node
+        self.expected: dict[int, set[str] | None] = {}
+        """Round -> the peers its freeze waits for (None: the first round, `start_peers`)."""
+
+    @property
+    def _opts(self) -> DhtOptions:
+        return self._node.opts
+
+    # -- joining ---------------------------------------------------------------------------------------
+
+    async def head_round(self) -> int | None:
+        """The latest round any peer of the run has started, or None if the DHT knows no run yet."""
+        heads = [v.get("round") for v in (await self._node.get(self._node.key("head"))).values()]
+        rounds = [r for r in heads if isinstance(r, int)]
+        return max(rounds) if rounds else None
+
+    async def register(self, rounds: Iterable[int]) -> None:
+        """Ask to be admitted at these rounds (the members of the round before decide at its freeze)."""
+        # At once: rounds of a small model last tens of milliseconds, less than a store takes.
+        await asyncio.gather(*(self._node.store(self._node.key("join", r), {"t": now()}) for r in rounds))
+
+    async def publish_state(self, round: int, digest: str) -> None:
+        """Say this peer starts `round` with `digest`, at its address, expecting `expected[round]`."""
+        expected = self.expected.get(round)
+        record = {"digest": digest, "address": self._node.address, "client": self._opts.client_mode,
+                  "expected": sorted(expected) if expected is not None else None}
+        await asyncio.gather(self._node.store(self._node.key("state", round), record),
+                             self._node.store(self._node.key("head"), {"round": round}))
+
+    async def states(self, round: int) -> dict[str, dict[str, Any]]:
+        """The states the peers published for `round`, by peer."""
+        return await self._node.get(self._node.key("state", round))
+
+    async def admitted(self, round: int, timeout_s: float) -> bool | None:
+        """Whether the members of `round` expect this peer (None: no member said so within `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            states = await self.states(round)
+            lists = [tuple(v["expected"]) for v in states.values() if isinstance(v.get("expected"), list)]
+            if lists:
+                return self._node.peer_id in max(set(lists), key=lists.count)
+            await asyncio.sleep(4 * _POLL_S)
+        return None
+
+    def adopt_expected(self, round: int, states: Mapping[str, Mapping[str, Any]], donors: Iterable[str]) -> None:
+        """A joiner takes the peers that the donors of `round` expect, so that its state says the same."""
+        donors = set(donors)
+        lists = [v["expected"] for p, v in states.items() if p in donors and isinstance(v.get("expected"), list)]
+        if lists:
+            self.expected[round] = set(lists[0])
+
+    # -- one round -------------------------------------------------------------------------------------
+
+    async def enter(self, r: int, digest: str) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
+        """Announce this peer in round `r` and read the round's announcements until its freeze is final.
+
+        Raises:
+            NotMember: the round froze without this peer (it announced too late).
+            PeerUnavailable: the DHT did not give the round's membership.
+        """
+        announcement = {"t": now(), "digest": digest, "address": self._node.address,
+                        "client": self._opts.client_mode}
+        await self._node.store(self._node.key("members", r), announcement)
+        frozen, announced = await self._freeze(r)
+        if self._node.peer_id not in frozen.members:
+            raise NotMember(f"round {r} froze without this peer (announced too late)")
+        return frozen, announced
+
+    async def joiners(self, r: int, freeze_deadline: float) -> set[str]:
+        """The peers admitted at round `r`: registered for it before the previous round's freeze.
+
+        Less the store latency: every member reads the same records then.
+        """
+        joins = await self._node.get(self._node.key("join", r))
+        return {p for p, v in joins.items() if isinstance(v.get("t"), float | int)
+                and v["t"] < freeze_deadline - self._opts.settle_s}
+
+    async def _freeze(self, r: int) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
+        """Read the round's announcements until the freeze is final (see `rules.freeze`)."""
+        opts, expected = self._opts, self.expected.get(r)
+        # The first round waits for its start_peers to come up; later ones freeze within window_s.
+        limit = time.monotonic() + (_START_TIMEOUT_S if expected is None else opts.window_s * 3 + 10)
+        while time.monotonic() < limit:
+            read_at = now()
+            announced = {}
+            for p, v in (await self._node.get(self._node.key("members", r))).items():
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
+                                                      bool(v["client"]))
+            frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers, window_s=opts.window_s)
+            if frozen is not None and (frozen.settled or read_at >= frozen.deadline + opts.settle_s):
+                if not frozen.complete:
+                    missing = sorted(set(expected or ()) - set(frozen.members))
+                    logger.info("[%s round=%d] froze at the deadline with %d members%s", self._node.peer_id, r,
+                                len(frozen.members), f" (not in: {', '.join(missing)})" if missing else "")
+                return frozen, announced
+            wait_s = _POLL_S
+            if frozen is not None and not frozen.settled:
+                wait_s = min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, 4 * _POLL_S)
+            elif expected is None:
+                wait_s = 4 * _POLL_S
+            await asyncio.sleep(wait_s)
+        raise PeerUnavailable(f"round {r}: could not read its membership from the DHT")

@@ -1,0 +1,279 @@
+"""The payload exchange of a DHT round: a sparse reduce-scatter to the slice owners, then an all-gather.
+
+Net layer over demonet.dht.node's streams: sends each owner its part of the payload, merges the
+slices this peer owns with the one merge rule (demonet.wire.merge), serves them, and fetches the
+others. It does not decide who is in a round (demonet.dht.board does). Must not import grpc,
+demonet.transport.grpc, or the round board.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from demonet import wire
+from demonet._proto import demonet_pb2 as pb
+from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.optim import Payload
+from demonet.wire.merge import decode_contribution, merge
+
+from . import rules
+from .node import DhtNode
+from .streams import Reply, now, retry
+
+__all__ = ["Exchanged", "SliceExchange"]
+
+logger = logging.getLogger(__name__)
+
+_KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
+
+
+@dataclass(eq=False)
+class _Round:
+    """What this peer knows of one round: its plan once frozen, parts in, merged slices held."""
+
+    plan: rules.SlicePlan | None = None
+    owners: list[str] = field(default_factory=list)
+    members: list[str] = field(default_factory=list)  # the effective members (majority digest)
+    mdigest: str = ""
+    rs_deadline: float = 0.0
+    ag_deadline: float = 0.0
+    parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
+    merged: dict[int, tuple[tuple[str, ...], bytes, Payload]] = field(default_factory=dict)
+    fetched: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers that fetched it from here
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """What one round's exchange brought: the joined slices, or None if no slice came through."""
+
+    aggregate: Payload | None
+    kept: Payload | None
+    """The aggregate without the slices this peer's payload is not in (restored into its momentum)."""
+    contributors: tuple[str, ...]
+    """The peers whose payload is in a delivered slice, sorted."""
+    dead_owners: frozenset[str]
+    """The owners of slices nobody delivered."""
+    bytes_up: int
+    bytes_down: int
+
+
+class SliceExchange:
+    """Reduce-scatter and all-gather of the payloads' slices over the streams; serves parts and slices.
+
+    Timeouts (DHT time): ``exchange_timeout_s`` after the freeze, parts must have reached their owners;
+    that long after, merged slices must be fetched. A slice still missing then is asked from the
+    other members, and dropped by everyone if none holds it.
+    """
+
+    def __init__(self, node: DhtNode) -> None:
+        self._node, self.opts, self.peer_id = node, node.opts, node.peer_id
+        self._streams = node.streams
+        self._rounds: dict[int, _Round] = {}
+        self._cond = asyncio.Condition()
+        self.latest = -1
+        """The latest round this peer gathered for; streams about rounds far from it are refused."""
+        node.streams.serve(pb.DHT_KIND_PART, self._take_part)
+        node.streams.serve(pb.DHT_KIND_FETCH, self._serve_slice)
+
+    def _round(self, r: int, *, mine: bool = False) -> _Round:
+        """The state of round `r`; `mine`: this peer starts it (older rounds are forgotten then)."""
+        if mine and r > self.latest:
+            self.latest = r
+            for old in [k for k in self._rounds if k < r - _KEEP_ROUNDS]:
+                del self._rounds[old]
+        return self._rounds.setdefault(r, _Round())
+
+    def _far(self, r: int) -> bool:
+        """A round this peer keeps no state for: long over, or too far ahead (a peer out of step)."""
+        return r < self.latest - _KEEP_ROUNDS or (self.latest >= 0 and r > self.latest + 2)
+
+    async def run(self, r: int, payload: Payload, *, specs: rules.Specs, members: Sequence[str],
+                  owners: Sequence[str], addresses: Mapping[str, str], frozen_at: float) -> Exchanged:
+        """Exchange round `r`'s payload among `members` (sorted), `owners` (sorted, dialable) owning its slices.
+
+        `frozen_at`: the round's freeze (DHT time), from which the phases' deadlines run.
+        """
+        st = self._round(r, mine=True)
+        async with self._cond:
+            st.plan = rules.SlicePlan(specs, len(owners))
+            st.owners, st.members = list(owners[:st.plan.n]), list(members)
+            st.mdigest = rules.members_digest(members)
+            st.rs_deadline = max(frozen_at, now()) + self.opts.exchange_timeout_s
+            st.ag_deadline = st.rs_deadline + self.opts.exchange_timeout_s
+            self._cond.notify_all()
+        merged = await self._exchange(r, st, payload, addresses)
+        delivered = [s for s, m in enumerate(merged) if m is not None]
+        contributors = tuple(sorted({p for s in delivered for p in st.merged[s][0]}))
+        dead_owners = frozenset(st.owners[s] for s, m in enumerate(merged) if m is None)
+        if not delivered:
+            return Exchanged(None, None, contributors, dead_owners, st.bytes_up, st.bytes_down)
+        if dead_owners:
+            logger.warning("[%s round=%d] dropped the slices of %s: no member holds them", self.peer_id, r,
+                           ", ".join(sorted(dead_owners)))
+        agg = st.plan.join(merged)
+        mine = [m if m is not None and self.peer_id in st.merged[s][0] else None for s, m in enumerate(merged)]
+        kept = agg if mine == merged else st.plan.join(mine)  # restore all of the slices without this payload
+        return Exchanged(agg, kept, contributors, dead_owners, st.bytes_up, st.bytes_down)
+
+    async def _exchange(self, r: int, st: _Round, payload: Payload, addresses: Mapping[str, str]
+                        ) -> list[Payload | None]:
+        """Send each owner its slice, merge ours, fetch every merged slice; returns them (None: dropped)."""
+        assert st.plan is not None
+        plan, me = st.plan, self.peer_id
+        sends = []
+        for s, owner in enumerate(st.owners):
+            cut = plan.cut(payload, s)
+            if owner == me:
+                async with self._cond:
+                    st.parts.setdefault(s, {})[me] = (st.mdigest, wire.encode(cut, step=r))
+                    self._cond.notify_all()
+            else:
+                sends.append(self._send_part(r, st, s, cut, addresses[owner]))
+        merging = [self._merge(r, st, s) for s, owner in enumerate(st.owners) if owner == me]
+        fetches = [self._fetch_from_owner(r, st, s, addresses[owner]) for s, owner in enumerate(st.owners)
+                   if owner != me]
+        await asyncio.gather(*sends, *merging, *fetches)
+        missing = [s for s in range(plan.n) if s not in st.merged]
+        if missing:  # ask the other members (the owner last) for what the owner could not deliver
+            holders = [p for p in st.owners if p != me]
+            await asyncio.gather(*(self._fetch_from_holders(
+                r, st, s, [addresses[p] for p in sorted(holders, key=lambda p: p == st.owners[s])]) for s in missing))
+        # Stay until every member has fetched our slices (or the phase ended): an owner that leaves
+        # at once, after the run's last round, would take its slice with it.
+        mine = [s for s, owner in enumerate(st.owners) if owner == me and s in st.merged]
+        want = len(st.members) - 1
+        async with self._cond:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, st.ag_deadline - now())):
+                    await self._cond.wait_for(lambda: all(len(st.fetched.get(s, ())) >= want for s in mine))
+        return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
+
+    async def _send_part(self, r: int, st: _Round, s: int, cut: Payload, address: str) -> None:
+        data = await asyncio.to_thread(wire.encode, cut, step=r)
+
+        async def send(timeout_s: float) -> None:
+            await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest,
+                                     timeout_s=timeout_s)
+
+        error = await retry(send, st.rs_deadline)
+        if error:
+            logger.warning("[%s round=%d] slice %d: its owner did not take the part: %s", self.peer_id, r, s, error)
+        else:
+            st.bytes_up += len(data)
+
+    async def _merge(self, r: int, st: _Round, s: int) -> None:
+        """As the owner of slice `s`: wait for every member's part (or the deadline), merge, keep it."""
+        async with self._cond:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, st.rs_deadline - now())):
+                    await self._cond.wait_for(lambda: set(st.members) <= set(st.parts.get(s, {})))
+            parts = dict(st.parts.get(s, {}))
+        assert st.plan is not None
+        specs = st.plan.slice_specs(s)
+        decoded: dict[str, Payload] = {}
+        for sender in sorted(parts):
+            mdigest, data = parts[sender]
+            if sender not in st.members or mdigest != st.mdigest:
+                logger.warning("[%s round=%d] refused the part of %s: cut for another member list", self.peer_id, r,
+                               sender)
+                continue
+            try:
+                step, part = await asyncio.to_thread(decode_contribution, data, expected=specs, rules=self.opts.rules)
+                if step != r:
+                    raise InvalidPayload(f"part says round {step}")
+                decoded[sender] = part
+            except InvalidPayload as e:
+                logger.warning("[%s round=%d] refused the part of %s: %s", self.peer_id, r, sender, e)
+        if not decoded:
+            return
+        senders = tuple(sorted(decoded))
+        # One merge gives both forms: the bytes the others fetch and the payload this owner applies,
+        # which `merge` builds bit-identical to what they decode from those bytes (see its docstring).
+        merged = await asyncio.to_thread(merge, [decoded[p] for p in senders], step=r, rules=self.opts.rules,
+                                         expected=specs)
+        async with self._cond:
+            st.merged[s] = (senders, merged.data, merged.payload)
+            self._cond.notify_all()
+        if len(senders) < len(st.members):
+            logger.info("[%s round=%d] slice %d merged without %s", self.peer_id, r, s,
+                        ", ".join(sorted(set(st.members) - set(senders))))
+        clipped = [p for p, f in zip(senders, merged.factors, strict=True) if f < 1.0]
+        if clipped:
+            logger.info("[%s round=%d] slice %d: clipped %s to the median norm", self.peer_id, r, s, ", ".join(clipped))
+
+    async def _fetch_from_owner(self, r: int, st: _Round, s: int, address: str) -> None:
+        error = await retry(lambda timeout_s: self._fetch(r, st, s, address, timeout_s=timeout_s), st.ag_deadline)
+        if error:
+            logger.warning("[%s round=%d] slice %d: not from its owner: %s", self.peer_id, r, s, error)
+
+    async def _fetch_from_holders(self, r: int, st: _Round, s: int, addresses: list[str]) -> None:
+        await asyncio.sleep(max(0.0, st.ag_deadline - now()))  # holders answer for good only after it
+        for address in addresses:
+            with contextlib.suppress(PeerUnavailable, InvalidPayload):
+                await self._fetch(r, st, s, address, timeout_s=self.opts.exchange_timeout_s)
+                return
+
+    async def _fetch(self, r: int, st: _Round, s: int, address: str, *, timeout_s: float) -> None:
+        reply, data = await self._streams.call(address, pb.DHT_KIND_FETCH, r, slice=s, timeout_s=timeout_s)
+        assert st.plan is not None
+        step, payload = await asyncio.to_thread(wire.decode, data, expected=st.plan.slice_specs(s))
+        if step != r:
+            raise InvalidPayload(f"merged slice says round {step}")
+        async with self._cond:
+            st.bytes_down += len(data)
+            st.merged.setdefault(s, (tuple(reply.contributors), data, payload))
+            self._cond.notify_all()
+
+    # -- serving ---------------------------------------------------------------------------------------
+
+    async def _take_part(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
+        """A member's part of a slice this peer owns: kept for `_merge`."""
+        r = head.round
+        if data is None:
+            return Reply(error="a part request without its payload")
+        if self._far(r):
+            return Reply(error=f"round {r} is not kept here (at {self.latest})")
+        st = self._round(r)
+        async with self._cond:
+            st.parts.setdefault(head.slice, {})[head.sender] = (head.members_digest, data)
+            st.bytes_down += len(data)
+            self._cond.notify_all()
+        return Reply()
+
+    async def _serve_slice(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
+        """A merged slice, once this peer holds it (or, if not its owner, once the phase is over)."""
+        r, s, sender = head.round, head.slice, head.sender
+        if self._far(r):
+            return Reply(error=f"round {r} is not kept here (at {self.latest})")
+        st = self._round(r)
+        limit = self.opts.window_s + 3 * self.opts.exchange_timeout_s  # the round must freeze and merge by then
+
+        def answered() -> bool:
+            # The owner answers once merged; another member once it holds the slice or the phase is over.
+            return s in st.merged or (st.plan is not None and now() >= st.ag_deadline)
+
+        async with self._cond:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(limit):
+                    while not answered():
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(max(0.01, st.ag_deadline - now()) if st.plan else 1.0):
+                                await self._cond.wait()
+            held = st.merged.get(s)
+        if held is None:
+            return Reply(error=f"slice {s} of round {r} is not held here")
+        contributors, merged, _ = held
+
+        async def sent() -> None:
+            async with self._cond:
+                st.bytes_up += len(merged)
+                st.fetched.setdefault(s, set()).add(sender)
+                self._cond.notify_all()
+
+        return Reply(data=merged, fields={"slice": s, "contributors": list(contributors)}, sent=sent)
