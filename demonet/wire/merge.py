@@ -19,7 +19,7 @@ import torch
 from demonet import wire
 from demonet.optim import Compressed, Payload, aggregate_clipped, quantize
 
-from . import _codec
+from ._indices import sort_rows
 
 __all__ = ["MergeRules", "Merged", "decode_contribution", "merge"]
 
@@ -95,9 +95,9 @@ def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected
 def _as_received(sent: Payload, expected: Mapping[str, Any]) -> Payload:
     """What a peer decodes from ``wire.encode(sent, index_coding="entropy")``, without decoding it.
 
-    The two agree bit for bit because `wire.encode` (1) sorts each row by index with `_codec.sort_rows`,
+    The two agree bit for bit because `wire.encode` (1) sorts each row by index with `_indices.sort_rows`,
     the very function used here, before it codes the indices losslessly; (2) refuses values whose
-    decoded bits differ from `val` (`_codec.encode_values` compares them, so `val`, which went
+    decoded bits differ from `val` (`_values.encode_values` compares them, so `val`, which went
     through `quantize`, is what receivers get); (3) sends an fp16 scale as its float32 bits. Decode
     also returns the tensors in `expected`'s order, on the CPU. tests/unit/test_merge.py checks it.
     """
@@ -110,7 +110,7 @@ def _as_received(sent: Payload, expected: Mapping[str, Any]) -> Payload:
         rows = [int(cs[name].idx.shape[0]) for name in names]
         idx_RK = torch.cat([cs[name].idx for name in names]).detach().to("cpu", torch.int64).numpy()  # (R, K)
         val_RK = torch.cat([cs[name].val for name in names]).detach().to("cpu", torch.float32).numpy()  # (R, K)
-        idx_RK, val_RK = _codec.sort_rows(idx_RK, val_RK)
+        idx_RK, val_RK = sort_rows(idx_RK, val_RK)
         parts = zip(names, torch.split(torch.from_numpy(idx_RK), rows), torch.split(torch.from_numpy(val_RK), rows),
                     strict=True)
         for name, idx_CK, val_CK in parts:
