@@ -201,7 +201,7 @@ class _Peer:
         compute_s += time.perf_counter() - t1
         line = {"round": self.round, "peer": self.peer_id, "loss": loss, "bytes_up": result.bytes_up,
                 "bytes_down": result.bytes_down, "param_digest": self.digest,
-                "round_time_s": time.perf_counter() - t0, "compute_s": compute_s,
+                "round_time_s": time.perf_counter() - t0, "compute_s": compute_s, "time": time.time(),
                 "contributors": len(result.contributors), "aborted": result.aborted}
         if result.param_digest and self.digest != result.param_digest:
             self._log(logging.WARNING, "digest %s after applying, the coordinator has %s: downloading parameters",

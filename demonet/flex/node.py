@@ -176,6 +176,7 @@ class _Node:
         line["resyncs"] = self.resyncs
         trainer.step = self.round
         line["round_time_s"] = time.perf_counter() - t0
+        line["time"] = time.time()  # wall clock at the end of the round (the bench's time axis)
         if self.rank == 0:
             metrics.write(json.dumps(line) + "\n")
             metrics.flush()
