@@ -11,6 +11,7 @@ Imports no grpc.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -110,9 +111,10 @@ class LocalCoordinator:
 
     async def _close_round(self) -> None:
         outcome = self.rounds.outcome()
-        aborted = outcome.aborted or self.faults.pop(("*", outcome.round), None) == "abort"
+        if self.faults.pop(("*", outcome.round), None) == "abort":
+            outcome = dataclasses.replace(outcome, aborted=True)
         payloads = [self.payloads[p] for p in outcome.contributors]
-        closed = await asyncio.to_thread(self.state.close, outcome.round, payloads, outcome.contributors, aborted)
+        closed = await asyncio.to_thread(self.state.close, outcome, payloads)
         self.rounds.close(_now())
         self.aggregates[closed.round] = closed
         while len(self.aggregates) > _KEEP_AGGREGATES:

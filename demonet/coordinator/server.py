@@ -335,11 +335,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         r = self.rounds
         started = _now()
         self.metrics.phase.set(1)
-        outcome = r.outcome()
+        outcome = r.outcome()  # Rounds alone decides: the state applies (or not) what it says
         contributors = outcome.contributors
         payloads = [self.payloads[p] for p in contributors]
-        closed = await asyncio.to_thread(self.state.close, outcome.round, payloads, contributors, outcome.aborted)
-        r.close(_now())  # the same outcome: submissions wait on `cond`, which this holds
+        closed = await asyncio.to_thread(self.state.close, outcome, payloads)
+        decided = r.close(_now())
+        assert decided == outcome, "the round changed while it was applied; submissions should wait on `cond`"
         self.aggregates[closed.round] = closed
         while len(self.aggregates) > _KEEP_AGGREGATES:
             self.aggregates.popitem(last=False)

@@ -21,6 +21,8 @@ from demonet.wire import params as wire_params
 from demonet.wire.digest import param_digest
 from demonet.wire.merge import MergeRules, merge
 
+from .rounds import ClosedRound
+
 __all__ = ["CanonicalState", "ClosedAggregate"]
 
 logger = logging.getLogger(__name__)
@@ -63,10 +65,12 @@ class CanonicalState:
             self._blob = (round, wire_params.encode_parameters(self.params.items(), round=round, digest=self.digest))
         return self._blob[1]
 
-    def close(self, round: int, payloads: list[Payload], contributors: tuple[str, ...],
-              aborted: bool) -> ClosedAggregate:
-        """Merge the round's payloads, round the values as peers will decode them, apply, return it."""
-        if aborted or not payloads:
+    def close(self, outcome: ClosedRound, payloads: list[Payload]) -> ClosedAggregate:
+        """Apply the round as `Rounds.outcome` decided it: an aborted round changes nothing; otherwise merge
+        the contributors' payloads (in `outcome.contributors` order), round the values as peers will decode
+        them, apply, return it."""
+        round, contributors = outcome.round, outcome.contributors
+        if outcome.aborted:
             return ClosedAggregate(round, True, contributors, self.digest, b"")
         merged = merge(payloads, step=round, rules=self.rules, expected=self.specs)
         clipped = tuple(p for p, f in zip(contributors, merged.factors, strict=True) if f < 1.0)

@@ -13,10 +13,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import grpc.aio
+import tenacity
 import torch
 
 from demonet import wire
@@ -44,9 +45,23 @@ _RESUBMITS = 2  # times a payload is sent again when a restarted coordinator ask
 _LOST_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE)
 _AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 _BACKOFF_FIRST_S = 0.2
+"""The first wait before a call is tried again; each next one doubles, up to _BACKOFF_CAP_S."""
 _BACKOFF_CAP_S = 5.0
 _RECONNECT_BACKOFF_MAX_MS = 1000
 _MAX_MESSAGE_BYTES = 64 << 20  # parts are 2 MiB; room for a coordinator that cuts larger ones
+
+
+def _transient(e: BaseException) -> bool:
+    """A failure `GrpcClient._call` tries again: the coordinator is unreachable for now."""
+    return isinstance(e, grpc.aio.AioRpcError) and e.code() in _RETRY_CODES
+
+
+def _rpc_error(state: tenacity.RetryCallState) -> grpc.aio.AioRpcError:
+    """The error a retried attempt failed with (only `_transient` ones are retried)."""
+    assert state.outcome is not None
+    e = state.outcome.exception()
+    assert isinstance(e, grpc.aio.AioRpcError)
+    return e
 
 
 @dataclass(frozen=True)
@@ -134,38 +149,51 @@ class GrpcClient:
     # -- retries ---------------------------------------------------------------------------------------
 
     async def _call(self, what: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
-        """Run `attempt` until it succeeds, retrying while the coordinator is unreachable."""
-        give_up_at: float | None = None
-        delay_s = _BACKOFF_FIRST_S
-        while True:
-            try:
-                result = await attempt()
-            except grpc.aio.AioRpcError as e:
-                code = e.code()
-                if code in _AUTH_CODES:
-                    raise PermissionError(f"{what}: the coordinator at {self.address} refused the token "
-                                          f"({code.name}: {e.details()})") from None
-                if code not in _RETRY_CODES:
-                    raise
-                now = time.monotonic()
-                if give_up_at is None:
-                    give_up_at = now + self.reconnect_timeout_s
-                    logger.warning("[%s] %s: %s (%s); retrying for up to %.0f s", self.peer_id or "-", what, code.name,
-                                   e.details(), self.reconnect_timeout_s)
-                if now >= give_up_at:
-                    raise PeerUnavailable(f"{what}: the coordinator at {self.address} was unreachable for "
-                                          f"{self.reconnect_timeout_s:.0f} s (last: {code.name} {e.details()})"
-                                          ) from None
-                # Back off, but wake as soon as the channel reconnects: a restarted coordinator gives
-                # its members only a round's grace to come back, so a long sleep could miss it.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(delay_s, give_up_at - now)):
-                        await self._channel.channel_ready()
-                delay_s = min(2 * delay_s, _BACKOFF_CAP_S)
-                continue
-            if give_up_at is not None:
-                logger.info("[%s] %s: the coordinator answers again", self.peer_id or "-", what)
-            return result
+        """Run `attempt` until it succeeds, retrying while the coordinator is unreachable.
+
+        A failure with one of `_RETRY_CODES` is tried again after a capped exponential backoff, until
+        reconnect_timeout_s has passed since the first failure: then `PeerUnavailable`. A refused token
+        raises PermissionError at once; any other error propagates.
+        """
+        give_up_at: list[float] = []  # set at the first failure: the outage is timed from there, not from the call
+
+        def failed(state: tenacity.RetryCallState) -> None:
+            if not give_up_at:
+                give_up_at.append(time.monotonic() + self.reconnect_timeout_s)
+                e = _rpc_error(state)
+                logger.warning("[%s] %s: %s (%s); retrying for up to %.0f s", self.peer_id or "-", what,
+                               e.code().name, e.details(), self.reconnect_timeout_s)
+
+        def unavailable(state: tenacity.RetryCallState) -> NoReturn:
+            e = _rpc_error(state)
+            raise PeerUnavailable(f"{what}: the coordinator at {self.address} was unreachable for "
+                                  f"{self.reconnect_timeout_s:.0f} s (last: {e.code().name} {e.details()})")
+
+        async def back_off(delay_s: float) -> None:
+            # Wake as soon as the channel reconnects: a restarted coordinator gives its members only a
+            # round's grace to come back, so a long sleep could miss it.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay_s):
+                    await self._channel.channel_ready()
+
+        backoff = tenacity.wait_exponential(multiplier=_BACKOFF_FIRST_S, max=_BACKOFF_CAP_S)  # 0.2, 0.4, ... 5 s
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(_transient), after=failed,
+            stop=lambda _: time.monotonic() >= give_up_at[0],
+            wait=lambda state: max(0.0, min(backoff(state), give_up_at[0] - time.monotonic())),
+            sleep=back_off, retry_error_callback=unavailable)
+        try:
+            async for tried in retrying:
+                with tried:
+                    result = await attempt()
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _AUTH_CODES:
+                raise PermissionError(f"{what}: the coordinator at {self.address} refused the token "
+                                      f"({e.code().name}: {e.details()})") from None
+            raise
+        if give_up_at:
+            logger.info("[%s] %s: the coordinator answers again", self.peer_id or "-", what)
+        return result
 
     # -- unary calls -----------------------------------------------------------------------------------
 

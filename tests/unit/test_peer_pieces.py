@@ -5,7 +5,9 @@ No sockets: the gRPC client's stub is replaced by a fake that answers like the c
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
@@ -299,6 +301,49 @@ async def test_unavailable_is_retried_with_backoff(monkeypatch: pytest.MonkeyPat
     assert len(calls) == 4
     with pytest.raises(grpc.aio.AioRpcError):  # anything else is not retried
         await client._call("Bug", lambda: _raise(_rpc_error(grpc.StatusCode.INTERNAL)))
+    await client.close()
+
+
+async def test_the_outage_is_timed_from_the_first_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long first attempt (a stream that waited for its round) does not use up reconnect_timeout_s."""
+    monkeypatch.setattr(transport_grpc, "_BACKOFF_FIRST_S", 0.01)
+    client = GrpcClient("127.0.0.1:1", token="tok", reconnect_timeout_s=0.3)
+    calls = []
+
+    async def slow_then_ok() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            await asyncio.sleep(0.5)
+            raise _rpc_error(grpc.StatusCode.CANCELLED)
+        return "ok"
+
+    assert await client._call("Slow", slow_then_ok) == "ok" and len(calls) == 2
+    await client.close()
+
+
+async def test_gives_up_after_reconnect_timeout_and_a_refused_token_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport_grpc, "_BACKOFF_FIRST_S", 0.01)
+    client = GrpcClient("127.0.0.1:1", token="tok", reconnect_timeout_s=0.3)
+    calls: list[float] = []
+
+    async def down() -> None:
+        calls.append(time.monotonic())
+        raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "no route")
+
+    with pytest.raises(PeerUnavailable, match=r"Join: .* unreachable for 0 s \(last: UNAVAILABLE no route\)"):
+        await client._call("Join", down)
+    assert len(calls) >= 3  # backed off 0.01, 0.02, 0.04 ... s and tried again meanwhile
+    assert 0.25 <= calls[-1] - calls[0] <= 0.3 + 0.2  # the last try is made at the give-up time, not later
+    assert all(b - a <= 0.3 for a, b in zip(calls, calls[1:], strict=False))
+
+    codes = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED]  # a restarted coordinator, new token
+
+    async def refused() -> None:
+        raise _rpc_error(codes.pop(0), "bad token")
+
+    with pytest.raises(PermissionError, match="refused the token"):
+        await client._call("Join", refused)
+    assert codes == []
     await client.close()
 
 

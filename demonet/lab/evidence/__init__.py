@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-import re
 import secrets
 import subprocess
 import sys
@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +63,8 @@ class Run:
     mbit: float
     out: Path
     peers: list[list[dict[str, Any]]] = field(default_factory=list)
-    """Per peer: {"step", "t", "loss"} lines; step 0 marks the start of training."""
+    """Per peer: {"step", "time", "loss"} records (time: Unix time when the step was done); step 0 marks
+    the start of training."""
     samples: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
     """Per host: (Unix time, tx bytes, rx bytes) of its link."""
     peer_hosts: list[str] = field(default_factory=list)
@@ -94,13 +94,14 @@ class System:
     launch: Launcher
 
 
+def _rows(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines written to `path` so far: none if it is missing, and not a last line still being written."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
 def _read_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
-    rows = []
-    for rank in range(peers):
-        path = out / f"steps-{rank}.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        rows.append([json.loads(line) for line in lines if line.strip()])
-    return rows
+    return [_rows(out / f"steps-{rank}.jsonl") for rank in range(peers)]
 
 
 def _worker_args(setup: BenchSetup, rank: int, lr: float, out: Path, timeout_s: float) -> list[str]:
@@ -229,31 +230,17 @@ def _demonet_dht(encoding: str) -> Launcher:
     return launch
 
 
-_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\[peer-\d+ round=(\d+)\] "
-                       r"(loss|parameters|starting the run)")
-
-
 def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
-    """A demonet peer's rounds as step records: losses from its metrics, times from its log lines."""
-    rows = []
+    """A demonet peer's metrics rows as step records. The row of round n ends step n + 1, at the row's
+    "time"; step 0, the start of training, is when the first row's round began (its time less its
+    round_time_s): the parameters were in place then."""
+    steps = []
     for rank in range(peers):
-        metrics = out / f"metrics-peer-{rank}.jsonl"
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        loss = {int(r["round"]): float(r["loss"]) for r in map(json.loads, filter(str.strip, lines))}
-        records: list[dict[str, Any]] = []
-        log = out / "logs" / f"peer-{rank}.log"
-        for line in (log.read_text(errors="replace").splitlines() if log.exists() else []):
-            match = _LOG_TIME.match(line)
-            if not match:
-                continue
-            t = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            n = int(match[2])
-            if match[3] != "loss" and not records:  # the parameters are in place: training starts
-                records.append({"step": 0, "t": t, "loss": float("nan")})
-            elif match[3] == "loss" and n - 1 in loss:  # logged after the round count moved on
-                records.append({"step": n, "t": t, "loss": loss[n - 1]})
-        rows.append(records)
-    return rows
+        rows = _rows(out / f"metrics-peer-{rank}.jsonl")
+        records = [{"step": 0, "time": rows[0]["time"] - rows[0]["round_time_s"], "loss": math.nan}] if rows else []
+        records += [{"step": int(r["round"]) + 1, "time": float(r["time"]), "loss": float(r["loss"])} for r in rows]
+        steps.append(records)
+    return steps
 
 
 SYSTEMS: dict[str, System] = {s.name: s for s in (

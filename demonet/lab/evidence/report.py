@@ -36,14 +36,14 @@ def curve(run: Run) -> tuple[list[int], list[float], list[float]]:
     for records in run.peers:
         for r in records:
             by_step.setdefault(int(r["step"]), []).append(r)
-    starts = [r["t"] for r in by_step.get(0, [])]
+    starts = [r["time"] for r in by_step.get(0, [])]
     if not starts:
         return [], [], []
     t0 = max(starts)  # the last peer ready: a demonet peer waits for the others' parameter downloads
     # hivemind peers can skip a global step (they load the state of a later one): a step counts once
     # any peer did it, so its time is when the last of the peers that did it finished.
     steps = sorted(s for s in by_step if s > 0)
-    times = list(itertools.accumulate((max(r["t"] for r in by_step[s]) - t0 for s in steps), max))  # never back
+    times = list(itertools.accumulate((max(r["time"] for r in by_step[s]) - t0 for s in steps), max))  # never back
     losses = [statistics.fmean(float(r["loss"]) for r in by_step[s]) for s in steps]
     return steps, times, losses
 
@@ -68,7 +68,7 @@ def bytes_per_step(run: Run, host: str) -> tuple[float, float]:
     samples = run.samples.get(host, [])
     if len(steps) < 2 or len(samples) < 2:
         return math.nan, math.nan
-    t0 = max(r["t"] for rs in run.peers for r in rs if r["step"] == 0)
+    t0 = max(r["time"] for rs in run.peers for r in rs if r["step"] == 0)
     i = max(0, len(steps) // 5 - 1)
     (tx_a, rx_a), (tx_b, rx_b) = _at(samples, t0 + times[i]), _at(samples, t0 + times[-1])
     n = steps[-1] - steps[i]
@@ -146,7 +146,7 @@ def summarize(runs: Sequence[Run], setup: BenchSetup, target: float | None = Non
         ref = curve(fastest[run.system])
         need = _steps_to(target, ref[0], ref[2])
         projected = reached if not math.isnan(reached) else (need * step_s if need else math.nan)
-        t0 = max((r["t"] for rs in run.peers for r in rs if r["step"] == 0), default=math.nan)
+        t0 = max((r["time"] for rs in run.peers for r in rs if r["step"] == 0), default=math.nan)
         rows.append({
             "system": run.system, "label": SYSTEMS[run.system].label, "mbit": run.mbit, "finished": run.finished,
             "steps": steps[-1] if steps else 0, "train_s": times[-1] if times else math.nan,

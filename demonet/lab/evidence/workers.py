@@ -1,9 +1,10 @@
 """The baselines' training processes for `demonet bench`: AdamW with torch DDP, and hivemind.Optimizer.
 
 A bench module: imports torch.distributed and (lazily) hivemind; nothing in the package imports it.
-Each process appends one JSON line per optimizer step to ``steps-<rank>.jsonl``: {"step", "t", "loss",
-"batches"} (t: Unix time when the step was done; batches: the local batches it took). A line with step 0
-marks the start of training. Rank 0 saves the final parameters to ``final.pt`` when it does every step.
+Each process appends one JSON line per optimizer step to ``steps-<rank>.jsonl``: {"step", "time", "loss",
+"batches"} (time: Unix time when the step was done, as in a demonet peer's metrics rows; batches: the local
+batches it took). A line with step 0 marks the start of training. Rank 0 saves the final parameters to
+``final.pt`` when it does every step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _setup(args: argparse.Namespace) -> tuple[GPT, Batches, IO[str]]:
 
 
 def _record(log: IO[str], step: int, loss: float, batches: int = 1) -> None:
-    log.write(json.dumps({"step": step, "t": time.time(), "loss": loss, "batches": batches}) + "\n")
+    log.write(json.dumps({"step": step, "time": time.time(), "loss": loss, "batches": batches}) + "\n")
     log.flush()
 
 
