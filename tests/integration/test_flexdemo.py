@@ -201,4 +201,4 @@ def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path, reap_child
     assert param_digest(state["params"].items()) == final["nodeA"]
     for name in ("nodeA", "nodeB"):  # each node wrote its sharded checkpoint at the end
         saved = json.loads((tmp_path / name / f"node-{name}" / "round.json").read_text())
-        assert saved == {"round": ROUNDS, "resyncs": 0}
+        assert saved == {"peer_id": name, "round": ROUNDS, "param_digest": final[name], "resyncs": 0}
