@@ -196,6 +196,11 @@ class RoundLoop:
             return None
         return gather.result()
 
+    def _settle(self, payload: Payload, result: RoundResult) -> str:
+        """Restore and apply by the outcome, then the new digest (one trip to a worker thread)."""
+        self.replica.settle(payload, result, self.peer_id in result.contributors)
+        return self.replica.digest()
+
     async def run_round(self, metrics: TextIO | None) -> bool:
         """Train, gather and settle one round; False when the peer should stop (SIGTERM)."""
         await self.membership.begin_round(self.round, self.digest, self.replica.named_parameters)
@@ -218,8 +223,7 @@ class RoundLoop:
             self.log.info("abandoned the round")
             return False
         t1 = time.perf_counter()
-        await asyncio.to_thread(self.replica.settle, payload, result, self.peer_id in result.contributors)
-        self.digest = await asyncio.to_thread(self.replica.digest)
+        self.digest = await asyncio.to_thread(self._settle, payload, result)
         compute_s += time.perf_counter() - t1
         row: dict[str, Any] = {
             "round": self.round, "peer": self.peer_id, "loss": loss, "bytes_up": result.bytes_up,
