@@ -77,8 +77,12 @@ class TrainConfig:
     """Run folder: config.json, metrics.jsonl, summary.json."""
     device: str = "cpu"
     """cpu, cuda or cuda:N."""
+    task: str = ""
+    """MODULE:FUNCTION returning a `demonet.Task` (called with the [task] table); empty: the built-in GPT."""
 
     def __post_init__(self) -> None:
+        _check(not self.task or (self.task.count(":") == 1 and all(self.task.split(":"))),
+               f"task should be MODULE:FUNCTION, got {self.task!r}")
         _check(self.peers >= 1, "peers should be >= 1")
         _check(self.steps >= 1, "steps should be >= 1")
         _check(self.batch_size >= 1, "batch_size should be >= 1")
@@ -134,6 +138,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     net: NetConfig = field(default_factory=NetConfig)
+    task: dict[str, Any] = field(default_factory=dict)
+    """The [task] table: keyword arguments of the task function (train.task)."""
 
     def __post_init__(self) -> None:
         _check(self.train.seq_len <= self.model.seq_len, "train.seq_len should be <= model.seq_len")
@@ -183,12 +189,16 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         FileNotFoundError: the TOML file does not exist.
     """
     merged: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    task: dict[str, Any] = {}
     if path is not None:
         with open(path, "rb") as f:
             data = tomllib.load(f)
         for section, values in data.items():
+            if section == "task" and isinstance(values, dict):
+                task.update(values)
+                continue
             if section not in _SECTIONS or not isinstance(values, dict):
-                raise ValueError(f"{path}: unknown section [{section}]; expected one of {sorted(_SECTIONS)}")
+                raise ValueError(f"{path}: unknown section [{section}]; expected one of {sorted([*_SECTIONS, 'task'])}")
             merged[section].update(values)
     for key, raw in (env or {}).items():
         if key.startswith("DEMONET_") and key.count("_") >= 2:
@@ -196,6 +206,9 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
             if section in _SECTIONS:
                 merged[section][name] = raw
     for section, values in (overrides or {}).items():
+        if section == "task":  # free-form: the task function's keyword arguments
+            task.update(values)
+            continue
         merged[section].update({k: v for k, v in values.items() if v is not None})
     built = {}
     for section, cls in _SECTIONS.items():
@@ -207,7 +220,7 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
             kind = type(fields[name].default)
             kwargs[name] = _convert(section, name, raw, kind)
         built[section] = cls(**kwargs)
-    return Config(**built)
+    return Config(**built, task=task)
 
 
 TOKEN_ENV = "DEMONET_TOKEN"

@@ -21,6 +21,7 @@ from demonet.config import load_config, load_token
 from demonet.errors import PeerUnavailable
 from demonet.log import setup_logging
 from demonet.train.loop import RoundLoop, stop_on_signals, warm_up
+from demonet.train.task import first_difference, param_specs
 from demonet.train.trainer import Trainer
 from demonet.transport.coordinated import CoordinatorMembership
 from demonet.transport.grpc import GrpcClient
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, device: str = "cpu",
                    threads: int | None = None, accumulate: int = 1, checkpoint_every: int = 10,
                    root_cert: bytes | None = None, reconnect_timeout_s: float = 120.0,
-                   stop: asyncio.Event | None = None) -> int:
+                   task: str | None = None, stop: asyncio.Event | None = None) -> int:
     """Train as one peer of a coordinator's run until its last round, SIGTERM or `stop`.
 
     Args:
@@ -47,10 +48,13 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
         checkpoint_every: save every this many rounds (and at exit); 0: only at exit.
         root_cert: PEM root certificate(s) for a TLS coordinator; None for plaintext.
         reconnect_timeout_s: how long calls keep retrying while the coordinator is unreachable.
+        task: MODULE:FUNCTION of this peer's task, instead of the run's `[train] task` (the same task
+            under another import name); the run's `[task]` table is its arguments either way.
         stop: set it to stop as SIGTERM does (tests); SIGTERM and SIGINT are handled either way.
 
     Returns:
-        0 after the run's last round or a graceful stop; 1 if the coordinator stayed unreachable.
+        0 after the run's last round or a graceful stop; 1 if the coordinator stayed unreachable; 2 if
+        this peer's model does not fit the run (it is never admitted).
     """
     if accumulate < 1:
         raise ValueError("accumulate should be >= 1")
@@ -62,10 +66,19 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
     with stop_on_signals(stop):
         try:
             await asyncio.to_thread(warm_up)
-            info = await membership.join()
-            cfg = load_config(None, {}, overrides=info.run_config)
-            trainer = Trainer.for_run(cfg, data_seed=info.data_seed, device=torch.device(device),
+            run_info = await membership.probe()  # build and check the model before being admitted
+            overrides = dict(run_info.run_config)
+            if task:
+                overrides["train"] = {**overrides.get("train", {}), "task": task}
+            cfg = load_config(None, {}, overrides=overrides)
+            trainer = Trainer.for_run(cfg, data_seed=run_info.data_seed, device=torch.device(device),
                                       accumulate=accumulate, checkpoint=out / f"peer-{peer_id}.pt")
+            if run_info.param_specs is not None:
+                diff = first_difference(param_specs(trainer.model.named_parameters()), list(run_info.param_specs))
+                if diff is not None:
+                    logger.error("[%s] refused: this peer's model does not fit the run's: %s", peer_id, diff)
+                    return 2
+            info = await membership.join()
             loop = RoundLoop(trainer, membership, membership.client, peer_id, out / f"metrics-{peer_id}.jsonl",
                              checkpoint_every, stop)
             # kernels that differ between peers are what makes them resync
@@ -76,6 +89,9 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
         except PeerUnavailable as e:
             logger.error("[%s] %s", peer_id, e)
             return 1
+        except ValueError as e:  # the task cannot be built
+            logger.error("[%s] %s", peer_id, e)
+            return 2
         finally:
             await membership.close()
 
@@ -94,6 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-root-cert", help="PEM file to verify a TLS coordinator (default: plaintext)")
     parser.add_argument("--reconnect-timeout-s", type=float, default=120.0,
                         help="give up after the coordinator was unreachable this long (120)")
+    parser.add_argument("--task", metavar="MODULE:FUNCTION",
+                        help="the model, data and loss to train (default: the run's [train] task; with --dht: "
+                             "the built-in GPT)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             coordinator=args.coordinator, token=token, peer_id=args.peer_id, out=Path(args.out),
             device=args.device, threads=args.threads, accumulate=args.accumulate,
             checkpoint_every=args.checkpoint_every, root_cert=root_cert,
-            reconnect_timeout_s=args.reconnect_timeout_s))
+            reconnect_timeout_s=args.reconnect_timeout_s, task=args.task))
     except PermissionError as e:
         print(f"demonet peer: {e}", file=sys.stderr)
         return 2

@@ -141,13 +141,15 @@ class Parameters(_message.Message):
     def __init__(self, version: _Optional[int] = ..., round: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[DenseTensor, _Mapping]]] = ..., param_digest: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("peer_id",)
+    __slots__ = ("peer_id", "probe")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
-    def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
+    probe: bool
+    def __init__(self, peer_id: _Optional[str] = ..., probe: bool = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds")
+    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds", "param_specs")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,7 @@ class JoinReply(_message.Message):
     ROUND_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_SPECS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     run_config: str
@@ -162,7 +165,8 @@ class JoinReply(_message.Message):
     round_timeout_s: float
     heartbeat_interval_s: float
     total_rounds: int
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ...) -> None: ...
+    param_specs: str
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("peer_id", "round")

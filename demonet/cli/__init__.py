@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, help="training rounds (default 200)")
     train.add_argument("--out", help="run folder (default runs/demo)")
     train.add_argument("--corpus", help="a text file to train on (default: Python's own help topics)")
+    train.add_argument("--task", metavar="MODULE:FUNCTION", help="the model, data and loss to train, a demonet.Task "
+                                                                 "(default: the built-in byte-level GPT)")
     train.add_argument("--lr", type=float, help="learning rate (default 3e-3)")
     train.add_argument("--topk", type=int, dest="compression_topk", help="coefficients kept per chunk (32)")
     train.add_argument("--encoding", help="payload values: fp32, bf16, fp16, int8 or sign (fp32)")
@@ -75,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--steps", type=int, required=True, help="rounds in the run")
     up.add_argument("--out", required=True, help="run folder (logs/, metrics, checkpoints, summary)")
     up.add_argument("--config", help="TOML file with the run's [model], [optim], [train] and [net] tables")
+    up.add_argument("--task", metavar="MODULE:FUNCTION", help="the model, data and loss to train, a demonet.Task "
+                                                              "(default: the built-in byte-level GPT)")
     up.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens")
     up.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer (1)")
     up.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -114,7 +118,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, os.environ, {
             "train": {"peers": args.peers, "steps": args.steps, "out": args.out, "corpus": args.corpus,
-                      "seed": args.seed, "device": args.device},
+                      "seed": args.seed, "device": args.device, "task": args.task},
             "optim": {"lr": args.lr, "compression_topk": args.compression_topk, "encoding": args.encoding},
         })
     except (ValueError, FileNotFoundError) as e:

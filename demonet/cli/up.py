@@ -130,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
             "--state-dir", str(out / "coordinator"), "--start-peers", str(args.peers)]
     if args.config:
         argv += ["--config", args.config]
+    if args.task:  # the peers take it from the run's config
+        argv += ["--task", args.task]
     if args.round_timeout_s:
         argv += ["--round-timeout-s", str(args.round_timeout_s)]
     coordinator = _spawn("coordinator", argv, logs, env)
@@ -177,6 +179,8 @@ def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
             "--start-peers", str(args.peers), "--out", str(out), "--threads", str(args.threads_per_peer)]
     if args.config:
         argv += ["--config", args.config]
+    if args.task:
+        argv += ["--task", args.task]
     if args.round_timeout_s:
         argv += ["--round-timeout-s", str(args.round_timeout_s)]
     # peer-0 starts the DHT at a multiaddr known in advance (its identity and port chosen here), so

@@ -99,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-peers", type=int, help="payloads needed to apply a round at its deadline (1)")
     parser.add_argument("--start-peers", type=int, help="the first round opens once this many peers joined (1)")
     parser.add_argument("--seed", type=int, help="seed of the initial parameters and the peers' data (0)")
+    parser.add_argument("--task", metavar="MODULE:FUNCTION",
+                        help="the run's model, data and loss, a demonet.Task (default: the built-in GPT); the "
+                             "coordinator builds only its model")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="serve Prometheus /metrics on this port (all interfaces)")
     parser.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)")
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         token = load_token(args.token_file, os.environ)
         cfg = load_config(args.config, os.environ, {
-            "train": {"seed": args.seed},
+            "train": {"seed": args.seed, "task": args.task},
             "net": {"round_timeout_s": args.round_timeout_s, "min_peers": args.min_peers,
                     "start_peers": args.start_peers},
         })
@@ -147,9 +150,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvloop
 
-        uvloop.run(coro)
+        runner = uvloop.run
     except ImportError:
-        asyncio.run(coro)
+        runner = asyncio.run
+    try:
+        runner(coro)
+    except ValueError as e:  # the run's task or saved state cannot be used: nothing was served
+        print(f"demonet coordinator: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

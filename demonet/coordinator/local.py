@@ -25,6 +25,7 @@ from demonet.config import Config
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Payload
 from demonet.train.data import data_seed
+from demonet.train.task import param_specs
 from demonet.transport import Expected, JoinInfo, NotMember, Resync, RoundResult, StaleRound
 from demonet.wire import params as wire_params
 from demonet.wire.merge import decode_contribution
@@ -133,15 +134,16 @@ class LocalClient:
     def __init__(self, hub: LocalCoordinator, peer_id: str) -> None:
         self.hub, self.peer_id = hub, peer_id
 
-    async def join(self) -> JoinInfo:
+    async def join(self, *, probe: bool = False) -> JoinInfo:
         hub = self.hub
         async with hub.cond:
-            first = hub.rounds.join(self.peer_id, _now())
+            first = hub.rounds.round if probe else hub.rounds.join(self.peer_id, _now())
             hub.cond.notify_all()
         net = hub.cfg.net
         return JoinInfo(peer_id=self.peer_id, round=first, run_config=hub.cfg.to_dict(),
                         data_seed=data_seed(hub.cfg.train.seed, self.peer_id), round_timeout_s=net.round_timeout_s,
-                        heartbeat_interval_s=net.heartbeat_interval_s, total_rounds=hub.total_rounds)
+                        heartbeat_interval_s=net.heartbeat_interval_s, total_rounds=hub.total_rounds,
+                        param_specs=tuple(param_specs(hub.state.params)))
 
     async def heartbeat(self, round: int) -> tuple[int, bool]:
         async with self.hub.cond:

@@ -27,6 +27,7 @@ from demonet.config import Config
 from demonet.errors import InvalidPayload
 from demonet.optim import Payload
 from demonet.train.data import data_seed
+from demonet.train.task import param_specs
 from demonet.wire.merge import decode_contribution
 
 from .metrics import Metrics
@@ -125,6 +126,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Peer -> the round of its last resync, so that a retried call is not counted twice."""
         self.cond = asyncio.Condition()
         self.finished = asyncio.Event()
+        self._param_specs = json.dumps(param_specs(self.state.params))
         saved = self.state.load(opts.state_dir) if opts.state_dir is not None else None
         if saved is not None:
             self.rounds = Rounds.from_state(round_cfg, saved["rounds"], now=_now())
@@ -176,15 +178,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         await self._admit(request, context)
         peer_id = await self._peer_id(request.peer_id, context)
         async with self.cond:
-            first = self.rounds.join(peer_id, _now())
-            self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
-            self.cond.notify_all()
-        logger.info("[coordinator round=%d] %s joins at round %d", self.rounds.round, peer_id, first)
+            if request.probe:  # a peer about to build its model: it joins once the model fits the run
+                first = self.rounds.round
+            else:
+                first = self.rounds.join(peer_id, _now())
+                self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
+                self.cond.notify_all()
+        if not request.probe:
+            logger.info("[coordinator round=%d] %s joins at round %d", self.rounds.round, peer_id, first)
         return pb.JoinReply(peer_id=peer_id, round=first, run_config=json.dumps(self.cfg.to_dict()),
                             data_seed=data_seed(self.cfg.train.seed, peer_id),
                             round_timeout_s=self.cfg.net.round_timeout_s,
                             heartbeat_interval_s=self.cfg.net.heartbeat_interval_s,
-                            total_rounds=self.opts.total_rounds)
+                            total_rounds=self.opts.total_rounds, param_specs=self._param_specs)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest,
                         context: grpc.aio.ServicerContext[Any, Any]) -> pb.HeartbeatReply:

@@ -16,7 +16,7 @@ import torch
 
 from demonet.config import Config
 from demonet.optim import DeMo, Payload
-from demonet.train.model import GPT
+from demonet.train.task import build_task
 from demonet.wire import params as wire_params
 from demonet.wire.digest import param_digest
 from demonet.wire.merge import MergeRules, merge
@@ -47,8 +47,7 @@ class CanonicalState:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        torch.manual_seed(cfg.train.seed)  # the same init as `demonet train` and every peer
-        model = GPT(cfg.model)
+        model = build_task(cfg).model  # seeded: the same init as `demonet train` and every peer
         self.params = {name: p.detach().clone().requires_grad_(True) for name, p in model.named_parameters()}
         o = cfg.optim
         # Only apply() is used: the coordinator has no gradients. The momentum buffers it allocates

@@ -85,7 +85,7 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
         except PeerUnavailable as e:
             logger.error("[%s] %s", peer_id, e)
             return 1
-        except PermissionError as e:
+        except (PermissionError, ValueError) as e:  # a refused token, a task that cannot be built
             logger.error("[%s] %s", peer_id, e)
             return 2
         finally:
@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         token = load_token(args.token_file, os.environ)
         cfg = load_config(args.config, os.environ, {
-            "net": {"round_timeout_s": args.round_timeout_s, "start_peers": args.start_peers}})
+            "net": {"round_timeout_s": args.round_timeout_s, "start_peers": args.start_peers},
+            "train": {"task": args.task}})
         if args.accumulate < 1:
             raise ValueError("--accumulate should be >= 1")
         steps = args.steps if args.steps is not None else cfg.train.steps

@@ -132,6 +132,9 @@ class FlexTrainer:
 
     def __init__(self, cfg: Config, mesh: DeviceMesh, *, data_seed: int, data_rank: int, data_world: int,
                  device: torch.device, checkpoint: Path | None = None) -> None:
+        if cfg.train.task:
+            raise ValueError(f"a FlexDeMo node trains the built-in GPT (FSDP2 shards its blocks); [train] task "
+                             f"{cfg.train.task!r} is not supported here")
         o = cfg.optim
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.group = mesh.get_group()

@@ -60,8 +60,8 @@ def run_local(cfg: Config, *, progress: bool = True, faults: Mapping[tuple[str, 
 
     Returns:
         the summary also written to ``<out>/summary.json``: first and last mean train loss, the
-        validation loss of the canonical parameters every ``train.eval_every`` rounds, bytes per peer
-        per round, wall time, and the final digest.
+        validation loss of the canonical parameters every ``train.eval_every`` rounds (the built-in
+        task only), bytes per peer per round, wall time, and the final digest.
 
     Raises:
         RuntimeError: the peers' parameters diverged (a determinism bug; never expected).
@@ -86,7 +86,8 @@ async def _run(cfg: Config, *, progress: bool, faults: Mapping[tuple[str, int], 
 
     def closed(agg: ClosedAggregate) -> None:
         done = agg.round + 1
-        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
+        if cfg.train.eval_every and not cfg.train.task and (done % cfg.train.eval_every == 0
+                                                            or done == cfg.train.steps):
             val_losses[done] = _val_loss(hub.state.params, val_data, cfg)
             logger.info("[local round=%d] val loss %.4f", done, val_losses[done])
         bar.set_postfix(up_kB=f"{len(agg.data) / 1e3:.1f}")

@@ -19,8 +19,7 @@ from demonet.optim import DeMo, Payload
 from demonet.transport import Expected, RoundResult
 from demonet.wire.digest import param_digest
 
-from .data import Batches, load_corpus, split
-from .model import GPT
+from .task import build_task
 
 __all__ = ["Trainer", "settle", "to_device"]
 
@@ -56,12 +55,6 @@ def settle(opt: DeMo, payload: Payload, result: RoundResult, contributed: bool,
     opt.apply(aggregate)
 
 
-def _gpt_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    _, loss = model(*batch)
-    assert loss is not None
-    return loss  # type: ignore[no-any-return]
-
-
 class Trainer:
     """A single-process replica.
 
@@ -86,13 +79,13 @@ class Trainer:
     @classmethod
     def for_run(cls, cfg: Config, *, data_seed: int, device: torch.device, accumulate: int = 1,
                 checkpoint: Path | None = None) -> Trainer:
-        """The built-in byte-level GPT on the run's corpus, seeded like every other peer's."""
-        torch.manual_seed(cfg.train.seed)  # the same initial weights as every peer (downloads replace them)
-        model = GPT(cfg.model).to(device)
+        """The run's task (`demonet.train.task.build_task`: the built-in GPT unless `[train] task`), its
+        model seeded like every other peer's, on this peer's stream of batches."""
+        task = build_task(cfg)
+        model = task.model.to(device)
         opt = DeMo.from_settings(model.named_parameters(), cfg.optim)
-        train_data, _ = split(load_corpus(cfg.train.corpus or None))
-        batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=data_seed)
-        return cls(model, opt, batches, _gpt_loss, device=device, accumulate=accumulate, checkpoint=checkpoint)
+        return cls(model, opt, task.batches(data_seed), task.loss, device=device, accumulate=accumulate,
+                   checkpoint=checkpoint)
 
     # -- parameters ----------------------------------------------------------------------------------
 

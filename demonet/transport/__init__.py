@@ -45,6 +45,8 @@ class JoinInfo:
     """The run ends after this many rounds; 0: no end."""
     fresh: bool = False
     """No round has closed yet: every peer starts from the seeded initial parameters, nothing to download."""
+    param_specs: tuple[tuple[str, tuple[int, ...], str], ...] | None = None
+    """The run's parameters as (name, shape, dtype), which a peer's model must match; None: not said."""
 
 
 @dataclass(frozen=True)

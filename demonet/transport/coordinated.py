@@ -28,7 +28,7 @@ class CoordinatorClient(Protocol):
 
     peer_id: str
 
-    async def join(self) -> JoinInfo: ...
+    async def join(self, *, probe: bool = False) -> JoinInfo: ...
     async def heartbeat(self, round: int) -> tuple[int, bool]: ...
     async def get_parameters(self, round: int, expected: Expected, *,
                              resync: bool = False) -> tuple[int, dict[str, torch.Tensor], int]: ...
@@ -48,6 +48,10 @@ class CoordinatorMembership:
         info = await self.client.join()
         self.round_timeout_s = info.round_timeout_s
         return info
+
+    async def probe(self) -> JoinInfo:
+        """The run's config and parameters without being admitted: a peer builds and checks its model first."""
+        return await self.client.join(probe=True)
 
     async def first_parameters(self, info: JoinInfo, expected: Expected) -> Parameters | None:
         return await self.parameters(info.round, expected)

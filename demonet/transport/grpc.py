@@ -197,9 +197,10 @@ class GrpcClient:
 
     # -- unary calls -----------------------------------------------------------------------------------
 
-    async def join(self) -> JoinInfo:
-        """Join the run (again: a reconnect returns the round to resume at)."""
-        request = pb.JoinRequest(peer_id=self.peer_id)
+    async def join(self, *, probe: bool = False) -> JoinInfo:
+        """Join the run (again: a reconnect returns the round to resume at); `probe`: only learn its config
+        and parameters, without being admitted (to build and check a model first)."""
+        request = pb.JoinRequest(peer_id=self.peer_id, probe=probe)
         reply = await self._call("Join", lambda: self._stub.Join(request, metadata=self._metadata,
                                                                  timeout=self.call_timeout_s))
         try:
@@ -208,10 +209,16 @@ class GrpcClient:
             raise InvalidPayload(f"Join: run_config is not JSON: {e}") from None
         if not isinstance(run_config, dict):
             raise InvalidPayload("Join: run_config should be a JSON object")
+        try:
+            listed = json.loads(reply.param_specs) if reply.param_specs else None
+            specs = tuple((str(n), tuple(int(d) for d in s), str(t)) for n, s, t in listed) if listed else None
+        except (ValueError, TypeError) as e:
+            raise InvalidPayload(f"Join: param_specs is not a list of [name, shape, dtype]: {e}") from None
         self.round_timeout_s = reply.round_timeout_s
         return JoinInfo(peer_id=reply.peer_id or self.peer_id, round=int(reply.round), run_config=run_config,
                         data_seed=int(reply.data_seed), round_timeout_s=float(reply.round_timeout_s),
-                        heartbeat_interval_s=float(reply.heartbeat_interval_s), total_rounds=int(reply.total_rounds))
+                        heartbeat_interval_s=float(reply.heartbeat_interval_s), total_rounds=int(reply.total_rounds),
+                        param_specs=specs)
 
     async def heartbeat(self, round: int) -> tuple[int, bool]:
         """Tell the coordinator this peer works on `round`.
