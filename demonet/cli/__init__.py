@@ -27,7 +27,7 @@ from demonet.log import setup_logging
 from demonet.train.runfolder import to_json
 from demonet.transport.grpc import GrpcClient
 
-from . import up
+from . import export, up
 
 __all__ = ["main"]
 
@@ -70,6 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     health.add_arguments(sub.add_parser("health", help="exit 0 if a coordinator's gRPC health service serves",
                                         description="Ask a coordinator's standard gRPC health service (no "
                                                     "token needed); exit 0 on SERVING, 1 otherwise."))
+    export.add_arguments(sub.add_parser(
+        "export", help="write a coordinator's saved parameters as a safetensors file",
+        description="Read DIR/coordinator-state.pt (a coordinator's --state-dir) and write its canonical "
+                    "parameters, by name, as a safetensors file (needs the extra: pip install 'demonet[hf]')."))
     up = sub.add_parser("up", help="a coordinator and N peers on this machine, as processes",
                         description="Start a coordinator and N peers on localhost, show the progress, then "
                                     "write metrics.jsonl, loss.png and summary.json into the run folder.")
@@ -109,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return health.run(args)
     if args.command == "up":
         return up.run(args)
+    if args.command == "export":
+        return export.run(args)
     return 2  # unreachable: argparse requires a command
 
 

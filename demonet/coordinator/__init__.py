@@ -23,6 +23,7 @@ from demonet.log import setup_logging
 
 from .metrics import Metrics
 from .server import CoordinatorOptions, CoordinatorServicer, add_to_server
+from .weights import WeightsFileError
 
 __all__ = ["CoordinatorOptions", "add_arguments", "main", "run", "serve", "total_rounds"]
 
@@ -47,9 +48,9 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
         linger_s: after the last round, how long peers may still download its aggregate.
     """
     metrics = Metrics()
+    servicer = CoordinatorServicer(cfg, opts, metrics)  # before any port opens: it may refuse --init's file
     if metrics_port:
         metrics.serve(metrics_port)
-    servicer = CoordinatorServicer(cfg, opts, metrics)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", _MESSAGE_BYTES)])
     add_to_server(servicer, server)
@@ -106,6 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus /metrics on this port (all interfaces)")
     parser.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)")
     parser.add_argument("--tls-key", help="PEM private key")
+    parser.add_argument("--init", metavar="FILE.safetensors",
+                        help="initial parameters by name instead of the seeded init (a state in --state-dir wins)")
 
 
 def total_rounds(steps_flag: int | None, cfg: Config) -> int:
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"demonet coordinator: {e}", file=sys.stderr)
         return 2
     opts = CoordinatorOptions(token=token, state_dir=Path(args.state_dir) if args.state_dir else None,
-                              total_rounds=steps)
+                              total_rounds=steps, init_file=Path(args.init) if args.init else None)
 
     def announce(address: str) -> None:
         print(f"listening on {address}", flush=True)
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         runner = asyncio.run
     try:
         runner(coro)
-    except ValueError as e:  # the run's task or saved state cannot be used: nothing was served
+    except (ValueError, WeightsFileError) as e:  # the run's task, --init or state cannot be used: nothing served
         print(f"demonet coordinator: {e}", file=sys.stderr)
         return 2
     return 0

@@ -30,6 +30,7 @@ from demonet.train.data import data_seed
 from demonet.train.task import param_specs
 from demonet.wire.merge import decode_contribution
 
+from . import weights
 from .metrics import Metrics
 from .rounds import RoundConfig, Rounds, SubmitRejected
 from .state import CanonicalState, ClosedAggregate
@@ -56,6 +57,9 @@ class CoordinatorOptions:
     """The run ends after this many rounds (0: no end)."""
     max_payload_bytes: int = 1 << 30
     """Largest serialized payload a peer may submit."""
+    init_file: Path | None = None
+    """A safetensors file of the initial parameters by name, instead of the seeded init; a state saved in
+    `state_dir` wins over it (a resume)."""
 
 
 @dataclass(frozen=True)
@@ -133,9 +137,22 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             for item in saved.get("aggregates", []):
                 self.aggregates[item.round] = item
             self.metrics.restore(saved.get("counters", {}))
+        self._init_params(saved is not None)
         self.metrics.set_round(self.rounds.round, len(self.rounds.members), 0)
 
     # -- helpers -------------------------------------------------------------------------------------
+
+    def _init_params(self, resumed: bool) -> None:
+        """`--init FILE`, unless the state was resumed. Raises `WeightsFileError` on a file that does not fit."""
+        path = self.opts.init_file
+        if path is None:
+            return
+        if resumed:
+            logger.warning("[coordinator] --init %s ignored: resuming from the state saved in %s", path,
+                           self.opts.state_dir)
+            return
+        self.state.set_params(weights.read_init(path, self.state.params))
+        logger.info("[coordinator] initial parameters from %s; digest %s", path, self.state.digest[:12])
 
     async def _admit(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Refuse a call without the run token, then one whose request did not parse."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,17 @@ class CanonicalState:
         self.rules = MergeRules.from_config(cfg)
         self.digest = param_digest(self.params.items())
         self._blob: tuple[int, bytes] | None = None
+
+    def set_params(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Start from these parameters instead of the seeded init (`demonet coordinator --init`): the same names,
+        shapes and dtypes as `params` (`demonet.coordinator.weights.read_init` checks a file's)."""
+        with torch.no_grad():
+            for name, p in self.params.items():
+                t = tensors[name]
+                assert (t.shape, t.dtype) == (p.shape, p.dtype), f"{name}: copy_ would broadcast or cast"
+                p.copy_(t)
+        self.digest = param_digest(self.params.items())
+        self._blob = None
 
     def parameters_blob(self, round: int) -> bytes:
         """The serialized `Parameters` at the start of `round` (cached until the next apply)."""
