@@ -27,7 +27,7 @@ from demonet.log import setup_logging
 from demonet.train.runfolder import to_json
 from demonet.transport.grpc import GrpcClient
 
-from . import up
+from . import data, up
 
 __all__ = ["main"]
 
@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                                              "with --dht, meet the other peers on a hivemind DHT.")
     peer.add_arguments(peer_parser)
     peer_dht.add_arguments(peer_parser)
+    data.add_arguments(sub.add_parser("data", help="prepare training data: tokenize text into a token file",
+                                      description="Prepare training data (docs/data.md)."))
     sub.add_parser("bench", add_help=False, help="compare with AdamW-DDP and hivemind over shaped links (root)")
     status = sub.add_parser("status", help="print a coordinator's status as JSON")
     status.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
@@ -105,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return health.run(args)
     if args.command == "up":
         return up.run(args)
+    if args.command == "data":
+        return data.run(args)
     return 2  # unreachable: argparse requires a command
 
 
