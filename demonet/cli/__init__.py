@@ -25,6 +25,7 @@ from demonet.dht import peer as peer_dht
 from demonet.errors import DemonetError
 from demonet.log import setup_logging
 from demonet.train.runfolder import to_json
+from demonet.train.tokens import TokenFile
 from demonet.transport.grpc import GrpcClient
 
 from . import data, up
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, help="training rounds (default 200)")
     train.add_argument("--out", help="run folder (default runs/demo)")
     train.add_argument("--corpus", help="a text file to train on (default: Python's own help topics)")
+    train.add_argument("--tokens", help="a token file to train on (demonet data tokenize; default: the corpus)")
     train.add_argument("--lr", type=float, help="learning rate (default 3e-3)")
     train.add_argument("--topk", type=int, dest="compression_topk", help="coefficients kept per chunk (32)")
     train.add_argument("--encoding", help="payload values: fp32, bf16, fp16, int8 or sign (fp32)")
@@ -118,9 +120,11 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, os.environ, {
             "train": {"peers": args.peers, "steps": args.steps, "out": args.out, "corpus": args.corpus,
-                      "seed": args.seed, "device": args.device},
+                      "tokens": args.tokens, "seed": args.seed, "device": args.device},
             "optim": {"lr": args.lr, "compression_topk": args.compression_topk, "encoding": args.encoding},
         })
+        if cfg.train.tokens:  # before any peer starts: a missing file or a vocab the model does not cover
+            TokenFile.open(cfg.train.tokens).check_vocab(cfg.model.vocab_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"demonet train: {e}", file=sys.stderr)
         return 2

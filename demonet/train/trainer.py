@@ -21,6 +21,7 @@ from demonet.wire.digest import param_digest
 
 from .data import Batches, load_corpus, split
 from .model import GPT
+from .tokens import TokenBatches, TokenFile
 
 __all__ = ["Trainer", "settle", "to_device"]
 
@@ -62,6 +63,13 @@ def _gpt_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
     return loss  # type: ignore[no-any-return]
 
 
+def _token_batches(cfg: Config, data_seed: int) -> TokenBatches:
+    """This peer's stream over the train part of the run's token file, once the model's vocab covers the file's."""
+    tokens = TokenFile.open(cfg.train.tokens)
+    tokens.check_vocab(cfg.model.vocab_size)
+    return TokenBatches(tokens.split()[0], batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=data_seed)
+
+
 class Trainer:
     """A single-process replica.
 
@@ -86,12 +94,19 @@ class Trainer:
     @classmethod
     def for_run(cls, cfg: Config, *, data_seed: int, device: torch.device, accumulate: int = 1,
                 checkpoint: Path | None = None) -> Trainer:
-        """The built-in byte-level GPT on the run's corpus, seeded like every other peer's."""
+        """The built-in GPT on the run's token file or corpus bytes, seeded like every other peer's.
+
+        Raises:
+            ValueError: the token file is not one, or its vocab is larger than the model's.
+        """
         torch.manual_seed(cfg.train.seed)  # the same initial weights as every peer (downloads replace them)
         model = GPT(cfg.model).to(device)
         opt = DeMo.from_settings(model.named_parameters(), cfg.optim)
-        train_data, _ = split(load_corpus(cfg.train.corpus or None))
-        batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=data_seed)
+        if cfg.train.tokens:
+            batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = _token_batches(cfg, data_seed)
+        else:
+            train_data, _ = split(load_corpus(cfg.train.corpus or None))
+            batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=data_seed)
         return cls(model, opt, batches, _gpt_loss, device=device, accumulate=accumulate, checkpoint=checkpoint)
 
     # -- parameters ----------------------------------------------------------------------------------
