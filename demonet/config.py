@@ -71,6 +71,9 @@ class TrainConfig:
     """Seed of the model init and of every peer's data stream."""
     corpus: str = ""
     """A text file to train on; empty for the embedded corpus (Python's own help topics)."""
+    tokens: str = ""
+    """A token file to train on (`demonet data tokenize`, docs/data.md) instead of a corpus's bytes; empty for
+    none. model.vocab_size should cover the file's vocab."""
     eval_every: int = 50
     """Steps between validation losses; 0 for none."""
     out: str = "runs/demo"
@@ -89,6 +92,7 @@ class TrainConfig:
         _check(self.seq_len >= 1, "seq_len should be >= 1")
         _check(self.seed >= 0, "seed should be >= 0")
         _check(self.eval_every >= 0, "eval_every should be >= 0")
+        _check(not (self.corpus and self.tokens), "train.corpus and train.tokens should not both be set")
 
 
 @dataclass(frozen=True, kw_only=True)

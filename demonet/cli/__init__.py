@@ -25,9 +25,10 @@ from demonet.dht import peer as peer_dht
 from demonet.errors import DemonetError
 from demonet.log import setup_logging
 from demonet.train.runfolder import to_json
+from demonet.train.tokens import TokenFile
 from demonet.transport.grpc import GrpcClient
 
-from . import export, up
+from . import data, export, up
 
 __all__ = ["main"]
 
@@ -48,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--corpus", help="a text file to train on (default: Python's own help topics)")
     train.add_argument("--task", metavar="MODULE:FUNCTION", help="the model, data and loss to train, a demonet.Task "
                                                                  "(default: the built-in byte-level GPT)")
+    train.add_argument("--tokens", help="a token file to train on (demonet data tokenize; default: the corpus)")
     train.add_argument("--lr", type=float, help="learning rate (default 3e-3)")
     train.add_argument("--topk", type=int, dest="compression_topk", help="coefficients kept per chunk (32)")
     train.add_argument("--encoding", help="payload values: fp32, bf16, fp16, int8 or sign (fp32)")
@@ -62,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                                              "with --dht, meet the other peers on a hivemind DHT.")
     peer.add_arguments(peer_parser)
     peer_dht.add_arguments(peer_parser)
+    data.add_arguments(sub.add_parser("data", help="prepare training data: tokenize text into a token file",
+                                      description="Prepare training data (docs/data.md)."))
     sub.add_parser("bench", add_help=False, help="compare with AdamW-DDP and hivemind over shaped links (root)")
     status = sub.add_parser("status", help="print a coordinator's status as JSON")
     status.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
@@ -115,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return up.run(args)
     if args.command == "export":
         return export.run(args)
+    if args.command == "data":
+        return data.run(args)
     return 2  # unreachable: argparse requires a command
 
 
@@ -124,9 +130,11 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, os.environ, {
             "train": {"peers": args.peers, "steps": args.steps, "out": args.out, "corpus": args.corpus,
-                      "seed": args.seed, "device": args.device, "task": args.task},
+                      "tokens": args.tokens, "seed": args.seed, "device": args.device, "task": args.task},
             "optim": {"lr": args.lr, "compression_topk": args.compression_topk, "encoding": args.encoding},
         })
+        if cfg.train.tokens:  # before any peer starts: a missing file or a vocab the model does not cover
+            TokenFile.open(cfg.train.tokens).check_vocab(cfg.model.vocab_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"demonet train: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from .data import Batches, load_corpus, split
 from .loop import RoundLoop
 from .model import GPT
 from .runfolder import merge_metrics, summarize_run
+from .tokens import TokenBatches, TokenFile
 from .trainer import Trainer
 
 __all__ = ["run_local"]
@@ -35,15 +36,27 @@ __all__ = ["run_local"]
 logger = logging.getLogger(__name__)
 
 
+def _val_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """4 fixed validation batches from the validation part of the run's token file or corpus."""
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    if cfg.train.tokens:
+        batches = TokenBatches(TokenFile.open(cfg.train.tokens).split()[1], batch_size=8, seq_len=cfg.train.seq_len,
+                               seed=12345)
+    else:
+        batches = Batches(split(load_corpus(cfg.train.corpus or None))[1], batch_size=8, seq_len=cfg.train.seq_len,
+                          seed=12345)
+    return [next(batches) for _ in range(4)]
+
+
 @torch.no_grad()
-def _val_loss(params: Mapping[str, torch.Tensor], val_data: torch.Tensor, cfg: Config) -> float:
-    """The mean loss of the canonical parameters on 4 fixed validation batches."""
+def _val_loss(params: Mapping[str, torch.Tensor], val_batches: list[tuple[torch.Tensor, torch.Tensor]],
+              cfg: Config) -> float:
+    """The mean loss of the canonical parameters on the validation batches."""
     model = GPT(cfg.model)
     model.load_state_dict(dict(params), strict=False)
-    batches = Batches(val_data, batch_size=8, seq_len=cfg.train.seq_len, seed=12345)
     losses = []
-    for _ in range(4):
-        _, loss = model(*next(batches))
+    for batch in val_batches:
+        _, loss = model(*batch)
         assert loss is not None
         losses.append(float(loss))
     return sum(losses) / len(losses)
@@ -80,7 +93,7 @@ async def _run(cfg: Config, *, progress: bool, faults: Mapping[tuple[str, int], 
     cfg = dataclasses.replace(cfg, net=dataclasses.replace(
         cfg.net, start_peers=cfg.train.peers, min_peers=1, round_timeout_s=max(cfg.net.round_timeout_s, 600.0),
         heartbeat_timeout_s=max(cfg.net.heartbeat_timeout_s, 1200.0)))
-    _, val_data = split(load_corpus(cfg.train.corpus or None))
+    val_batches = _val_batches(cfg) if cfg.train.eval_every else []
     val_losses: dict[int, float] = {}
     bar = tqdm(total=cfg.train.steps, disable=not progress, desc="train", unit="round")
 
@@ -88,7 +101,7 @@ async def _run(cfg: Config, *, progress: bool, faults: Mapping[tuple[str, int], 
         done = agg.round + 1
         if cfg.train.eval_every and not cfg.train.task and (done % cfg.train.eval_every == 0
                                                             or done == cfg.train.steps):
-            val_losses[done] = _val_loss(hub.state.params, val_data, cfg)
+            val_losses[done] = _val_loss(hub.state.params, val_batches, cfg)
             logger.info("[local round=%d] val loss %.4f", done, val_losses[done])
         bar.set_postfix(up_kB=f"{len(agg.data) / 1e3:.1f}")
         bar.update(1)

@@ -18,6 +18,7 @@ import torch
 
 from .data import Batches, load_corpus, split
 from .model import GPT
+from .tokens import TokenBatches, TokenFile
 
 __all__ = ["Task", "build_task", "first_difference", "gpt_loss", "param_specs"]
 
@@ -50,7 +51,19 @@ def gpt_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
 
 
 def _builtin(cfg: Any) -> Task:
+    """The byte-level GPT on the run's token file (`[train] tokens`) or corpus bytes.
+
+    Raises:
+        ValueError: the token file is not one, or its vocab is larger than the model's.
+    """
+    if cfg.train.tokens:
+        tokens = TokenFile.open(cfg.train.tokens)
+        tokens.check_vocab(cfg.model.vocab_size)
+
     def batches(seed: int) -> Iterator[Any]:
+        if cfg.train.tokens:
+            return TokenBatches(tokens.split()[0], batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
+                                seed=seed)
         train_data, _ = split(load_corpus(cfg.train.corpus or None))
         return Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=seed)
 
