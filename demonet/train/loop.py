@@ -90,6 +90,8 @@ class RoundLoop:
     total_rounds: int = 0
     row_extra: dict[str, Any] = field(default_factory=dict)
     """Fields added to every metrics row (a FlexDeMo node's rank count)."""
+    unreachable: PeerUnavailable | None = None
+    """Why `run` returned 1: the run could not be reached (None otherwise)."""
     log: RoundLog = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +124,7 @@ class RoundLoop:
             return await self._rounds(beats)
         except PeerUnavailable as e:
             self.log.error("%s", e)
+            self.unreachable = e
             return 1
         finally:
             if beats is not None:

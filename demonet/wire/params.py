@@ -68,8 +68,8 @@ def decode_parameters(data: bytes, *, expected: Mapping[str, tuple[tuple[int, ..
     if names != list(expected):
         missing = sorted(set(expected) - set(names))[:3]
         extra = sorted(set(names) - set(expected))[:3]
-        raise InvalidPayload(f"parameters: tensors do not match the model (missing {missing}, unknown {extra}, "
-                             "or out of order)")
+        raise InvalidPayload(f"parameters: tensors do not match the model: {_first_difference(names, list(expected))} "
+                             f"(missing {missing}, unknown {extra})")
     out: dict[str, torch.Tensor] = {}
     for t in msg.tensors:
         shape, dtype = expected[t.name]
@@ -88,3 +88,14 @@ def decode_parameters(data: bytes, *, expected: Mapping[str, tuple[tuple[int, ..
     if param_digest(out.items()) != msg.param_digest:
         raise InvalidPayload("parameters: digest does not match the tensors")
     return msg.round, out
+
+
+def _first_difference(names: list[str], expected: list[str]) -> str:
+    """Where two lists of parameter names first differ, in words (the model's side is `expected`)."""
+    for i, (got, want) in enumerate(zip(names, expected, strict=False)):
+        if got != want:
+            return f"parameter {i} is {want!r} in the model, {got!r} in the parameters"
+    n = min(len(names), len(expected))
+    if len(names) > n:
+        return f"the parameters have {len(names) - n} more than the model, from {names[n]!r}"
+    return f"the model has {len(expected) - n} more than the parameters, from {expected[n]!r}"

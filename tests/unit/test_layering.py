@@ -20,7 +20,7 @@ ROOT = Path(demonet.__file__).parent
 MATH = {"torch", "math", "dataclasses", "typing", "collections", "__future__", "functools", "decimal"}
 NETWORK = ("grpc", "grpc_health", "hivemind", "demonet._proto.demonet_pb2_grpc")
 SERVICES = ("demonet.peer", "demonet.coordinator", "demonet.dht", "demonet.flex", "demonet.cli", "demonet.lab",
-            "demonet.train.local")
+            "demonet.train.local", "demonet.joined")
 
 
 def _module(path: Path) -> str:
