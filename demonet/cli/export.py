@@ -1,4 +1,5 @@
-"""`demonet export`: a coordinator's saved canonical parameters as a safetensors file.
+"""`demonet export`: a coordinator's saved canonical parameters as a safetensors file, or, for a run of the
+Hugging Face task (`demonet.tasks.hf:causal_lm`), as a model folder that `from_pretrained` loads.
 
 Reads the state folder only (never a running coordinator); the work is in demonet.coordinator.weights.
 """
@@ -15,22 +16,43 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `demonet export` flags."""
     parser.add_argument("--state-dir", required=True, help="a coordinator's --state-dir (coordinator-state.pt)")
-    parser.add_argument("--out", required=True, help="the safetensors file to write")
-    parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    parser.add_argument("--out", required=True,
+                        help="the safetensors file to write; for a Hugging Face model, the folder (unless it ends "
+                             "in .safetensors)")
+    parser.add_argument("--hf-config", metavar="MODELDIR",
+                        help="write a Hugging Face model folder with MODELDIR's config.json (default: the run's "
+                             "[task] model, when the run trains demonet.tasks.hf:causal_lm)")
+    parser.add_argument("--force", action="store_true", help="overwrite what --out holds")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `demonet export`; returns the exit code (2 on a bad state folder or --out, nothing written)."""
-    from demonet.coordinator.weights import WeightsFileError, export
+    """Run `demonet export`; returns the exit code (2 on a bad state folder, model folder or --out; nothing
+    written)."""
+    from demonet.coordinator.weights import WeightsFileError, export, export_pretrained, read_state
+    from demonet.tasks.hf import run_model_dir
 
-    out = Path(args.out)
-    print(f"exporting {Path(args.state_dir)} to {out} ...", file=sys.stderr, flush=True)
+    out, state_dir = Path(args.out), Path(args.state_dir)
+    print(f"exporting {state_dir} to {out} ...", file=sys.stderr, flush=True)
     try:
-        saved = export(Path(args.state_dir), out, force=args.force)
+        saved = None
+        model_dir = args.hf_config
+        if model_dir is None and out.suffix != ".safetensors":
+            saved = read_state(state_dir)
+            model_dir = run_model_dir(saved.config)
+            if model_dir is not None and not Path(model_dir).is_dir():
+                raise WeightsFileError(f"the run's [task] model {model_dir!r} is not a folder here; give the model "
+                                       "folder with --hf-config MODELDIR")
+        if model_dir is None:
+            saved = export(state_dir, out, force=args.force)
+            what = str(out)
+        else:
+            saved = saved or read_state(state_dir)
+            written = export_pretrained(saved, out, Path(model_dir), force=args.force)
+            what = f"{out} ({', '.join(p.name for p in written)}) with the config of {model_dir}"
     except WeightsFileError as e:
         print(f"demonet export: {e}", file=sys.stderr)
         return 2
     num_bytes = sum(t.numel() * t.element_size() for t in saved.params.values())
-    print(f"wrote {out}: {len(saved.params)} tensors, {num_bytes / 2**20:.1f} MiB; the parameters at the start "
+    print(f"wrote {what}: {len(saved.params)} tensors, {num_bytes / 2**20:.1f} MiB; the parameters at the start "
           f"of round {saved.round}, digest {saved.digest}")
     return 0

@@ -1,5 +1,5 @@
-"""The canonical parameters as a safetensors file: `demonet export` writes a saved state's, `demonet coordinator
---init` starts from one.
+"""The canonical parameters as a safetensors file: `demonet export` writes a saved state's (or, for a Hugging Face
+task, a model folder), `demonet coordinator --init` starts from one.
 
 No network. `safetensors` is the optional extra "hf", imported only when a file is read or written.
 """
@@ -7,8 +7,9 @@ No network. `safetensors` is the optional extra "hf", imported only when a file 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -19,7 +20,8 @@ from demonet.wire.digest import param_digest
 
 from .state import STATE_FILE, ClosedAggregate
 
-__all__ = ["SavedParams", "WeightsFileError", "export", "read_init", "read_state"]
+__all__ = ["SavedParams", "WeightsFileError", "export", "export_pretrained", "read_init", "read_state",
+           "write_safetensors"]
 
 
 class WeightsFileError(ValueError):
@@ -33,6 +35,8 @@ class SavedParams:
     params: dict[str, torch.Tensor]  # in the state's order, the order of the digest
     round: int
     digest: str
+    config: dict[str, Any] = field(default_factory=dict)
+    """The run's config as the state saved it (`Config.to_dict()`); empty if it has none."""
 
 
 def _safetensors_torch() -> ModuleType:
@@ -73,7 +77,9 @@ def read_state(state_dir: Path) -> SavedParams:
         raise WeightsFileError(f"{path} is damaged: its params are not named tensors")
     if param_digest(params.items()) != digest:
         raise WeightsFileError(f"{path} is damaged: its parameters do not match their digest {digest}")
-    return SavedParams({n: t.detach().contiguous() for n, t in params.items()}, round, digest)
+    config = body.get("config")
+    return SavedParams({n: t.detach().contiguous() for n, t in params.items()}, round, digest,
+                       config if isinstance(config, dict) else {})
 
 
 def _field(body: Any, key: str, kind: type, path: Path) -> Any:
@@ -90,22 +96,82 @@ def export(state_dir: Path, out: Path, *, force: bool = False) -> SavedParams:
     Raises:
         WeightsFileError: a bad state (see `read_state`), `out` exists and not `force`, or it cannot be written.
     """
-    st = _safetensors_torch()
+    _safetensors_torch()  # before anything else: say how to install it
     if out.exists() and not force:
         raise WeightsFileError(f"{out} exists; --force overwrites it")
     if out.is_dir():
         raise WeightsFileError(f"{out} is a folder")
     saved = read_state(state_dir)
+    write_safetensors(saved.params, out,
+                      {"format": "pt", "demonet.round": str(saved.round), "demonet.digest": saved.digest})
+    return saved
+
+
+def write_safetensors(params: Mapping[str, torch.Tensor], out: Path, metadata: dict[str, str]) -> None:
+    """Write named tensors to safetensors file `out`: next to it, then renamed over it.
+
+    Raises:
+        WeightsFileError: no safetensors package, or `out` cannot be written.
+    """
+    st = _safetensors_torch()
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    metadata = {"format": "pt", "demonet.round": str(saved.round), "demonet.digest": saved.digest}
     try:
-        st.save_file(saved.params, str(tmp), metadata=metadata)
+        st.save_file(dict(params), str(tmp), metadata=metadata)
         os.replace(tmp, out)
     except OSError as e:
         raise WeightsFileError(f"cannot write {out}: {e}") from e
     finally:
         tmp.unlink(missing_ok=True)
-    return saved
+
+
+def export_pretrained(saved: SavedParams, out: Path, model_dir: Path, *, force: bool = False) -> list[Path]:
+    """Write folder `out` that `AutoModelForCausalLM.from_pretrained(out)` loads: `model_dir`'s config.json (and
+    its generation and tokenizer files, where present) and the saved parameters as model.safetensors.
+
+    The parameters are checked against the model's names and shapes first (`demonet.tasks.hf`). A tied
+    parameter (`lm_head.weight` that is `model.embed_tokens.weight`) is in the state once, under the name
+    `named_parameters` gives it, which is how `save_pretrained` writes it too. Each file is written next to
+    its place and renamed over it.
+
+    Returns:
+        the files written.
+
+    Raises:
+        WeightsFileError: a bad model folder, parameters that are not its model's, `out` is a file, or a file
+            to write exists and not `force`.
+    """
+    from demonet.tasks.hf import COPIED_FILES, param_specs_of
+    from demonet.train.task import first_difference, param_specs
+
+    _safetensors_torch()
+    try:
+        specs = param_specs_of(model_dir)
+    except ValueError as e:
+        raise WeightsFileError(str(e)) from e
+    difference = first_difference(param_specs(saved.params), specs)
+    if difference is not None:
+        raise WeightsFileError(f"the saved parameters are not those of the model in {model_dir} (with the state "
+                               f"as 'this model': {difference})")
+    if out.exists() and not out.is_dir():
+        raise WeightsFileError(f"{out} is a file; a Hugging Face model is a folder")
+    copied = [name for name in COPIED_FILES if (model_dir / name).is_file()]
+    targets = [out / name for name in (*copied, "model.safetensors")]
+    for target in targets:
+        if target.exists() and not force:
+            raise WeightsFileError(f"{target} exists; --force overwrites it")
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(saved.params, out / "model.safetensors",
+                      {"format": "pt", "demonet.round": str(saved.round), "demonet.digest": saved.digest})
+    for name in copied:
+        tmp = out / f".{name}.{os.getpid()}.tmp"
+        try:
+            shutil.copyfile(model_dir / name, tmp)
+            os.replace(tmp, out / name)
+        except OSError as e:
+            raise WeightsFileError(f"cannot write {out / name}: {e}") from e
+        finally:
+            tmp.unlink(missing_ok=True)
+    return targets
 
 
 def read_init(path: Path, expected: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -80,6 +80,8 @@ def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
     (("demonet.wire",), NETWORK + ("asyncio", "demonet.transport", "demonet.train") + SERVICES, ()),
     # The training side (replica, loop, data, model) drives transports only through their protocols.
     (("demonet.train",), NETWORK + ("demonet.transport.grpc",) + SERVICES, ("demonet.train.local",)),
+    # Built-in tasks are training code too: a peer that builds one pulls in no service.
+    (("demonet.tasks",), NETWORK + ("demonet.transport",) + SERVICES, ()),
     # Transports import no service, and the protocols no network library.
     (("demonet.transport",), SERVICES + ("demonet.train", "hivemind"), ()),
     (("demonet.transport",), NETWORK, ("demonet.transport.grpc",)),
