@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demonet.optim import BASES, CHUNK_POLICIES, ENCODINGS, check_lr
+from demonet.optim import BASES, CHUNK_POLICIES, ENCODINGS, check_lr, check_schedule
 from demonet.train.model import ModelConfig
 
-__all__ = ["TOKEN_ENV", "Config", "NetConfig", "OptimConfig", "TrainConfig", "load_config", "load_token"]
+__all__ = ["PRECISIONS", "TOKEN_ENV", "Config", "NetConfig", "OptimConfig", "TrainConfig", "load_config", "load_token"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +42,16 @@ class OptimConfig:
     """Value encoding: fp32, bf16, fp16, int8 or sign."""
     chunk_policy: str = "pad"
     """``pad`` never collapses awkward dimensions to tiny chunks; ``reference`` is bloc97's rule."""
+    warmup_rounds: int = 0
+    """Rounds of linear warmup, from lr / warmup_rounds in round 0 to lr; 0: none (`demonet.optim.LrSchedule`).
+    Off by default: 5 to 20 rounds did not remove the one-round loss spikes of the sign base
+    (docs/benchmarks.md, Learning-rate warmup)."""
+    schedule: str = "constant"
+    """After the warmup: ``constant`` (lr) or ``cosine`` (from lr down to lr_min over decay_rounds, then lr_min)."""
+    lr_min: float = 0.0
+    """The cosine's floor, in [0, lr]."""
+    decay_rounds: int = 0
+    """The cosine's length in rounds; 0: the rest of the run (train.steps - warmup_rounds)."""
 
     def __post_init__(self) -> None:
         check_lr(self.lr)  # the optimizer's own rule
@@ -53,6 +63,11 @@ class OptimConfig:
         _check(0 < self.alpha <= 1, "alpha should be in (0, 1]")
         _check(self.encoding in ENCODINGS, f"encoding should be one of {ENCODINGS}")
         _check(self.chunk_policy in CHUNK_POLICIES, f"chunk_policy should be one of {CHUNK_POLICIES}")
+        check_schedule(self.lr, self.warmup_rounds, self.schedule, self.lr_min, self.decay_rounds)
+
+
+PRECISIONS = ("fp32", "bf16")
+"""`TrainConfig.precision`: the forward and backward's dtype."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +97,11 @@ class TrainConfig:
     """cpu, cuda or cuda:N."""
     task: str = ""
     """MODULE:FUNCTION returning a `demonet.Task` (called with the [task] table); empty: the built-in GPT."""
+    precision: str = "fp32"
+    """Forward and backward in ``fp32``, or ``bf16`` under torch.autocast (parameters, gradients and
+    DeMo's state stay float32)."""
+    max_grad_norm: float = 0.0
+    """Clip each peer's gradient to this L2 norm before compress; 0: no clipping."""
 
     def __post_init__(self) -> None:
         _check(not self.task or (self.task.count(":") == 1 and all(self.task.split(":"))),
@@ -93,6 +113,8 @@ class TrainConfig:
         _check(self.seed >= 0, "seed should be >= 0")
         _check(self.eval_every >= 0, "eval_every should be >= 0")
         _check(not (self.corpus and self.tokens), "train.corpus and train.tokens should not both be set")
+        _check(self.precision in PRECISIONS, f"precision should be one of {PRECISIONS}, got {self.precision!r}")
+        _check(self.max_grad_norm >= 0, f"max_grad_norm should be >= 0 (0: off), got {self.max_grad_norm}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from demonet.config import Config
-from demonet.optim import DeMo, Payload
+from demonet.optim import DeMo, LrSchedule, Payload
 from demonet.train.task import build_task
 from demonet.wire import params as wire_params
 from demonet.wire.digest import param_digest
@@ -54,6 +54,7 @@ class CanonicalState:
         # Only apply() is used: the coordinator has no gradients. The momentum buffers it allocates
         # are the price of reusing DeMo's exact decode and base step (bit-identical to the peers').
         self.opt = DeMo.from_settings(list(self.params.items()), o)
+        self.lr = LrSchedule.from_settings(o, cfg.train.steps)  # round r's lr, as every peer's (`StepOptions`)
         self.specs = self.opt.param_specs()
         self.rules = MergeRules.from_config(cfg)
         self.digest = param_digest(self.params.items())
@@ -90,7 +91,7 @@ class CanonicalState:
                 logger.warning("[coordinator round=%d] %s's payload norm is %.3g times the median: clipped",
                                round, peer, 1 / factor)
         data, applied = merged.data, merged.payload
-        self.opt.apply(applied)
+        self.opt.apply(applied, lr=self.lr(round))
         self.digest = param_digest(self.params.items())
         self._blob = None
         return ClosedAggregate(round, False, contributors, self.digest, data, clipped)

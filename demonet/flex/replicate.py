@@ -39,6 +39,6 @@ def replicated_step(trainer: FlexTrainer, replicate: dist.ProcessGroup) -> tuple
     """
     loss, payload = trainer.train_step()
     payloads, sent = gather_payloads(payload, replicate)
-    trainer.opt.apply(aggregate(payloads))
+    trainer.opt.apply(aggregate(payloads), lr=trainer.options.lr_at(trainer.step))
     trainer.step += 1
     return loss, sent

@@ -33,7 +33,7 @@ from demonet.optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
 from demonet.optim.payload import num_chunks
 from demonet.train.data import Batches, load_corpus, split
 from demonet.train.model import GPT
-from demonet.train.trainer import settle
+from demonet.train.trainer import StepOptions, autocast, clip_grads, settle
 from demonet.transport import RoundResult
 from demonet.wire.digest import param_digest
 
@@ -153,16 +153,21 @@ class FlexTrainer:
         self.batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                                seed=data_seed, rank=data_rank, world=data_world)
         self.step = 0
+        self.options = StepOptions.for_run(cfg)
+        """The lr schedule (round r's apply uses ``options.lr_at(r)``), precision and clipping."""
         self.checkpoint = checkpoint
         """The node's checkpoint folder (`save`, `load`), for the round loop; None: none."""
 
     def train_step(self) -> tuple[float, Payload]:
         """Forward and backward on this rank's batch (FSDP reduce-scatters the mean gradient inside
-        the node), then compress this rank's shard. Returns (this rank's loss, its payload)."""
+        the node), clip the node's gradient norm (over the shards' DTensors), then compress this rank's
+        shard. Returns (this rank's loss, its payload)."""
         x_BT, y_BT = next(self.batches)
-        _, loss = self.model(x_BT.to(self.device), y_BT.to(self.device))
+        with autocast(self.device, self.options.precision):
+            _, loss = self.model(x_BT.to(self.device), y_BT.to(self.device))
         assert loss is not None
         loss.backward()
+        clip_grads(self.model.parameters(), self.options.max_grad_norm)
         payload = self.opt.compress()
         self.opt.zero_grad(set_to_none=True)
         return float(loss.detach()), payload
@@ -292,7 +297,8 @@ class FlexTrainer:
 
     def settle(self, payload: Payload, result: RoundResult, contributed: bool) -> None:
         """`demonet.train.trainer.settle` on this rank's rows of the aggregate."""
-        settle(self.opt, payload, result, contributed, local=self.local_aggregate)
+        settle(self.opt, payload, result, contributed, local=self.local_aggregate,
+               lr=self.options.lr_at(result.round))
 
     def save(self, meta: dict[str, Any]) -> None:
         """The node's checkpoint folder, and `meta` (round, resyncs) beside it as JSON."""

@@ -202,8 +202,12 @@ class DeMo(torch.optim.Optimizer):
                                  f"{(bucket.h, bucket.w)}, ({rows}, K)")
 
     @torch.no_grad()
-    def apply(self, aggregate: Payload) -> None:
+    def apply(self, aggregate: Payload, lr: float | None = None) -> None:
         """Decode an aggregate and take the base optimizer's step with decoupled weight decay.
+
+        `lr` is this step's learning rate for every param group (a schedule's value for the round the
+        aggregate closes, `demonet.optim.LrSchedule`); None: each group's ``lr``. `compress` folds the
+        group's ``lr`` into the momentum either way.
 
         The same bits on every IEEE-754 machine (CPU of any vector width or thread count, CUDA):
         two peers that apply the same aggregate to the same parameters end with the same parameters
@@ -216,19 +220,19 @@ class DeMo(torch.optim.Optimizer):
         self._check_payload(aggregate)
         for bucket in self._buckets:
             group = self.param_groups[bucket.group]
-            lr, wd = group["lr"], group["weight_decay"]
+            step_lr, wd = group["lr"] if lr is None else lr, group["weight_decay"]
             u_BHW, t_BHW, _ = self._scratch_for(bucket)
             self._decode(bucket, aggregate, u_BHW, sign=self.options.base == "sign")
             if self.options.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)
-            step = as_opmath(-lr, u_BHW.dtype)
+            step = as_opmath(-step_lr, u_BHW.dtype)
             if self.options.base != "sign":
                 u_BHW.mul_(step)  # the update, -lr * u, rounded once
                 step = 1.0
             # else u is -1, 0 or 1: step * u is exact, so a fused multiply-add rounds as add does
             locals_ = [local_tensor(slot.param) for slot in bucket.slots]
             if wd != 0.0:
-                torch._foreach_mul_(locals_, as_opmath(1.0 - lr * wd, locals_[0].dtype))
+                torch._foreach_mul_(locals_, as_opmath(1.0 - step_lr * wd, locals_[0].dtype))
             params, updates = [], []  # parameters that tile exactly: one batched add per bucket
             for slot, p in zip(bucket.slots, locals_, strict=True):
                 u_CHW = u_BHW[slot.start:slot.stop]

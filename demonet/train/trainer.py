@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from demonet.config import Config
-from demonet.optim import DeMo, Payload
+from demonet.config import PRECISIONS, Config
+from demonet.optim import DeMo, LrSchedule, Payload
 from demonet.transport import Expected, RoundResult
 from demonet.wire.digest import param_digest
 
 from .task import build_task
 
-__all__ = ["Trainer", "settle", "to_device"]
+__all__ = ["StepOptions", "Trainer", "autocast", "clip_grads", "settle", "to_device"]
 
 Loss = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -37,14 +38,60 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepOptions:
+    """How a replica takes its step, beyond its model, optimizer and data.
+
+    Attributes:
+        lr: the learning rate of round r's apply, a pure function of r (`demonet.optim.LrSchedule`):
+            every peer and the coordinator apply round r with the same value. None: the optimizer's own.
+        precision: ``fp32``, or ``bf16``: forward (and so backward) under torch.autocast; parameters,
+            gradients and the optimizer's state keep their dtype.
+        max_grad_norm: clip the gradient to this L2 norm before compress; 0: no clipping.
+    """
+
+    lr: Callable[[int], float] | None = None
+    precision: str = "fp32"
+    max_grad_norm: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision should be one of {PRECISIONS}, got {self.precision!r}")
+        if not self.max_grad_norm >= 0.0:
+            raise ValueError(f"max_grad_norm should be >= 0, got {self.max_grad_norm}")
+
+    @classmethod
+    def for_run(cls, cfg: Config) -> StepOptions:
+        """A run's schedule (`[optim]`, over `train.steps` rounds), precision and clipping (`[train]`)."""
+        return cls(lr=LrSchedule.from_settings(cfg.optim, cfg.train.steps), precision=cfg.train.precision,
+                   max_grad_norm=cfg.train.max_grad_norm)
+
+    def lr_at(self, round: int) -> float | None:
+        return None if self.lr is None else self.lr(round)
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager[Any]:
+    """The forward's context: torch.autocast to bfloat16 on `device`'s type for ``bf16``, nothing for ``fp32``."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def clip_grads(params: Iterable[torch.Tensor], max_norm: float) -> None:
+    """Scale the gradients down to an L2 norm of at most `max_norm` (0: leave them); DTensors too."""
+    if max_norm > 0.0:
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
 def settle(opt: DeMo, payload: Payload, result: RoundResult, contributed: bool,
-           local: Callable[[Payload], Payload] = lambda p: p) -> None:
+           local: Callable[[Payload], Payload] = lambda p: p, lr: float | None = None) -> None:
     """Apply a round's outcome to an optimizer.
 
     The aggregate may hold only the largest merged coefficients, so a contributor restores the
     entries of its payload that the aggregate dropped; a peer whose payload missed the round
     restores all of it; an aborted round restores the payload and applies nothing. `local` maps a
-    whole-parameter payload to the optimizer's own rows (a FlexDeMo rank's shard).
+    whole-parameter payload to the optimizer's own rows (a FlexDeMo rank's shard). `lr`: the
+    learning rate of the round's apply (`StepOptions.lr_at(result.round)`); None: the optimizer's.
     """
     if result.aggregate is None:
         opt.restore(payload)
@@ -52,7 +99,7 @@ def settle(opt: DeMo, payload: Payload, result: RoundResult, contributed: bool,
     aggregate = local(result.aggregate)
     kept = local(result.kept) if result.kept is not None else aggregate
     opt.restore(payload, kept=kept if contributed else None)
-    opt.apply(aggregate)
+    opt.apply(aggregate, lr=lr)
 
 
 class Trainer:
@@ -67,14 +114,16 @@ class Trainer:
         device: where the batches go.
         accumulate: micro-batches per round (gradient accumulation).
         checkpoint: the checkpoint file; None: no checkpoints.
+        options: the lr schedule, precision and gradient clipping.
     """
 
     def __init__(self, model: torch.nn.Module, opt: DeMo, batches: Iterator[Any], loss: Loss, *,
-                 device: torch.device, accumulate: int = 1, checkpoint: Path | None = None) -> None:
+                 device: torch.device, accumulate: int = 1, checkpoint: Path | None = None,
+                 options: StepOptions = StepOptions()) -> None:  # noqa: B008 (frozen: safe to share)
         if accumulate < 1:
             raise ValueError(f"accumulate should be >= 1, got {accumulate}")
         self.model, self.opt, self.batches, self.loss = model, opt, batches, loss
-        self.device, self.accumulate, self.checkpoint = device, accumulate, checkpoint
+        self.device, self.accumulate, self.checkpoint, self.options = device, accumulate, checkpoint, options
 
     @classmethod
     def for_run(cls, cfg: Config, *, data_seed: int, device: torch.device, accumulate: int = 1,
@@ -85,7 +134,7 @@ class Trainer:
         model = task.model.to(device)
         opt = DeMo.from_settings(model.named_parameters(), cfg.optim)
         return cls(model, opt, task.batches(data_seed), task.loss, device=device, accumulate=accumulate,
-                   checkpoint=checkpoint)
+                   checkpoint=checkpoint, options=StepOptions.for_run(cfg))
 
     # -- parameters ----------------------------------------------------------------------------------
 
@@ -110,12 +159,15 @@ class Trainer:
     # -- a round -------------------------------------------------------------------------------------
 
     def train_step(self) -> tuple[float, Payload]:
-        """Forward and backward over `accumulate` micro-batches, then compress. Returns (mean loss, payload)."""
+        """Forward and backward over `accumulate` micro-batches (under autocast for bf16), clip the
+        gradient's norm, then compress. Returns (mean loss, payload)."""
         total = 0.0
         for _ in range(self.accumulate):
-            loss = self.loss(self.model, to_device(next(self.batches), self.device))
+            with autocast(self.device, self.options.precision):
+                loss = self.loss(self.model, to_device(next(self.batches), self.device))
             (loss / self.accumulate).backward()
             total += float(loss.detach())
+        clip_grads(self.model.parameters(), self.options.max_grad_norm)
         payload = self.opt.compress()
         self.opt.zero_grad(set_to_none=True)
         return total / self.accumulate, payload
@@ -125,7 +177,7 @@ class Trainer:
         self.opt.restore(payload)
 
     def settle(self, payload: Payload, result: RoundResult, contributed: bool) -> None:
-        settle(self.opt, payload, result, contributed)
+        settle(self.opt, payload, result, contributed, lr=self.options.lr_at(result.round))
 
     # -- checkpoints ---------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pbg
 from demonet.config import Config
-from demonet.optim import DeMo
+from demonet.optim import DeMo, LrSchedule
 from demonet.train.data import Batches, load_corpus
 from demonet.train.model import GPT
 from demonet.transport.grpc import GrpcClient
@@ -85,6 +85,7 @@ class Peer:
         cfg = Config.from_dict(json.loads(reply.run_config))
         self.model = GPT(cfg.model)
         self.opt = DeMo(self.model.named_parameters(), lr=cfg.optim.lr)
+        self.lr = LrSchedule.from_settings(cfg.optim, cfg.train.steps)  # round r's apply, as the coordinator's
         self.batches = Batches(load_corpus(), batch_size=2, seq_len=32, seed=reply.data_seed)
         await self.load_parameters(reply.round)
         return int(reply.round)
@@ -126,7 +127,7 @@ class Peer:
             self.opt.restore(payload)
         else:
             self.opt.restore(payload, kept=agg) if self.peer_id in header.contributors else self.opt.restore(payload)
-            self.opt.apply(agg)
+            self.opt.apply(agg, lr=self.lr(round_))
         self.opt.zero_grad()
         return reply, header
 

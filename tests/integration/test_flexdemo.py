@@ -30,8 +30,8 @@ NODES, RANKS = 2, 2
 STEPS, SAVE_AT = 5, 2
 # d_model 32 with chunk 16: every dim 0 splits into 2 shards of whole chunks.
 CONFIG = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
-          "optim": {"compression_chunk": 16, "compression_topk": 8, "lr": 0.01},
-          "train": {"seq_len": 32, "batch_size": 2}}
+          "optim": {"compression_chunk": 16, "compression_topk": 8, "lr": 0.01, "warmup_rounds": 3},
+          "train": {"seq_len": 32, "batch_size": 2, "max_grad_norm": 0.1}}  # clips: the gradient's norm is ~1
 
 
 def _cfg() -> Config:
@@ -40,7 +40,7 @@ def _cfg() -> Config:
 
 def _reference(cfg: Config, chunks: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
     """Unsharded DeMo: one whole model per node, its gradient the mean over the node's ranks' batches."""
-    from demonet.optim import DeMo, aggregate
+    from demonet.optim import DeMo, LrSchedule, aggregate
     from demonet.train.data import Batches, load_corpus, split
     from demonet.train.model import GPT
 
@@ -56,18 +56,20 @@ def _reference(cfg: Config, chunks: dict[str, tuple[int, int]]) -> dict[str, tor
                          base=o.base, chunk_policy=o.chunk_policy, chunks=chunks))
     batches = [Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                        seed=cfg.train.seed, rank=r, world=NODES * RANKS) for r in range(NODES * RANKS)]
-    for _ in range(STEPS):
+    schedule = LrSchedule.from_settings(o, cfg.train.steps)  # a warmup: the first steps have their own lr
+    for step in range(STEPS):
         payloads = []
         for node, (model, opt) in enumerate(zip(models, opts, strict=True)):
             for r in range(node * RANKS, (node + 1) * RANKS):
                 x, y = next(batches[r])
                 _, loss = model(x, y)
                 (loss / RANKS).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)  # the node's mean gradient
             payloads.append(opt.compress())
             opt.zero_grad(set_to_none=True)
         agg = aggregate(payloads)
         for opt in opts:
-            opt.apply(agg)
+            opt.apply(agg, lr=schedule(step))
     return {n: p.detach().clone() for n, p in models[0].named_parameters()}
 
 

@@ -1,0 +1,125 @@
+"""A replica's step options: the round's lr reaches the apply, bf16 autocast, gradient clipping before compress."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from demonet.config import Config, load_config
+from demonet.optim import LrSchedule, Payload, aggregate
+from demonet.train.trainer import StepOptions, Trainer
+from demonet.transport import RoundResult
+
+
+def _cfg(tmp_path: Path, **train: object) -> Config:
+    return load_config(None, {}, {
+        "model": {"seq_len": 32, "d_model": 32, "n_layers": 1, "n_heads": 2},
+        "optim": {"compression_chunk": 16, "compression_topk": 4},
+        "train": {"batch_size": 2, "seq_len": 32, "out": str(tmp_path), **train}})
+
+
+def _trainer(cfg: Config, options: StepOptions | None = None) -> Trainer:
+    trainer = Trainer.for_run(cfg, data_seed=0, device=torch.device("cpu"))
+    if options is not None:
+        trainer.options = options
+    return trainer
+
+
+def _result(round: int, agg: Payload) -> RoundResult:
+    return RoundResult(round=round, aggregate=agg, contributors=("p0",), param_digest="", aborted=False,
+                       bytes_up=0, bytes_down=0)
+
+
+def _flat(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+
+
+def test_settle_applies_with_the_lr_of_the_result_round(tmp_path: Path) -> None:
+    schedule = LrSchedule(lr=1e-3, warmup_rounds=10)
+    trainer = _trainer(_cfg(tmp_path), StepOptions(lr=schedule))
+    _, payload = trainer.train_step()
+    agg = aggregate([payload])
+    moved = {}
+    for round in (0, 4):
+        t = copy.deepcopy(trainer)
+        before = _flat(t)
+        t.settle(payload, _result(round, agg), contributed=True)
+        moved[round] = float((_flat(t) - before).abs().max())
+    # the sign base moves a parameter by exactly lr (up to the rounding of p + lr): lr(0) = lr / 10, lr(4) = lr / 2
+    assert moved[0] == pytest.approx(schedule(0), rel=1e-3)
+    assert moved[4] == pytest.approx(schedule(4), rel=1e-3)
+
+
+def test_apply_lr_is_the_group_lr_of_that_step(tmp_path: Path) -> None:
+    """apply(agg, lr=x) gives the bits of a group lr of x: the coordinator and the peers may use either."""
+    trainer = _trainer(_cfg(tmp_path))
+    _, payload = trainer.train_step()
+    agg = aggregate([payload])
+    a, b = copy.deepcopy(trainer), copy.deepcopy(trainer)
+    lr = LrSchedule(lr=3e-3, warmup_rounds=7)(2)
+    a.opt.apply(agg, lr=lr)
+    for group in b.opt.param_groups:
+        group["lr"] = lr
+    b.opt.apply(agg)
+    assert torch.equal(_flat(a), _flat(b))
+    assert a.opt.param_groups[0]["lr"] == 3e-3  # apply's lr does not stick
+
+
+def _grad_norm_at_compress(trainer: Trainer) -> list[float]:
+    seen: list[float] = []
+    compress = trainer.opt.compress
+
+    def spy() -> Payload:
+        seen.append(float(torch.linalg.vector_norm(torch.stack(
+            [p.grad.norm() for p in trainer.model.parameters() if p.grad is not None]))))
+        return compress()
+
+    trainer.opt.compress = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_max_grad_norm_bounds_the_gradient_entering_compress(tmp_path: Path) -> None:
+    free, clipped = _trainer(_cfg(tmp_path)), _trainer(_cfg(tmp_path, max_grad_norm=0.05))
+    assert clipped.options.max_grad_norm == 0.05
+    free_norms, clipped_norms = _grad_norm_at_compress(free), _grad_norm_at_compress(clipped)
+    loss_free, payload_free = free.train_step()
+    loss_clipped, payload_clipped = clipped.train_step()
+    assert loss_free == loss_clipped  # the same forward
+    assert free_norms[0] > 0.05  # the gradient is above the bound ...
+    assert clipped_norms[0] <= 0.05 * (1 + 1e-5)  # ... and clipped to it before compress
+    assert clipped_norms[0] == pytest.approx(0.05, rel=1e-4)
+    assert not torch.equal(payload_free.tensors["blocks.0.mlp.fc.weight"].val,
+                           payload_clipped.tensors["blocks.0.mlp.fc.weight"].val)
+
+
+def test_a_large_max_grad_norm_changes_nothing(tmp_path: Path) -> None:
+    free, loose = _trainer(_cfg(tmp_path)), _trainer(_cfg(tmp_path, max_grad_norm=1e6))
+    _, a = free.train_step()
+    _, b = loose.train_step()
+    assert all(torch.equal(a.tensors[n].val, b.tensors[n].val) for n in a.tensors)
+
+
+def test_bf16_runs_under_autocast_with_float32_parameters_and_state(tmp_path: Path) -> None:
+    fp32, bf16 = _trainer(_cfg(tmp_path)), _trainer(_cfg(tmp_path, precision="bf16"))
+    assert bf16.options.precision == "bf16"
+    loss32, payload32 = fp32.train_step()
+    loss16, payload16 = bf16.train_step()
+    assert torch.isfinite(torch.tensor(loss16))
+    assert loss16 != loss32  # bfloat16 matmuls round differently ...
+    assert loss16 == pytest.approx(loss32, abs=0.05)  # ... but compute the same loss
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert all(s["momentum"].dtype == torch.float32 for s in bf16.opt.state.values())
+    assert all(c.val.dtype == torch.float32 for c in payload16.tensors.values())
+    assert any(not torch.equal(payload16.tensors[n].val, payload32.tensors[n].val) for n in payload16.tensors)
+    bf16.settle(payload16, _result(0, aggregate([payload16])), contributed=True)
+    assert all(p.dtype == torch.float32 and bool(torch.isfinite(p).all()) for p in bf16.model.parameters())
+
+
+def test_bad_step_options_raise() -> None:
+    with pytest.raises(ValueError, match="precision should be one of"):
+        StepOptions(precision="fp16")
+    with pytest.raises(ValueError, match="max_grad_norm should be >= 0"):
+        StepOptions(max_grad_norm=-1.0)
