@@ -232,8 +232,8 @@ class CoordinatorCluster:
     def loaded(self, peer: str) -> list[tuple[int, str]]:
         """(round, digest prefix) of every parameter download the peer logged, across restarts."""
         text = "".join(self.log(p.log_name) for p in self.peers[peer].procs)  # type: ignore[attr-defined]
-        return [(int(m[1]), m[2]) for m in re.finditer(r"parameters of round (\d+) loaded \(\d+ bytes, digest (\w+)\)",
-                                                          text)]
+        found = re.finditer(r"parameters of round (\d+) loaded from \S+ \(\d+ bytes, digest (\w+)\)", text)
+        return [(int(m[1]), m[2]) for m in found]
 
     def mean_losses(self, by_round: dict[int, dict[str, dict[str, Any]]], peers: Sequence[str]) -> list[float]:
         return [sum(r["loss"] for p, r in rows.items() if p in peers) / max(1, sum(p in rows for p in peers))

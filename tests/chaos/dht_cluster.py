@@ -101,7 +101,7 @@ class DhtCluster(CoordinatorCluster):
         """(round, digest prefix) of every parameter download the peer logged, across restarts."""
         text = "".join(self.log(p.log_name) for p in self.peers[peer].procs)  # type: ignore[attr-defined]
         return [(int(m[1]), m[2]) for m in re.finditer(
-            r"parameters of round (\d+) loaded from \d+ donors \(.*?; \d+ bytes, digest (\w+)\)", text)]
+            r"parameters of round (\d+) loaded from \d+ donors \(.*?\) \(\d+ bytes, digest (\w+)\)", text)]
 
 
 def digest_after(by_round: dict[int, dict[str, dict[str, Any]]], round_: int) -> str:

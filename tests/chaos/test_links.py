@@ -80,7 +80,7 @@ def test_a_late_joiner_over_a_slow_link_downloads_the_parameters_while_rounds_go
     assert first < rounds - 8, first
     loads = cluster.loaded("late")
     assert loads[0][0] == first and len(loads) == 1, loads  # one download, and it was in time
-    size = int(re.search(r"parameters of round \d+ loaded \((\d+) bytes", cluster.log("late"))[1])
+    size = int(re.search(r"parameters of round \d+ loaded from \S+ \((\d+) bytes", cluster.log("late"))[1])
     assert size > 400_000
     for n in range(first, rounds):
         assert set(by_round[n]) == {"a", "b", "late"} and by_round[n]["a"]["contributors"] == 3, by_round[n]

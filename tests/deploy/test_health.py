@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from demonet import cli
+from demonet import cli, health
 from demonet.config import load_config
-from demonet.coordinator import CoordinatorOptions, health, serve
+from demonet.coordinator import CoordinatorOptions, serve
 from tests.integration.common import tiny_config
 from tests.procs import free_port
 

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not ok, reason=why)]
 
 STEPS = 5
 PORT = 7450
-_PROGRAMS = {"demonet": "demonet.cli", "demonet-health": "demonet.health"}
+_PROGRAMS = {"demonet": "demonet", "demonet-health": "demonet.health"}  # run as `python -m` (the console scripts)
 
 
 class Machine:
