@@ -61,6 +61,38 @@ class _DhtProcess(hivemind.DHT):  # type: ignore[misc]
         super().run()
 
 
+_READY_MIN_S = 30.0
+_READY_MAX_S = 60.0
+"""How long one start of the DHT process may take to be ready (bootstrap included) before it is killed
+and started again: a wait without a bound would hang the thread that waits, and the event loop that
+waits for that thread at exit, if the process never gets ready."""
+
+
+def _start_process(ready_s: float, **kwargs: Any) -> _DhtProcess:
+    """Start the DHT process and wait up to `ready_s` for it to be ready; kill it if it is not.
+
+    Raises:
+        RuntimeError: the process failed to start, or was not ready in time ("bootstrap failed": worth
+            another try while the initial peers start).
+    """
+    dht = _DhtProcess(start=False, **kwargs)
+    dht.run_in_background(await_ready=False)
+    try:
+        dht.wait_until_ready(timeout=ready_s)
+    except BaseException as e:
+        if dht.is_alive():  # SIGTERM: `_end` takes its p2pd daemon with it
+            dht.terminate()
+            dht.join(5.0)
+            if dht.is_alive():
+                dht.kill()
+                dht.join(5.0)
+        if isinstance(e, TimeoutError):
+            raise RuntimeError(f"DHTNode bootstrap failed: the DHT process was not ready within {ready_s:.0f} s"
+                               ) from None
+        raise
+    return dht
+
+
 class DhtNode:
     """This peer's DHT process and libp2p endpoint (`streams`); stores and reads the run's signed records.
 
@@ -89,11 +121,12 @@ class DhtNode:
         give_up_at = time.monotonic() + opts.bootstrap_timeout_s
         while True:
             try:
-                dht = await asyncio.to_thread(
-                    _DhtProcess, initial_peers=list(opts.initial_peers) or None, host_maddrs=list(opts.host_maddrs),
-                    announce_maddrs=list(opts.announce_maddrs) or None, client_mode=opts.client_mode,
-                    identity_path=opts.identity_path, record_validators=[HmacValidator(opts.token.encode())],
-                    start=True)
+                ready_s = min(_READY_MAX_S, max(_READY_MIN_S, give_up_at - time.monotonic()))
+                dht = await asyncio.to_thread(_start_process, ready_s, initial_peers=list(opts.initial_peers) or None,
+                                              host_maddrs=list(opts.host_maddrs),
+                                              announce_maddrs=list(opts.announce_maddrs) or None,
+                                              client_mode=opts.client_mode, identity_path=opts.identity_path,
+                                              record_validators=[HmacValidator(opts.token.encode())])
                 break
             except (P2PDaemonError, RuntimeError) as e:
                 # P2PDaemonError: no connection to the bootstrap peers; RuntimeError("DHTNode bootstrap
