@@ -183,8 +183,8 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path, reap_children: Reaper)
     assert all(r["contributors"] <= 3 for rs in rows.values() for r in rs)  # x never does
 
 
-async def test_wrong_token_records_and_messages_refused() -> None:
-    """Two nodes with the run token and one without, in this process over loopback."""
+async def _wrong_token_nodes() -> None:
+    """Two nodes with the run token and one without, over loopback (run by the test in a fresh process)."""
     from demonet.dht.gatherer import DhtGatherer, DhtOptions
 
     def opts(token: str, initial: tuple[str, ...] = ()) -> DhtOptions:
@@ -211,6 +211,18 @@ async def test_wrong_token_records_and_messages_refused() -> None:
     finally:
         for node in reversed(nodes):
             await asyncio.wait_for(node.close(), 30)
+
+
+def test_wrong_token_records_and_messages_refused(reap_children: Reaper) -> None:
+    """In a fresh interpreter: a DHT process forked from this test process would inherit the gRPC
+    state of the in-process coordinator tests before it (gRPC skips its fork handlers while its
+    threads run), and was seen to spin there instead of starting."""
+    code = ("import asyncio; from tests.integration.test_dht import _wrong_token_nodes; "
+            "asyncio.run(_wrong_token_nodes()); print('ok')")
+    proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]))
+    out, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
 
 
 def _descendants(pid: int) -> list[int]:
