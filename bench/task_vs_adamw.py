@@ -46,6 +46,7 @@ seq_len = {args.seq_len}
 seed = 0
 [optim]
 lr = {args.lr}
+encoding = "{args.encoding}"
 [net]
 round_timeout_s = 600.0
 heartbeat_timeout_s = 1200.0
@@ -116,6 +117,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per peer; AdamW's batch is twice this (8)")
     parser.add_argument("--lr", type=float, default=1e-3, help="DeMo's lr (1e-3)")
     parser.add_argument("--adamw-lr", type=float, default=1e-3, help="AdamW's lr (1e-3)")
+    parser.add_argument("--encoding", default="fp32", help="DeMo's payload values: fp32, bf16, ... (fp32)")
     parser.add_argument("--split-reps", type=int, default=5, help="timed steps for the step split (5)")
     parser.add_argument("--plot", type=Path, help="write the loss curves to this PNG")
     args = parser.parse_args()
@@ -175,8 +177,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     print(f"| AdamW, 1 process (lr {args.adamw_lr}) | {statistics.fmean(adamw[:10]):.3f} | {tail(adamw):.3f} "
           f"| {adamw_s:.0f} | {adamw_step_s:.2f} |")
-    print(f"| demonet, coordinator + 2 peers (sign, lr {args.lr}) | {statistics.fmean(demo[:10]):.3f} "
-          f"| {tail(demo):.3f} | {up_s:.0f} | {round_s:.2f} |")
+    print(f"| demonet, coordinator + 2 peers (sign, lr {args.lr}, {args.encoding} values) "
+          f"| {statistics.fmean(demo[:10]):.3f} | {tail(demo):.3f} | {up_s:.0f} | {round_s:.2f} |")
     print()
     print(f"loss at equal steps, demonet / AdamW (last {window}): {tail(demo) / tail(adamw):.3f} (goal <= 1.05)")
     print(f"bytes per peer per round: up {up_bytes:,.0f}, down {down_bytes:,.0f}; dense fp32 gradient {dense:,}: "
