@@ -143,6 +143,14 @@ class NetConfig:
     max_payload_norm: float = 1e6
     """Reject a payload whose values' L2 norm exceeds this (0: no bound); honest payloads are
     orders of magnitude below."""
+    overlap: int = 0
+    """Rounds a peer trains ahead of the network: 1 trains round r+1 while round r's payload travels
+    and is merged (the aggregate is applied when it arrives, before round r+1's payload is made);
+    0: a round's exchange waits for its training and the next round's training for its exchange."""
+    lookahead: bool = True
+    """With overlap = 1, train round r+1 from the parameters after this peer's own round-r update,
+    which the real aggregate replaces when it arrives; False trains it from round r's parameters
+    (a plain one-round delay)."""
 
     def __post_init__(self) -> None:
         _check(self.round_timeout_s > 0, "round_timeout_s should be > 0")
@@ -154,6 +162,7 @@ class NetConfig:
         _check(self.aggregate_topk >= 0, "aggregate_topk should be >= 0")
         _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")
         _check(self.max_payload_norm >= 0, "max_payload_norm should be >= 0")
+        _check(self.overlap in (0, 1), f"overlap should be 0 or 1, got {self.overlap!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

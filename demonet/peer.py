@@ -80,7 +80,7 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
                     return 2
             info = await membership.join()
             loop = RoundLoop(trainer, membership, membership.client, peer_id, out / f"metrics-{peer_id}.jsonl",
-                             checkpoint_every, stop)
+                             checkpoint_every, stop, overlap=cfg.net.overlap, lookahead=cfg.net.lookahead)
             # kernels that differ between peers are what makes them resync
             loop.log.info("joined %s: %d parameters, %d rounds in the run; CPU kernels %s, %d threads", coordinator,
                           trainer.num_params(), info.total_rounds, torch.backends.cpu.get_cpu_capability(),

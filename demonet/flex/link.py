@@ -55,16 +55,20 @@ class NodeLink:
     """One rank's view of the node's membership (`inner` on local rank 0, None elsewhere).
 
     Args:
-        group: the node's process group (its ranks hold the shards of one model).
+        group: the node's process group (its ranks hold the shards of one model); the link talks over a
+            new group of the same ranks (every rank constructs its NodeLink at the same point).
         inner: rank 0's membership of the coordinator run.
         full_shapes: the whole parameters' shapes by name (to join the ranks' shard payloads).
     """
 
     def __init__(self, group: dist.ProcessGroup, inner: CoordinatorMembership | None,
                  full_shapes: Mapping[str, tuple[int, ...]]) -> None:
-        self.group, self.inner, self.full_shapes = group, inner, dict(full_shapes)
-        self.rank = dist.get_rank(group)
-        self.src = dist.get_global_rank(group, 0)
+        # A group of its own (gloo: Python objects on the CPU), so that with overlapped rounds a round's
+        # gather and broadcast can run while the training thread's FSDP collectives use the node's group.
+        self.group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+        self.inner, self.full_shapes = inner, dict(full_shapes)
+        self.rank = dist.get_rank(self.group)
+        self.src = dist.get_global_rank(self.group, 0)
 
     async def _bcast(self, value: Any) -> Any:
         box = [value]

@@ -77,7 +77,8 @@ async def run_node(mesh: DeviceMesh, opts: NodeOptions, *, device: torch.device)
             link.full_shapes = dict(trainer.full_shapes)
             loop = RoundLoop(trainer, link, link, opts.peer_id,
                              opts.out / f"metrics-{opts.peer_id}.jsonl" if rank == 0 else None,
-                             opts.checkpoint_every, stop, stop_grace_s=None, row_extra={"ranks": mesh.size()})
+                             opts.checkpoint_every, stop, stop_grace_s=None, row_extra={"ranks": mesh.size()},
+                             overlap=cfg.net.overlap, lookahead=cfg.net.lookahead)
             if rank == 0:
                 loop.log.info("joined %s as one member of %d ranks", opts.coordinator, mesh.size())
             return await loop.run(info)

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from demonet.config import Config
-from demonet.optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
+from demonet.optim import Compressed, DeMo, Payload, aggregate, chunk_shape, matrix_shape
 from demonet.optim.payload import num_chunks
 from demonet.train.data import Batches, load_corpus, split
 from demonet.train.model import GPT
@@ -158,19 +158,40 @@ class FlexTrainer:
         self.checkpoint = checkpoint
         """The node's checkpoint folder (`save`, `load`), for the round loop; None: none."""
 
-    def train_step(self) -> tuple[float, Payload]:
-        """Forward and backward on this rank's batch (FSDP reduce-scatters the mean gradient inside
-        the node), clip the node's gradient norm (over the shards' DTensors), then compress this rank's
-        shard. Returns (this rank's loss, its payload)."""
+    def forward_backward(self) -> float:
+        """Forward and backward on this rank's batch (FSDP reduce-scatters the mean gradient inside the
+        node). Returns this rank's loss."""
         x_BT, y_BT = next(self.batches)
         with autocast(self.device, self.options.precision):
             _, loss = self.model(x_BT.to(self.device), y_BT.to(self.device))
         assert loss is not None
         loss.backward()
+        return float(loss.detach())
+
+    def compress(self) -> Payload:
+        """Clip the node's gradient norm (over the shards' DTensors), then compress this rank's shard."""
         clip_grads(self.model.parameters(), self.options.max_grad_norm)
         payload = self.opt.compress()
         self.opt.zero_grad(set_to_none=True)
-        return float(loss.detach()), payload
+        return payload
+
+    def train_step(self) -> tuple[float, Payload]:
+        """`forward_backward`, then `compress`. Returns (this rank's loss, its payload)."""
+        return self.forward_backward(), self.compress()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def lookahead(self, payload: Payload, round: int) -> None:
+        """Apply this rank's rows of the node's own update at once (`DeMo.lookahead`, no collective)."""
+        self.opt.lookahead(aggregate([payload]), lr=self.options.lr_at(round))
+
+    def canonical_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The whole parameters the open round started from (a held lookahead's, else the live ones)."""
+        held = self.opt.held_parameters()
+        if held is None:
+            return self.named_parameters()
+        return list(self._all_gather(held.items()).items())
 
     def local_aggregate(self, aggregate: Payload) -> Payload:
         """This rank's rows of a whole-parameter aggregate."""
@@ -185,9 +206,12 @@ class FlexTrainer:
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """The whole parameters on every rank of the node (an all_gather of the shards, in name order)."""
+        return self._all_gather((name, _local(p.detach())) for name, p in self.sharded_params())
+
+    def _all_gather(self, shards: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         out = {}
-        for name, p in self.sharded_params():
-            local = _local(p.detach()).contiguous()
+        for name, shard in shards:
+            local = shard.contiguous()
             parts = [torch.empty_like(local) for _ in range(self.ranks)]
             dist.all_gather(parts, local, group=self.group)
             out[name] = torch.cat(parts).cpu()
@@ -290,6 +314,7 @@ class FlexTrainer:
         return list(self.full_params().items())
 
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.opt.undo_lookahead()  # a held lookahead's base-optimizer state goes back first
         self.load_full(tensors)
 
     def restore(self, payload: Payload) -> None:

@@ -84,6 +84,8 @@ class DeMo(torch.optim.Optimizer):
         self._bucket_cap = max(1, int(self.options.bucket_cap_mb * 2**20 / 4))
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._exact_work: dict[torch.device, torch.Tensor] = {}  # float64 work space of the exact decode
+        self._held: list[torch.Tensor] | None = None  # what a lookahead changed (`lookahead`), live tensors
+        self._held_copy: list[torch.Tensor] = []  # their bits from before it, buffers kept between rounds
         self._build_buckets()
 
     @classmethod
@@ -216,8 +218,12 @@ class DeMo(torch.optim.Optimizer):
         ``addcmul``, ``lerp`` fuse on some kernels and not on others), no division by a scalar (CUDA
         turns it into a multiplication by the reciprocal), and scalars rounded to the tensor's dtype
         first. Python scalars (lr, bias corrections) come from IEEE double arithmetic alone.
+
+        A held `lookahead` is undone first: the aggregate replaces it, and the result has the bits the
+        apply would have given without it.
         """
         self._check_payload(aggregate)
+        self.undo_lookahead()
         for bucket in self._buckets:
             group = self.param_groups[bucket.group]
             step_lr, wd = group["lr"] if lr is None else lr, group["weight_decay"]
@@ -292,6 +298,52 @@ class DeMo(torch.optim.Optimizer):
         torch.sqrt(v_BN, out=t_BN).mul_(inv_bias2).add_(as_opmath(self.options.eps, dtype))
         torch.div(m_BN, t_BN, out=u_BN).mul_(as_opmath(1.0 / (1.0 - ipow(beta1, step)), dtype))
 
+    # -- the lookahead of overlapped rounds -----------------------------------------------------------
+
+    def _changed_by_apply(self) -> list[torch.Tensor]:
+        """Every tensor an `apply` writes: the parameters (local shards), Adam's moments, its step counts."""
+        out = [local_tensor(slot.param) for slot in self._slots]
+        for bucket in self._buckets:
+            if bucket.exp_avg_BN is not None and bucket.exp_avg_sq_BN is not None:
+                out += [bucket.exp_avg_BN, bucket.exp_avg_sq_BN]
+        out += [self.state[slot.param]["step"] for slot in self._slots if "step" in self.state[slot.param]]
+        return out
+
+    @torch.no_grad()
+    def lookahead(self, update: Payload, lr: float | None = None) -> None:
+        """Apply `update` now, as a stand-in for an aggregate still on its way, keeping what it changes.
+
+        An overlapped peer applies its own payload (``aggregate([payload])``) at once and trains the
+        next round from there; the next `apply` (the real aggregate) or `restore` (the round was lost)
+        first puts the parameters and the base optimizer's state back to their exact bits from before
+        (`undo_lookahead`). The momentum is untouched: `compress` already took out what was sent.
+        """
+        if self._held is not None:
+            raise RuntimeError("a lookahead is already held: apply or restore the previous round first")
+        self._check_payload(update)
+        live = self._changed_by_apply()
+        if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._held_copy]:
+            self._held_copy = [torch.empty_like(t) for t in live]
+        torch._foreach_copy_(self._held_copy, live)
+        self.apply(update, lr=lr)
+        self._held = live
+
+    @torch.no_grad()
+    def undo_lookahead(self) -> bool:
+        """Put back the bits a held `lookahead` changed; False if none was held."""
+        if self._held is None:
+            return False
+        torch._foreach_copy_(self._held, self._held_copy)
+        self._held = None
+        return True
+
+    def held_parameters(self) -> dict[str, torch.Tensor] | None:
+        """The parameters (local shards) from before a held lookahead, by name; None if none is held.
+        Read-only views, valid until the lookahead is undone."""
+        if self._held is None:
+            return None
+        return {slot.name: t for slot, t in zip(self._slots, self._held_copy, strict=False)}
+
     @torch.no_grad()
     def restore(self, payload: Payload, kept: Payload | None = None) -> None:
         """Add back into the momentum what `compress` took out, for entries that reached no aggregate.
@@ -301,10 +353,14 @@ class DeMo(torch.optim.Optimizer):
             kept: the aggregate that was applied, if any. Then only the payload's entries whose index
                 the aggregate does not hold (a coordinator may keep only the largest merged
                 coefficients) are restored; None restores the whole payload.
+
+        A held `lookahead` is undone as well (the parameters and base state go back to their bits
+        from before it); the momentum is not touched by a lookahead, only by this.
         """
         self._check_payload(payload)
         if kept is not None:
             self._check_payload(kept)
+        self.undo_lookahead()
         for slot in self._slots:
             c = payload.tensors[slot.name]
             m_CN = self._bucket_of[slot.name].momentum_BN[slot.start:slot.stop]

@@ -25,7 +25,7 @@ from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload
 from demonet.transport import Expected, Gatherer, JoinInfo, Membership, Parameters, Resync, RoundResult, keep_alive
 
-__all__ = ["STOP_GRACE_S", "Replica", "RoundLog", "RoundLoop", "stop_on_signals", "warm_up"]
+__all__ = ["STOP_GRACE_S", "Overlapping", "Replica", "RoundLog", "RoundLoop", "stop_on_signals", "warm_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,32 @@ class Replica(Protocol):
     def save(self, meta: dict[str, Any]) -> None: ...
     def saved(self) -> dict[str, Any] | None: ...
     def resume(self, *, momentum: bool) -> None: ...
+
+
+class Overlapping(Replica, Protocol):
+    """A replica that can train a round while the previous one's exchange runs (`[net] overlap = 1`):
+    `train_step` split in two, and a lookahead (`demonet.optim.DeMo.lookahead`) that `settle`,
+    `restore` and `load` replace."""
+
+    def forward_backward(self) -> float: ...
+    def compress(self) -> Payload: ...
+    def zero_grad(self) -> None: ...
+    def lookahead(self, payload: Payload, round: int) -> None: ...
+    def canonical_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass
+class _InFlight:
+    """A round whose payload is submitted and whose outcome is not settled yet."""
+
+    round: int
+    payload: Payload
+    loss: float
+    gather: asyncio.Task[RoundResult]
+    started: float
+    """`time.perf_counter()` when the round's training began."""
+    compute_s: float
+    """Blocking torch work of the round so far (forward, backward, compress, lookahead)."""
 
 
 class RoundLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -72,6 +98,10 @@ class RoundLoop:
         stop: set it (SIGTERM) to end after the open round.
         stop_grace_s: after `stop`, how long to wait for the open round before abandoning it; None:
             wait for its end (the ranks of a FlexDeMo node must all take the same steps).
+        overlap: 1: train round r+1 while round r's exchange runs (the replica must be `Overlapping`);
+            0: one round after the other.
+        lookahead: with overlap, train round r+1 from the parameters after this peer's own round-r
+            update (replaced by the aggregate when it arrives); False: from round r's parameters.
     """
 
     replica: Replica
@@ -82,6 +112,8 @@ class RoundLoop:
     checkpoint_every: int = 10
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     stop_grace_s: float | None = STOP_GRACE_S
+    overlap: int = 0
+    lookahead: bool = True
     round: int = 0
     digest: str = ""
     resyncs: int = 0
@@ -138,14 +170,19 @@ class RoundLoop:
         if self.metrics is not None:
             self.metrics.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics, "a") if self.metrics is not None else contextlib.nullcontext(None) as metrics:
-            while await self.membership.agree(not self.stop.is_set()
-                                              and (not self.total_rounds or self.round < self.total_rounds)):
-                if not await self.run_round(metrics):
-                    break
-                if beats is not None and beats.done():
-                    beats.result()  # a bug in the heartbeat task: raise it here
+            if self.overlap:
+                await self._overlapped(metrics, beats)
+            else:
+                while await self.membership.agree(self._go(self.round)):
+                    if not await self.run_round(metrics):
+                        break
+                    _check_beats(beats)
         self.log.info("stopping" if self.stop.is_set() else "the run is over")
         return 0
+
+    def _go(self, next_round: int) -> bool:
+        """Whether to train `next_round`: no stop asked, and the run has it."""
+        return not self.stop.is_set() and (not self.total_rounds or next_round < self.total_rounds)
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -181,7 +218,9 @@ class RoundLoop:
 
     async def gather_or_stop(self, payload: Payload, loss: float) -> RoundResult | None:
         """The round's outcome; None if `stop` came and the round did not end within `stop_grace_s`."""
-        gather = asyncio.create_task(self.gatherer.gather(self.round, payload, loss=loss, param_digest=self.digest))
+        return await self._outcome(self._submit(payload, loss, started=time.perf_counter(), compute_s=0.0).gather)
+
+    async def _outcome(self, gather: asyncio.Task[RoundResult]) -> RoundResult | None:
         if self.stop_grace_s is None:
             return await gather
         stopped = asyncio.create_task(self.stop.wait())
@@ -199,6 +238,11 @@ class RoundLoop:
             return None
         return gather.result()
 
+    def _submit(self, payload: Payload, loss: float, *, started: float, compute_s: float) -> _InFlight:
+        """Start the exchange of the open round's payload (a task: training may go on meanwhile)."""
+        gather = asyncio.create_task(self.gatherer.gather(self.round, payload, loss=loss, param_digest=self.digest))
+        return _InFlight(self.round, payload, loss, gather, started, compute_s)
+
     def _settle(self, payload: Payload, result: RoundResult) -> str:
         """Restore and apply by the outcome, then the new digest (one trip to a worker thread)."""
         self.replica.settle(payload, result, self.peer_id in result.contributors)
@@ -209,47 +253,114 @@ class RoundLoop:
         await self.membership.begin_round(self.round, self.digest, self.replica.named_parameters)
         t0 = time.perf_counter()
         loss, payload = await asyncio.to_thread(self.replica.train_step)
-        compute_s = time.perf_counter() - t0  # the blocking torch work: the step, then settling
+        flight = self._submit(payload, loss, started=t0, compute_s=time.perf_counter() - t0)
+        return await self._land(flight, metrics) != "stopped"
+
+    async def _overlapped(self, metrics: TextIO | None, beats: asyncio.Task[None] | None) -> None:
+        """Rounds with `overlap` = 1: round r+1's forward and backward run while round r's payload travels.
+
+        Round r's outcome is settled (the lookahead replaced by the aggregate, or undone) before round
+        r+1's gradient is compressed, so the payload of r+1 leaves from round r+1's canonical parameters
+        with their digest, as in a plain round: the coordinator and the DHT see no difference. After a
+        catch-up or a resync the gradient computed meanwhile is dropped (it is from other parameters),
+        and the pipeline starts again from the loaded round with nothing in flight.
+        """
+        replica: Overlapping = self.replica  # type: ignore[assignment]
+        flight: _InFlight | None = None
         try:
-            result = await self.gather_or_stop(payload, loss)
+            while await self.membership.agree(self._go(self.round + (flight is not None))):
+                t0 = time.perf_counter()
+                loss = await asyncio.to_thread(replica.forward_backward)  # the exchange of `flight` runs meanwhile
+                compute_s = time.perf_counter() - t0
+                if flight is not None:
+                    landing, flight = flight, None  # `_land` gives its payload back on every error path
+                    landed = await self._land(landing, metrics)
+                    if landed != "applied":
+                        await asyncio.to_thread(replica.zero_grad)
+                        if landed == "stopped":
+                            break
+                        continue
+                    if not await self.membership.agree(self._go(self.round)):  # a stop came meanwhile
+                        await asyncio.to_thread(replica.zero_grad)
+                        break
+                t1 = time.perf_counter()
+                payload = await asyncio.to_thread(self._compress_ahead, replica, self.round)
+                await self.membership.begin_round(self.round, self.digest, replica.canonical_parameters)
+                flight = self._submit(payload, loss, started=t0, compute_s=compute_s + time.perf_counter() - t1)
+                _check_beats(beats)
+            if flight is not None:  # the last round, or the one open at a stop
+                landing, flight = flight, None
+                await self._land(landing, metrics)
+        finally:
+            if flight is not None:  # an error while training left a round in flight: its payload goes back
+                flight.gather.cancel()
+                with contextlib.suppress(asyncio.CancelledError, DemonetError):
+                    await flight.gather
+                await asyncio.to_thread(replica.restore, flight.payload)
+
+    def _compress_ahead(self, replica: Overlapping, round: int) -> Payload:
+        payload = replica.compress()
+        if self.lookahead:
+            replica.lookahead(payload, round)
+        return payload
+
+    async def _land(self, flight: _InFlight, metrics: TextIO | None) -> str:
+        """Wait for an in-flight round's outcome and settle it; write its metrics row.
+
+        Returns:
+            "applied" (the peer is at the next round), "caught_up" (the payload missed the run, or the
+            digest differed, and the run's parameters were loaded), or "stopped" (SIGTERM, round abandoned).
+        """
+        t_wait = time.perf_counter()
+        try:
+            result = await self._outcome(flight.gather)
         except DemonetError as e:  # the payload reached no aggregate this peer will apply
-            await asyncio.to_thread(self.replica.restore, payload)
+            await asyncio.to_thread(self.replica.restore, flight.payload)
             if isinstance(e, PeerUnavailable):
                 raise
             if isinstance(e, Resync):  # the run holds other parameters
                 self.resyncs += 1
             self.log.warning("%s: %s; catching up", type(e).__name__, e)
             await self._load(await self.membership.catch_up(e, self.round, self.replica.expected()))
-            return True
+            return "caught_up"
+        wait_s = time.perf_counter() - t_wait
         if result is None:
-            await asyncio.to_thread(self.replica.restore, payload)
+            await asyncio.to_thread(self.replica.restore, flight.payload)
             self.log.info("abandoned the round")
-            return False
+            return "stopped"
         t1 = time.perf_counter()
-        self.digest = await asyncio.to_thread(self._settle, payload, result)
-        compute_s += time.perf_counter() - t1
+        self.digest = await asyncio.to_thread(self._settle, flight.payload, result)
         row: dict[str, Any] = {
-            "round": self.round, "peer": self.peer_id, "loss": loss, "bytes_up": result.bytes_up,
-            "bytes_down": result.bytes_down, "param_digest": self.digest, "round_time_s": time.perf_counter() - t0,
-            "compute_s": compute_s, "contributors": len(result.contributors), "aborted": result.aborted,
-            "canonical_digest": result.param_digest, **self.row_extra}
+            "round": self.round, "peer": self.peer_id, "loss": flight.loss, "bytes_up": result.bytes_up,
+            "bytes_down": result.bytes_down, "param_digest": self.digest,
+            "round_time_s": time.perf_counter() - flight.started,
+            "compute_s": flight.compute_s + time.perf_counter() - t1, "wait_s": wait_s,
+            "contributors": len(result.contributors), "aborted": result.aborted,
+            "canonical_digest": result.param_digest, "overlap": self.overlap, **self.row_extra}
+        landed = "applied"
         if await self.membership.agree(bool(result.param_digest) and self.digest != result.param_digest):
             self.log.warning("digest %s after applying, the run has %s: downloading parameters", self.digest[:12],
                              result.param_digest[:12])
             await self._load(await self.membership.parameters(self.round + 1, self.replica.expected(), resync=True))
             self.resyncs += 1
             row["param_digest"], row["resynced"] = self.digest, True
+            landed = "caught_up"
         else:
             self.round += 1
         row["resyncs"], row["time"] = self.resyncs, time.time()
         if metrics is not None:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-        self.log.info("loss %.4f, up %d B, down %d B, %d contributors%s", loss, result.bytes_up, result.bytes_down,
-                      len(result.contributors), " (aborted)" if result.aborted else "")
+        self.log.info("loss %.4f, up %d B, down %d B, %d contributors%s", flight.loss, result.bytes_up,
+                      result.bytes_down, len(result.contributors), " (aborted)" if result.aborted else "")
         if self.checkpoint_every and self.round % self.checkpoint_every == 0:
             await asyncio.to_thread(self._save)
-        return True
+        return landed
+
+
+def _check_beats(beats: asyncio.Task[None] | None) -> None:
+    if beats is not None and beats.done():
+        beats.result()  # a bug in the heartbeat task: raise it here
 
 
 def warm_up() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from demonet.config import PRECISIONS, Config
-from demonet.optim import DeMo, LrSchedule, Payload
+from demonet.optim import DeMo, LrSchedule, Payload, aggregate
 from demonet.transport import Expected, RoundResult
 from demonet.wire.digest import param_digest
 
@@ -96,10 +96,10 @@ def settle(opt: DeMo, payload: Payload, result: RoundResult, contributed: bool,
     if result.aggregate is None:
         opt.restore(payload)
         return
-    aggregate = local(result.aggregate)
-    kept = local(result.kept) if result.kept is not None else aggregate
+    applied = local(result.aggregate)
+    kept = local(result.kept) if result.kept is not None else applied
     opt.restore(payload, kept=kept if contributed else None)
-    opt.apply(aggregate, lr=lr)
+    opt.apply(applied, lr=lr)
 
 
 class Trainer:
@@ -150,30 +150,54 @@ class Trainer:
     def digest(self) -> str:
         return param_digest(self.model.named_parameters())
 
+    def canonical_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters the open round started from: those a held lookahead replaced, else the live ones."""
+        held = self.opt.held_parameters()
+        return self.named_parameters() if held is None else list(held.items())
+
     def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Set the parameters (e.g. downloaded ones, already checked against `expected`)."""
+        """Set the parameters (e.g. downloaded ones, already checked against `expected`); a held lookahead
+        is dropped first (its base-optimizer state undone)."""
+        self.opt.undo_lookahead()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(tensors[name])
 
     # -- a round -------------------------------------------------------------------------------------
 
-    def train_step(self) -> tuple[float, Payload]:
-        """Forward and backward over `accumulate` micro-batches (under autocast for bf16), clip the
-        gradient's norm, then compress. Returns (mean loss, payload)."""
+    def forward_backward(self) -> float:
+        """Forward and backward over `accumulate` micro-batches (under autocast for bf16), adding to the
+        gradients. Returns the mean loss."""
         total = 0.0
         for _ in range(self.accumulate):
             with autocast(self.device, self.options.precision):
                 loss = self.loss(self.model, to_device(next(self.batches), self.device))
             (loss / self.accumulate).backward()
             total += float(loss.detach())
+        return total / self.accumulate
+
+    def compress(self) -> Payload:
+        """Clip the gradient's norm, fold it into the momentum and take the round's payload; zero the gradients."""
         clip_grads(self.model.parameters(), self.options.max_grad_norm)
         payload = self.opt.compress()
         self.opt.zero_grad(set_to_none=True)
-        return total / self.accumulate, payload
+        return payload
+
+    def train_step(self) -> tuple[float, Payload]:
+        """`forward_backward`, then `compress`. Returns (mean loss, payload)."""
+        return self.forward_backward(), self.compress()
+
+    def zero_grad(self) -> None:
+        """Drop gradients that will not be compressed (computed from parameters a catch-up replaced)."""
+        self.opt.zero_grad(set_to_none=True)
+
+    def lookahead(self, payload: Payload, round: int) -> None:
+        """Apply this peer's own payload of `round` at once (`DeMo.lookahead`); the round's real aggregate,
+        or the restore of a lost round, replaces it."""
+        self.opt.lookahead(aggregate([payload]), lr=self.options.lr_at(round))
 
     def restore(self, payload: Payload) -> None:
-        """The payload reached no aggregate: give it back to the momentum."""
+        """The payload reached no aggregate: give it back to the momentum (and undo a held lookahead)."""
         self.opt.restore(payload)
 
     def settle(self, payload: Payload, result: RoundResult, contributed: bool) -> None:

@@ -2,7 +2,9 @@
 
 Two peers run `RoundLoop` against `LocalCoordinator` with a fault plan keyed on (peer, round): the
 loop must restore the payload that reached no aggregate, get back in step the way each error says,
-write no row for the lost round, and end on the canonical digest with the other peer.
+write no row for the lost round, and end on the canonical digest with the other peer. Every test runs
+with plain rounds and with overlapped ones (`overlap` = 1, with the lookahead): the faults must restore
+the same payloads either way.
 """
 
 from __future__ import annotations
@@ -34,11 +36,17 @@ def _cfg() -> Config:
         "net": {"start_peers": 2, "round_timeout_s": 20.0, "heartbeat_timeout_s": 60.0}})
 
 
+@pytest.fixture(params=[0, 1], ids=["plain", "overlap"])
+def overlap(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
 class _Run:
     """Two peers and their coordinator; `restored[peer]` lists the rounds whose whole payload went back."""
 
-    def __init__(self, tmp_path: Path, faults: dict[tuple[str, int], str], *, stop_at: int | None = None) -> None:
-        self.tmp_path, self.stop_at = tmp_path, stop_at
+    def __init__(self, tmp_path: Path, faults: dict[tuple[str, int], str], *, overlap: int,
+                 stop_at: int | None = None) -> None:
+        self.tmp_path, self.stop_at, self.overlap = tmp_path, stop_at, overlap
         self.hub = LocalCoordinator(_cfg(), total_rounds=ROUNDS, faults=faults, on_close=self._closed)
         self.loops: dict[str, RoundLoop] = {}
         self.restored: dict[str, list[int]] = {}
@@ -54,7 +62,7 @@ class _Run:
         trainer = Trainer.for_run(self.hub.cfg, data_seed=info.data_seed, device=torch.device("cpu"),
                                   checkpoint=self.tmp_path / f"peer-{peer_id}.pt")
         loop = RoundLoop(trainer, membership, membership.client, peer_id, self.tmp_path / f"metrics-{peer_id}.jsonl",
-                         checkpoint_every=0, stop_grace_s=0.2)
+                         checkpoint_every=0, stop_grace_s=0.2, overlap=self.overlap)
         self.loops[peer_id] = loop
         self.restored[peer_id] = []
         restore = trainer.opt.restore
@@ -77,7 +85,11 @@ class _Run:
 
     def rows(self, peer_id: str) -> list[dict[str, Any]]:
         path = self.tmp_path / f"metrics-{peer_id}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        for row in rows:  # every row: the documented point (after the apply) is on the canonical digest
+            assert row["overlap"] == self.overlap and row["wait_s"] >= 0.0
+            assert row["param_digest"] == row["canonical_digest"], row
+        return rows
 
 
 @pytest.mark.parametrize(("fault", "rows", "resyncs"), [
@@ -87,8 +99,8 @@ class _Run:
     ("invalid", [0, 1, 3, 4, 5], 0),  # a bad aggregate: the parameters after the round
 ])
 async def test_a_refused_payload_is_restored_and_the_peer_gets_back_in_step(
-        tmp_path: Path, fault: str, rows: list[int], resyncs: int) -> None:
-    run = _Run(tmp_path, {(FAULTY, 2): fault})
+        tmp_path: Path, fault: str, rows: list[int], resyncs: int, overlap: int) -> None:
+    run = _Run(tmp_path, {(FAULTY, 2): fault}, overlap=overlap)
     await run.run()
     assert run.codes == {"p0": 0, FAULTY: 0}
     assert run.restored == {"p0": [], FAULTY: [2]}  # the lost round's payload went back, once
@@ -99,8 +111,8 @@ async def test_a_refused_payload_is_restored_and_the_peer_gets_back_in_step(
     assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
 
 
-async def test_an_aborted_round_restores_every_payload_and_applies_nothing(tmp_path: Path) -> None:
-    run = _Run(tmp_path, {("*", 2): "abort"})
+async def test_an_aborted_round_restores_every_payload_and_applies_nothing(tmp_path: Path, overlap: int) -> None:
+    run = _Run(tmp_path, {("*", 2): "abort"}, overlap=overlap)
     await run.run()
     assert run.codes == {"p0": 0, FAULTY: 0}
     assert run.restored == {"p0": [2], FAULTY: [2]}
@@ -112,8 +124,8 @@ async def test_an_aborted_round_restores_every_payload_and_applies_nothing(tmp_p
     assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
 
 
-async def test_an_unreachable_run_ends_the_peer_with_its_checkpoint(tmp_path: Path) -> None:
-    run = _Run(tmp_path, {(FAULTY, 2): "down"})
+async def test_an_unreachable_run_ends_the_peer_with_its_checkpoint(tmp_path: Path, overlap: int) -> None:
+    run = _Run(tmp_path, {(FAULTY, 2): "down"}, overlap=overlap)
     await run.run()
     assert run.codes == {"p0": 0, FAULTY: 1}
     assert run.restored[FAULTY] == [2]
@@ -123,8 +135,8 @@ async def test_an_unreachable_run_ends_the_peer_with_its_checkpoint(tmp_path: Pa
     assert [r["contributors"] for r in run.rows("p0")][2:] == [1, 1, 1, 1]  # the run went on without it
 
 
-async def test_a_stop_during_a_gather_abandons_the_round_after_the_grace(tmp_path: Path) -> None:
-    run = _Run(tmp_path, {(FAULTY, 2): "hang"}, stop_at=4)
+async def test_a_stop_during_a_gather_abandons_the_round_after_the_grace(tmp_path: Path, overlap: int) -> None:
+    run = _Run(tmp_path, {(FAULTY, 2): "hang"}, overlap=overlap, stop_at=4)
     await run.run()
     assert run.codes == {"p0": 0, FAULTY: 0}
     assert run.restored[FAULTY] == [2]
