@@ -1,5 +1,7 @@
 """Faults with real processes over real sockets on loopback: a peer killed with SIGKILL and restarted,
-a late joiner, and the coordinator killed with SIGKILL and restarted on its port from its state.
+a late joiner, and the coordinator killed with SIGKILL and restarted on its port from its state. Each
+runs with plain rounds and with overlapped ones (`[net] overlap = 1`): a peer killed mid-pipeline, a
+joiner entering it and a coordinator restart under it must end the same way.
 
 Every test starts a `demonet coordinator` process and `demonet peer` processes on a tiny model
 (rounds take about 0.1 s), bounds every wait, and kills every process it started (by pid) at the
@@ -40,11 +42,11 @@ WAIT_S = 60.0
 class _Run:
     """The processes of one test: coordinators and peers, each logging into tmp; `reaper` kills them."""
 
-    def __init__(self, tmp: Path, steps: int, start_peers: int, reaper: Reaper) -> None:
-        self.tmp, self.steps, self.start_peers, self.reaper = tmp, steps, start_peers, reaper
+    def __init__(self, tmp: Path, steps: int, start_peers: int, reaper: Reaper, overlap: int) -> None:
+        self.tmp, self.steps, self.start_peers, self.reaper, self.overlap = tmp, steps, start_peers, reaper, overlap
         self.out = tmp / "out"
-        (tmp / "run.toml").write_text(
-            tiny_config(round_timeout_s=ROUND_TIMEOUT_S, heartbeat_interval_s=0.5, heartbeat_timeout_s=4.0))
+        (tmp / "run.toml").write_text(tiny_config(round_timeout_s=ROUND_TIMEOUT_S, heartbeat_interval_s=0.5,
+                                                  heartbeat_timeout_s=4.0, overlap=overlap))
         self.env = {**os.environ, "DEMONET_TOKEN": TOKEN}
         self.procs: list[subprocess.Popen[bytes]] = []
         self.names: dict[int, str] = {}  # pid -> log name
@@ -129,17 +131,20 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, run: _Run) -
         time.sleep(0.05)
 
 
-@pytest.fixture
-def run_factory(tmp_path: Path, reap_children: Reaper) -> Callable[[int, int], _Run]:
-    return lambda steps, start_peers: _Run(tmp_path, steps, start_peers, reap_children)
+@pytest.fixture(params=[0, 1], ids=["plain", "overlap"])
+def run_factory(tmp_path: Path, reap_children: Reaper, request: pytest.FixtureRequest) -> Callable[[int, int], _Run]:
+    return lambda steps, start_peers: _Run(tmp_path, steps, start_peers, reap_children, int(request.param))
 
 
 def _by_round(run: _Run, peers: list[str]) -> dict[int, dict[str, dict[str, Any]]]:
-    """`rows_by_round`, plus one parameter digest per round across the peers that completed it."""
+    """`rows_by_round`, plus one parameter digest per round across the peers that completed it, the
+    coordinator's (after the apply: the documented point, also when rounds overlap)."""
     by_round = rows_by_round(run.rows, peers)
     for round_, rows in sorted(by_round.items()):
         digests = {p: r["param_digest"] for p, r in rows.items()}
         assert len(set(digests.values())) == 1, f"round {round_}: digests differ: {digests}"
+        assert {r["canonical_digest"] for r in rows.values()} == set(digests.values()), rows
+        assert {r["overlap"] for r in rows.values()} == {run.overlap}, rows
     return by_round
 
 
