@@ -58,9 +58,9 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 class _Peers:
     """The peer processes of one test, each in its own session (so its DHT and p2pd die with it)."""
 
-    def __init__(self, tmp: Path, reaper: Reaper, *, steps: int, start_peers: int) -> None:
+    def __init__(self, tmp: Path, reaper: Reaper, *, steps: int, start_peers: int, overlap: int = 0) -> None:
         self.tmp, self.out, self.reaper = tmp, tmp / "out", reaper
-        (tmp / "run.toml").write_text(tiny_config(round_timeout_s=3.0))
+        (tmp / "run.toml").write_text(tiny_config(round_timeout_s=3.0, overlap=overlap))
         self.base = ["peer", "--dht", "--run", "faults", "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--config",
                      str(tmp / "run.toml"), "--steps", str(steps), "--start-peers", str(start_peers),
                      "--exchange-timeout-s", "2", "--out", str(self.out), "--threads", "1"]
@@ -181,6 +181,29 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path, reap_children: Reaper)
     assert not first.get("resynced"), first
     assert max(r["contributors"] for r in rows["a"][-3:]) == 3, rows["a"][-3:]  # j contributes
     assert all(r["contributors"] <= 3 for rs in rows.values() for r in rs)  # x never does
+
+
+def test_overlapped_dht_peers_agree_and_serve_a_late_joiner_the_round_parameters(
+        tmp_path: Path, reap_children: Reaper) -> None:
+    """DHT mode with `overlap = 1`: every round on one digest, and a joiner loads a round's parameters from
+    donors that hold a lookahead meanwhile (they serve the parameters the round started from)."""
+    peers = _Peers(tmp_path, reap_children, steps=1000, start_peers=2, overlap=1)
+    peers.bootstrap("a")
+    peers.start("b")
+    peers.start("j", gated=True)
+    wait_for(lambda: min(len(peers.rows("a")), len(peers.rows("b"))) >= 4, "four overlapped rounds", peers)
+    peers.release("j")
+    wait_for(lambda: len(peers.rows("j")) >= 3, "three rounds of the late joiner", peers)
+    peers.stop(["a", "b", "j"])
+    assert all(peers.procs[n].returncode == 0 for n in ("a", "b", "j")), peers.dump()
+
+    assert "loaded from 2 donors" in peers.log("j"), peers.log("j")
+    rows = [r for name in ("a", "b", "j") for r in peers.rows(name)]
+    assert all(r["overlap"] == 1 for r in rows), rows
+    digests = _digests_by_round(rows)  # no coordinator: the peers' digests after each apply are one
+    assert all(len(d) == 1 for d in digests.values()), {k: v for k, v in digests.items() if len(v) > 1}
+    assert all(not r.get("resynced") for r in rows), [r for r in rows if r.get("resynced")]
+    assert max(r["contributors"] for r in peers.rows("a")[-2:]) == 3, peers.rows("a")[-2:]  # j contributes
 
 
 async def _wrong_token_nodes() -> None:
