@@ -56,23 +56,27 @@ class NodeLink:
 
     Args:
         group: the node's process group (its ranks hold the shards of one model); the link talks over a
-            new group of the same ranks (every rank constructs its NodeLink at the same point).
+            new groups of the same ranks (every rank constructs its NodeLink at the same point).
         inner: rank 0's membership of the coordinator run.
         full_shapes: the whole parameters' shapes by name (to join the ranks' shard payloads).
     """
 
     def __init__(self, group: dist.ProcessGroup, inner: CoordinatorMembership | None,
                  full_shapes: Mapping[str, tuple[int, ...]]) -> None:
-        # A group of its own (gloo: Python objects on the CPU), so that with overlapped rounds a round's
-        # gather and broadcast can run while the training thread's FSDP collectives use the node's group.
-        self.group = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+        # Groups of its own (gloo: Python objects on the CPU). Collectives of one group must come in the
+        # same order on every rank, so with overlapped rounds each concurrent caller has its own: the
+        # training thread's FSDP (the node's group), the loop's calls (`group`), and the round in flight
+        # (`exchange`: its gather and outcome broadcast).
+        ranks = dist.get_process_group_ranks(group)
+        self.group = dist.new_group(ranks, backend="gloo")
+        self.exchange = dist.new_group(ranks, backend="gloo")
         self.inner, self.full_shapes = inner, dict(full_shapes)
         self.rank = dist.get_rank(self.group)
         self.src = dist.get_global_rank(self.group, 0)
 
-    async def _bcast(self, value: Any) -> Any:
+    async def _bcast(self, value: Any, group: dist.ProcessGroup | None = None) -> Any:
         box = [value]
-        await asyncio.to_thread(dist.broadcast_object_list, box, src=self.src, group=self.group)
+        await asyncio.to_thread(dist.broadcast_object_list, box, src=self.src, group=group or self.group)
         return box[0]
 
     async def _on_rank0(self, call: Callable[[CoordinatorMembership], Awaitable[_T]]) -> _T:
@@ -125,8 +129,8 @@ class NodeLink:
         Every rank gets the outcome: the aggregate as rank 0 received and validated it, decoded from
         the same bytes, or the same error.
         """
-        gathered: list[Any] | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
-        await asyncio.to_thread(dist.gather_object, (payload, loss), gathered, dst=self.src, group=self.group)
+        gathered: list[Any] | None = [None] * dist.get_world_size(self.exchange) if self.rank == 0 else None
+        await asyncio.to_thread(dist.gather_object, (payload, loss), gathered, dst=self.src, group=self.exchange)
 
         async def submit(m: CoordinatorMembership) -> tuple[RoundResult, dict[str, Any]]:
             assert gathered is not None
@@ -144,7 +148,7 @@ class NodeLink:
                                   result.aborted, result.bytes_up, result.bytes_down))
             except DemonetError as e:
                 outcome = ("error", _error(e))
-        kind, value = await self._bcast(outcome)
+        kind, value = await self._bcast(outcome, self.exchange)
         if kind == "error":
             _raise(*value)
         if self.inner is not None:

@@ -163,9 +163,11 @@ heartbeat_timeout_s = 60.0
 """
 
 
-def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path, reap_children: Reaper) -> None:
-    """A real coordinator process and two torchrun nodes of 2 gloo ranks each, on loopback."""
-    (tmp_path / "run.toml").write_text(COORDINATOR_TOML)
+@pytest.mark.parametrize("overlap", [0, 1], ids=["plain", "overlap"])
+def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path, reap_children: Reaper, overlap: int) -> None:
+    """A real coordinator process and two torchrun nodes of 2 gloo ranks each, on loopback; with overlap, each
+    rank trains round r+1 (FSDP collectives) while rank 0 exchanges round r (the link's own group)."""
+    (tmp_path / "run.toml").write_text(COORDINATOR_TOML + f"overlap = {overlap}\n")
     env = {**os.environ, "DEMONET_TOKEN": TOKEN}
     coordinator = reap_children.add(subprocess.Popen(
         [sys.executable, "-m", "demonet.coordinator", "--listen", "127.0.0.1:0", "--config",
@@ -195,7 +197,7 @@ def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path, reap_child
         assert [r["round"] for r in rows] == list(range(ROUNDS))
         assert all(r["contributors"] == 2 and r["ranks"] == RANKS and not r.get("resynced") for r in rows)
         assert all(r["resyncs"] == 0 for r in rows)
-        assert all(r["param_digest"] == r["canonical_digest"] for r in rows)
+        assert all(r["param_digest"] == r["canonical_digest"] and r["overlap"] == overlap for r in rows)
     final = {name: rows[-1]["param_digest"] for name, rows in lines.items()}
     assert final["nodeA"] == final["nodeB"]
     assert lines["nodeA"][0]["param_digest"] != lines["nodeA"][-1]["param_digest"]  # it trained
