@@ -8,19 +8,24 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+
 from tests.chaos.cluster import CoordinatorCluster, loss_fell, report, run_config
 
 ROUNDS = 10
 
 
+@pytest.mark.parametrize("overlap", [0, 1], ids=["plain", "overlap"])
 def test_heterogeneous_links_the_slow_peer_misses_deadlines_without_stalling_the_rest(
-        cluster: CoordinatorCluster) -> None:
+        cluster: CoordinatorCluster, overlap: int) -> None:
+    # With overlap, a peer trains its next round while its payload crawls over the link; the slow one
+    # still misses deadlines, and must drop its lookahead and catch up on the canonical parameters.
     # The small model with 1024 of 4096 coefficients kept per chunk: a payload of about 340 kB takes
     # 0.03 s at 100 Mbit/s, 0.14 s at 20 and 1.4 s at 2, on top of the aggregate's download: the
     # 2 Mbit/s peer cannot make a 2 s round, the others can.
     timeout_s = 2.0
     cluster.start(run_config(round_timeout_s=timeout_s, model="small", topk=1024, heartbeat_interval_s=0.5,
-                             heartbeat_timeout_s=6.0), steps=ROUNDS, start_peers=3, delay_ms=10)
+                             heartbeat_timeout_s=6.0, overlap=overlap), steps=ROUNDS, start_peers=3, delay_ms=10)
     rates = {"fast": 100, "mid": 20, "slow": 2}
     procs = [cluster.peer(name, mbit=mbit) for name, mbit in rates.items()]
     t0 = time.monotonic()
@@ -28,6 +33,7 @@ def test_heterogeneous_links_the_slow_peer_misses_deadlines_without_stalling_the
     elapsed = time.monotonic() - t0
 
     by_round = cluster.by_round(list(rates))  # every completed round on the coordinator's digest
+    assert all(r["overlap"] == overlap for p in rates for r in cluster.rows(p))
     for p in ("fast", "mid"):
         assert [r["round"] for r in cluster.rows(p)] == list(range(ROUNDS)), p  # not stalled by the slow one
     slow_rounds = [r["round"] for r in cluster.rows("slow")]
@@ -49,7 +55,7 @@ def test_heterogeneous_links_the_slow_peer_misses_deadlines_without_stalling_the
     assert max(round_times) < timeout_s + 3.0, round_times
     losses = cluster.mean_losses(by_round, ["fast", "mid"])
     assert loss_fell(losses, margin=0.2), losses
-    report("heterogeneous_links", {
+    report(f"heterogeneous_links{'_overlap' if overlap else ''}", {
         "rounds": ROUNDS, "rounds_completed": {p: len(cluster.rows(p)) for p in rates},
         "rounds_lost": sum(1 for r in canonical.values() if r[2]), "slow_missed": len(missed),
         "slow_stale_refusals": stale, "slow_parameter_downloads": len(loads),
