@@ -166,7 +166,7 @@ def launch_hivemind(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Laun
     return Launched(hosts, lambda: _read_steps(out, setup.peers), out / "final.pt")
 
 
-def _demonet(encoding: str) -> Launcher:
+def _demonet(encoding: str, overlap: int = 0, lookahead: bool = True) -> Launcher:
     def launch(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
         """demonet coordinator mode: a coordinator host (same link speed) and one host per peer."""
         coord = lab.add_host("coord", mbit=mbit)
@@ -180,6 +180,7 @@ def _demonet(encoding: str) -> Launcher:
             "[train]", f"batch_size = {setup.batch_size}", f"seq_len = {setup.seq_len}", f"seed = {setup.seed}",
             "eval_every = 0",
             "[net]", f"round_timeout_s = {60 + setup.max_time_s / 10}", f"start_peers = {setup.peers}",
+            f"overlap = {overlap}", f"lookahead = {str(lookahead).lower()}",
         ]) + "\n")
         env = {**os.environ, "DEMONET_TOKEN": secrets.token_urlsafe(16)}
         address = f"{coord.addr}:7450"
@@ -233,12 +234,14 @@ def _demonet_dht(encoding: str) -> Launcher:
 def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
     """A demonet peer's metrics rows as step records. The row of round n ends step n + 1, at the row's
     "time"; step 0, the start of training, is when the first row's round began (its time less its
-    round_time_s): the parameters were in place then."""
+    round_time_s): the parameters were in place then. Each record also carries the round's blocking torch
+    work (compute_s) and the time the peer's training waited for the network (wait_s)."""
     steps = []
     for rank in range(peers):
         rows = _rows(out / f"metrics-peer-{rank}.jsonl")
         records = [{"step": 0, "time": rows[0]["time"] - rows[0]["round_time_s"], "loss": math.nan}] if rows else []
-        records += [{"step": int(r["round"]) + 1, "time": float(r["time"]), "loss": float(r["loss"])} for r in rows]
+        records += [{"step": int(r["round"]) + 1, "time": float(r["time"]), "loss": float(r["loss"]),
+                     "compute_s": float(r["compute_s"]), "wait_s": float(r.get("wait_s", math.nan))} for r in rows]
         steps.append(records)
     return steps
 
@@ -248,6 +251,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("demonet", "demonet coordinator (fp32 values)", _demonet("fp32")),
     System("demonet-sign", "demonet coordinator (1-bit values)", _demonet("sign")),
     System("demonet-dht", "demonet DHT mode (fp32 values)", _demonet_dht("fp32")),
+    System("demonet-overlap", "demonet coordinator, overlapped rounds (fp32 values)", _demonet("fp32", overlap=1)),
+    System("demonet-delay", "demonet coordinator, one-round delay without lookahead", _demonet("fp32", 1, False)),
     System("hivemind", "hivemind.Optimizer (AdamW)", launch_hivemind),
 )}
 """The systems `demonet bench` compares, by name. A new one is one more entry."""

@@ -89,13 +89,14 @@ def run(args: argparse.Namespace) -> int:
     summary.update(setup={k: str(v) for k, v in vars(setup).items()}, load_before=load, load_after=os.getloadavg(),
                    wall_s=time.time() - started, cpus=os.cpu_count())
     (out / "results.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    (out / "results.md").write_text(report.table(summary))
+    tables = report.table(summary) + "\n" + report.pipeline_table(summary)
+    (out / "results.md").write_text(tables)
     paths = report.plot(runs, summary["target_loss"], out)
     if args.plots:
         Path(args.plots).mkdir(parents=True, exist_ok=True)
         for path in paths:
             shutil.copy(path, Path(args.plots) / path.name)
-    print(report.table(summary))
+    print(tables)
     print(f"load average before {load[0]:.2f}, after {summary['load_after'][0]:.2f}; results in {out}")
     failed = [f"{r['system']}@{r['mbit']:g}" for r in summary["runs"] if r["steps"] == 0]
     if failed:

@@ -165,7 +165,44 @@ def summarize(runs: Sequence[Run], setup: BenchSetup, target: float | None = Non
         k = min(len(mine[0]), len(theirs[0]))
         row["loss_vs_ddp"] = smooth(mine[2])[k - 1] / smooth(theirs[2])[k - 1] - 1 if k else math.nan
         row["loss_vs_ddp_step"] = mine[0][k - 1] if k else 0
+    for row, run in zip(rows, runs, strict=True):
+        row.update(pipeline(run, next((r for r in runs if r.system == "demonet" and r.mbit == run.mbit), None)))
     return {"target_loss": target, "runs": rows}
+
+
+def pipeline(run: Run, plain: Run | None) -> dict[str, Any]:
+    """A demonet run's round against its compute: the mean blocking torch work per round (compute_s), the
+    mean time training waited for the network (wait_s), and compute-only rounds per second as a fraction
+    of those it did (1.0: the network costs nothing); its loss against plain demonet's (`plain`, the same
+    link) at an equal number of rounds."""
+    records = [r for rs in run.peers for r in rs if r["step"] > 0 and "compute_s" in r]
+    if not records:
+        return {}
+    steps, times, losses = curve(run)
+    step_s = (times[-1] - times[0]) / (steps[-1] - steps[0]) if len(steps) > 1 else math.nan
+    compute_s = statistics.fmean(r["compute_s"] for r in records)
+    out = {"compute_s": compute_s, "wait_s": statistics.fmean(r["wait_s"] for r in records),
+           "compute_fraction": compute_s / step_s if step_s > 0 else math.nan, "loss_vs_plain": math.nan}
+    if plain is not None and plain is not run:
+        theirs = curve(plain)
+        k = min(len(steps), len(theirs[0]))
+        if k:
+            window = slice(max(0, k - SMOOTH), k)
+            out["loss_vs_plain"] = statistics.fmean(losses[window]) / statistics.fmean(theirs[2][window]) - 1
+            out["loss_vs_plain_step"] = steps[k - 1]
+    return out
+
+
+def pipeline_table(summary: dict[str, Any]) -> str:
+    """The demonet runs' rounds against their compute (`pipeline`), as markdown."""
+    out = ["| link | system | rounds | compute s/round | wait s/round | s/round | rounds/s vs compute-only | "
+           "loss vs demonet, same round |", "|---|---|---|---|---|---|---|---|"]
+    for r in summary["runs"]:
+        if "compute_s" in r:
+            out.append(f"| {r['mbit']:g} Mbit/s | {r['system']} | {r['steps']} | {_fmt(r['compute_s'])} | "
+                       f"{_fmt(r['wait_s'])} | {_fmt(r['step_s'])} | {_fmt(r['compute_fraction'], '.2f')} | "
+                       f"{_fmt(100 * r['loss_vs_plain'], '+.1f')}% |")
+    return "\n".join(out) + "\n"
 
 
 def _fmt(x: float, spec: str = ".3g") -> str:
