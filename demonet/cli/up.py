@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from demonet.config import TOKEN_ENV
 from demonet.errors import DemonetError
-from demonet.train.runfolder import merge_metrics, plot_loss, summarize_run, to_json
+from demonet.train.runfolder import merge_metrics, plot_loss, plot_pipeline, summarize_run, to_json
 from demonet.transport.grpc import GrpcClient
 
 __all__ = ["run"]
@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _finish_run(out: Path, services: list[_Child], peers: list[_Child], interrupted: bool) -> int:
-    """Write the run folder's metrics.jsonl, loss.png and summary.json; returns `demonet up`'s exit code."""
+    """Write the run folder's metrics.jsonl, loss.png, compute_wait.png and summary.json; returns `demonet up`'s
+    exit code."""
     failed = {c.name: c.proc.returncode for c in (*services, *peers)
               if c.proc.returncode != 0 and not (c.stopped and c.proc.returncode in (-signal.SIGTERM, 0))}
     unfinished = [c.name for c in peers if c.stopped]
@@ -165,6 +166,7 @@ def _finish_run(out: Path, services: list[_Child], peers: list[_Child], interrup
     summary.update(failed=failed, unfinished=unfinished, interrupted=interrupted)
     if rows:
         plot_loss(rows, out / "loss.png")
+        plot_pipeline(rows, out / "compute_wait.png")
     (out / "summary.json").write_text(to_json(summary) + "\n")
     print(to_json(summary))
     if interrupted:

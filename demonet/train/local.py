@@ -27,7 +27,7 @@ from demonet.transport.coordinated import CoordinatorMembership
 from .data import Batches, load_corpus, split
 from .loop import RoundLoop
 from .model import GPT
-from .runfolder import merge_metrics, summarize_run
+from .runfolder import merge_metrics, plot_loss, plot_pipeline, summarize_run
 from .tokens import TokenBatches, TokenFile
 from .trainer import Trainer
 
@@ -146,4 +146,6 @@ async def _run(cfg: Config, *, progress: bool, faults: Mapping[tuple[str, int], 
         "wall_time_s": time.perf_counter() - start, "param_digest": hub.state.digest,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot_loss(rows, out / "loss.png")
+    plot_pipeline(rows, out / "compute_wait.png")
     return summary

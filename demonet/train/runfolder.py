@@ -1,4 +1,4 @@
-"""A run folder: the peers' metrics merged into one file, a summary, and the loss plot.
+"""A run folder: the peers' metrics merged into one file, a summary, the loss plot and the compute/wait plot.
 
 What `demonet up` and `demonet train` leave behind (`metrics.jsonl`, `summary.json`, `loss.png`).
 """
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["merge_metrics", "plot_loss", "summarize_run", "to_json"]
+__all__ = ["merge_metrics", "plot_loss", "plot_pipeline", "summarize_run", "to_json"]
 
 
 def to_json(obj: Any) -> str:
@@ -54,7 +54,8 @@ def summarize_run(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     Returns:
         rounds and peers seen; first and last loss (mean over peers, then over the first and last
         max(1, min(10, rounds // 4)) rounds); mean bytes up/down per peer per round, overall and by
-        peer; digests_agree (every round's peers reported one digest) and the rounds where not.
+        peer; mean compute and wait seconds per round by peer (wait: the time its training was blocked
+        on the network); digests_agree (every round's peers reported one digest) and the rounds where not.
     """
     by_round: dict[int, list[dict[str, Any]]] = {}
     by_peer: dict[str, list[dict[str, Any]]] = {}
@@ -73,7 +74,9 @@ def summarize_run(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "bytes_up_per_round": _mean([r["bytes_up"] for r in rows]),
         "bytes_down_per_round": _mean([r["bytes_down"] for r in rows]),
         "per_peer": {peer_id: {"rounds": len(rs), "bytes_up_per_round": _mean([r["bytes_up"] for r in rs]),
-                               "bytes_down_per_round": _mean([r["bytes_down"] for r in rs])}
+                               "bytes_down_per_round": _mean([r["bytes_down"] for r in rs]),
+                               "compute_s": _mean([r["compute_s"] for r in rs if "compute_s" in r]),
+                               "wait_s": _mean([r["wait_s"] for r in rs if "wait_s" in r])}
                      for peer_id, rs in sorted(by_peer.items())},
         "digests_agree": bool(rows) and not disagree,
         "disagreeing_rounds": disagree,
@@ -110,3 +113,34 @@ def plot_loss(rows: Sequence[dict[str, Any]], path: Path) -> None:
     fig.savefig(path)
     plt.close(fig)
 
+
+
+def plot_pipeline(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """Write a PNG of the seconds per round each peer spent computing and waiting for the network (the
+    mean over the peers, stacked: their sum is the round's length for a peer that never idles otherwise)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        if "compute_s" in r and "wait_s" in r:
+            by_round.setdefault(int(r["round"]), []).append(r)
+    rounds = sorted(by_round)
+    compute = [_mean([float(r["compute_s"]) for r in by_round[n]]) for n in rounds]
+    wait = [_mean([float(r["wait_s"]) for r in by_round[n]]) for n in rounds]
+    overlap = {r.get("overlap", 0) for r in rows}
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.stackplot(rounds, compute, wait, labels=["compute", "wait for the network"], colors=["#4c72b0", "#dd8452"],
+                 alpha=0.8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
+    ax.set_ylabel("seconds per round (mean over peers)")
+    ax.set_title(f"overlap = {', '.join(str(o) for o in sorted(overlap))}", fontsize="small")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -156,4 +156,6 @@ def test_demonet_up_writes_the_run_folder(tmp_path: Path) -> None:
     assert rows == sorted(rows, key=lambda r: (r["round"], r["peer"]))
     _check_rounds(rows, {"peer-0", "peer-1"}, 3)
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "compute_wait.png").read_bytes()[:4] == b"\x89PNG"
+    assert all(r["wait_s"] >= 0 and r["compute_s"] > 0 for r in rows)
     assert {p.name for p in (out / "logs").iterdir()} == {"coordinator.log", "peer-0.log", "peer-1.log"}

@@ -72,6 +72,17 @@ def test_plot_is_a_png(tmp_path: Path) -> None:
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compute_and_wait_per_peer_and_their_plot(tmp_path: Path) -> None:
+    rows = [{**_row(r, p, 5.0 - 0.1 * r), "compute_s": 0.2 + (p == "b") * 0.1, "wait_s": 0.05 * r, "overlap": 1}
+            for r in range(5) for p in ("a", "b")]
+    s = runfolder.summarize_run(rows)
+    assert s["per_peer"]["a"]["compute_s"] == pytest.approx(0.2)
+    assert s["per_peer"]["b"]["compute_s"] == pytest.approx(0.3)
+    assert s["per_peer"]["a"]["wait_s"] == pytest.approx(0.1)
+    runfolder.plot_pipeline(rows, tmp_path / "compute_wait.png")
+    assert (tmp_path / "compute_wait.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # -- flags and token -------------------------------------------------------------------------------------
 
 
