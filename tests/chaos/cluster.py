@@ -24,7 +24,8 @@ from typing import IO, Any
 import pytest
 
 from demonet.lab import netlab
-from tests.integration.common import GATE, final_rows, listening_line, metrics_rows, rows_by_round
+from demonet.train.runfolder import final_rows
+from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round
 from tests.procs import Reaper
 
 TOKEN = "chaos-test-token"

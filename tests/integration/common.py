@@ -75,14 +75,3 @@ def rows_by_round(rows: Callable[[str], list[dict[str, Any]]], peers: Sequence[s
             by_round[row["round"]][p] = row
     return by_round
 
-
-def final_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A peer's metrics rows without the rounds it did again: after a coordinator restart resumed from a
-    state older than the rounds it had published, a peer does those rounds again, and a row for round r
-    replaces its earlier rows from r on."""
-    kept: list[dict[str, Any]] = []
-    for row in rows:
-        while kept and kept[-1]["round"] >= row["round"]:
-            kept.pop()
-        kept.append(row)
-    return kept

@@ -25,7 +25,8 @@ from typing import IO, Any
 
 import pytest
 
-from tests.integration.common import GATE, final_rows, listening_line, metrics_rows, rows_by_round, tiny_config
+from demonet.train.runfolder import final_rows
+from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round, tiny_config
 from tests.procs import Reaper, free_port
 
 pytestmark = pytest.mark.slow
