@@ -1,8 +1,8 @@
 """Benchmark: round overhead and bytes of coordinator mode, with `demonet up` on loopback.
 
 For N in --peers-list (2, 4, 8) it runs `demonet up --peers N --steps S --out <tmp> --no-progress`
-(a coordinator and N peer processes over gRPC; the default embedded model unless --config), reads
-`<tmp>/metrics.jsonl` and prints per N:
+(a coordinator with --state-dir and N peer processes over gRPC; the default embedded model unless
+--config), reads `<tmp>/metrics.jsonl` and prints per N:
 - the median round time (a peer's round_time_s: train, submit, wait for the aggregate, apply) and the
   median compute time (compute_s: the blocking torch work of the round, train_step + finish_round),
   and their ratio, the round overhead;

@@ -22,6 +22,7 @@ from demonet.config import Config, load_config, load_token
 from demonet.log import setup_logging
 
 from .metrics import Metrics
+from .persist import StateNotSaved
 from .server import CoordinatorOptions, CoordinatorServicer, add_to_server
 from .weights import WeightsFileError
 
@@ -36,7 +37,8 @@ _MESSAGE_BYTES = 16 * 2**20  # parts are at most 2 MiB; room for headers
 async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0.1:0", metrics_port: int = 0,
                 tls: tuple[bytes, bytes] | None = None, on_listening: Callable[[str], None] | None = None,
                 linger_s: float = 10.0) -> None:
-    """Run a coordinator until the run's last round closes, or SIGTERM/SIGINT.
+    """Run a coordinator until the run's last round closes, or SIGTERM/SIGINT; with a state folder, the
+    newest closed round's state is on disk when it returns.
 
     Args:
         cfg: the run.
@@ -46,6 +48,9 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
         tls: (certificate chain, private key) in PEM, or None for plaintext.
         on_listening: called with "HOST:PORT" once the server accepts calls.
         linger_s: after the last round, how long peers may still download its aggregate.
+
+    Raises:
+        StateNotSaved: the newest round's state could not be written (the error is logged).
     """
     metrics = Metrics()
     servicer = CoordinatorServicer(cfg, opts, metrics)  # before any port opens: it may refuse --init's file
@@ -75,7 +80,9 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
     finished = asyncio.create_task(servicer.finished.wait())
     stopped = asyncio.create_task(stop.wait())
     try:
-        await asyncio.wait({finished, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({finished, stopped, ticker}, return_when=asyncio.FIRST_COMPLETED)
+        if ticker.done() and not ticker.cancelled() and (bug := ticker.exception()) is not None:
+            raise bug  # the round loop failed (a bug, or a bug in the state writer): crash, do not hang
         if servicer.finished.is_set() and not stop.is_set():
             logger.info("[coordinator] the run's %d rounds are done; serving the last aggregate for %.0f s",
                         opts.total_rounds, linger_s)
@@ -86,6 +93,8 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
         for task in (ticker, finished, stopped):
             task.cancel()
         await server.stop(grace=3.0)
+        if servicer.persister is not None:  # the newest round's state, before the process exits
+            await servicer.persister.flush()
         logger.info("[coordinator] stopped at round %d", servicer.rounds.round)
 
 
@@ -94,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:7450", help="HOST:PORT to serve on (port 0: any free one)")
     parser.add_argument("--config", help="TOML file with [model], [optim], [train] and [net] tables")
     parser.add_argument("--steps", type=int, help="rounds in the run (default: train.steps; 0: no end)")
-    parser.add_argument("--state-dir", help="persist the state here after every round, and resume from it")
+    parser.add_argument("--state-dir", help="persist the state here after every round (in the background, once "
+                                            "the round is published), and resume from it")
     parser.add_argument("--token-file", help="file holding the run token (default: the DEMONET_TOKEN env var)")
     parser.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens (30)")
     parser.add_argument("--min-peers", type=int, help="payloads needed to apply a round at its deadline (1)")
@@ -161,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, WeightsFileError) as e:  # the run's task, --init or state cannot be used: nothing served
         print(f"demonet coordinator: {e}", file=sys.stderr)
         return 2
+    except StateNotSaved as e:  # logged with its cause; the exit status says it too
+        print(f"demonet coordinator: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

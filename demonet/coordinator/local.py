@@ -59,6 +59,10 @@ def _now() -> float:
 class LocalCoordinator:
     """One run's coordinator in this process.
 
+    It writes no state file: a `demonet train` run lives and ends in one process, so there is nothing
+    to resume and nothing on a round's critical path but the merge and the apply, as in the gRPC
+    coordinator, which writes its state in the background after publishing a round.
+
     Args:
         cfg: the run.
         total_rounds: the run ends after this many rounds (0: never).

@@ -21,7 +21,7 @@ class Metrics:
         self.round = Gauge("demonet_round", "The open round", registry=r)
         self.members = Gauge("demonet_members", "Members of the open round", registry=r)
         self.submitted = Gauge("demonet_submitted", "Payloads in for the open round", registry=r)
-        self.phase = Gauge("demonet_phase", "0: the round is open; 1: closing (merge, apply, persist)", registry=r)
+        self.phase = Gauge("demonet_phase", "0: the round is open; 1: closing (merge, apply, snapshot)", registry=r)
         self.loss = Gauge("demonet_loss", "Mean training loss of the last applied round", registry=r)
         self._counters = {
             name: Counter(f"demonet_{name}", doc, registry=r) for name, doc in (
@@ -35,12 +35,21 @@ class Metrics:
                 ("unauthorized", "Calls with a missing or wrong token"),
                 ("bytes_up", "Payload bytes received"),
                 ("bytes_down", "Aggregate and parameter bytes sent"),
+                ("persist_failures", "State writes that failed (a full disk, no permission): the state file "
+                                     "stayed at an older round"),
+                ("persist_coalesced", "Round snapshots replaced by a newer one before their write began (the "
+                                      "disk was slower than the rounds)"),
             )
         }
         self.totals = dict.fromkeys(self._counters, 0)
         """The counters' values, for `demonet status` and for persistence across restarts."""
-        self.round_time = Histogram("demonet_close_seconds", "Time to merge, apply and persist a round",
+        self.round_time = Histogram("demonet_close_seconds", "Time to close a round and publish its aggregate "
+                                    "(merge, apply, snapshot); the state is written after, in the background",
                                     registry=r, buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10))
+        self.persist_time = Histogram("demonet_persist_seconds", "Time to write the state file of a round "
+                                      "(in the background)", registry=r, buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10))
+        self.persisted_round = Gauge("demonet_persisted_round", "The round the state file on disk starts; a "
+                                     "restart resumes there", registry=r)
         self.last_loss = float("nan")
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
@@ -65,6 +74,11 @@ class Metrics:
         if loss is not None:
             self.last_loss = loss
             self.loss.set(loss)
+
+    def persisted(self, round: int, seconds: float) -> None:
+        """The state of `round` is on disk; its write took `seconds`."""
+        self.persisted_round.set(round)
+        self.persist_time.observe(seconds)
 
     def counters(self) -> dict[str, Any]:
         """Totals worth keeping across a restart."""

@@ -32,7 +32,8 @@ from demonet.wire.merge import decode_contribution
 
 from . import weights
 from .metrics import Metrics
-from .rounds import RoundConfig, Rounds, SubmitRejected
+from .persist import Persister, Snapshot
+from .rounds import ClosedRound, RoundConfig, Rounds, SubmitRejected
 from .state import CanonicalState, ClosedAggregate
 
 __all__ = ["CoordinatorOptions", "CoordinatorServicer", "Malformed", "add_to_server"]
@@ -52,7 +53,8 @@ class CoordinatorOptions:
     token: str
     """Shared run token: every RPC must carry "authorization: Bearer <token>"."""
     state_dir: Path | None = None
-    """Where the state is persisted after every round; None keeps it in memory only."""
+    """Where the state is persisted after every round (in the background, once the round is published);
+    None keeps it in memory only."""
     total_rounds: int = 0
     """The run ends after this many rounds (0: no end)."""
     max_payload_bytes: int = 1 << 30
@@ -137,6 +139,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             for item in saved.get("aggregates", []):
                 self.aggregates[item.round] = item
             self.metrics.restore(saved.get("counters", {}))
+        self.persister = None if opts.state_dir is None else Persister(
+            opts.state_dir, metrics, on_disk=self.rounds.round if saved is not None else None)
         self._init_params(saved is not None)
         self.metrics.set_round(self.rounds.round, len(self.rounds.members), 0)
 
@@ -308,6 +312,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 # After a restart the payload this member sent is gone; it still holds it.
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"no payload from {request.peer_id} for round {r.round}: submit it again")
+            if request.round > r.round:
+                # Nobody submits to a round before it opens: this coordinator resumed from a state older
+                # than rounds it had published before a crash. The peer gets back in step at the open one.
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"round {request.round} has not opened; the open round is {r.round} (the "
+                                    f"coordinator resumed from its saved state): download the parameters again")
             await self._wait(lambda: request.round in self.aggregates or self.rounds.round > request.round,
                              self._wait_s, context, f"round {request.round} to close")
             closed = self.aggregates.get(request.round)
@@ -354,33 +364,43 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     pass
 
     async def _close_round(self) -> None:
-        """Apply the round (holding `cond`), persist, then open the next round and wake the waiters."""
+        """Close the open round, holding `cond`: merge and apply it, publish it (record its aggregate, open
+        the next round, wake the waiters), then hand the snapshot taken at its close to the background
+        writer (`Persister`). Writing the state is off the round's critical path; a crash before the write
+        completes loses the rounds published since the last one, and the peers that had gone ahead get
+        back in step (a Submit or GetAggregate for a round that has not opened sends them to catch up)."""
         r = self.rounds
         started = _now()
         self.metrics.phase.set(1)
         outcome = r.outcome()  # Rounds alone decides: the state applies (or not) what it says
         contributors = outcome.contributors
         payloads = [self.payloads[p] for p in contributors]
-        closed = await asyncio.to_thread(self.state.close, outcome, payloads)
+        closed, body = await asyncio.to_thread(self._apply, outcome, payloads)
         decided = r.close(_now())
         assert decided == outcome, "the round changed while it was applied; submissions should wait on `cond`"
         self.aggregates[closed.round] = closed
         while len(self.aggregates) > _KEEP_AGGREGATES:
             self.aggregates.popitem(last=False)
         losses = [self.losses[p] for p in contributors if p in self.losses]
-        self.metrics.closed(closed.aborted, _now() - started, sum(losses) / len(losses) if losses else None)
+        self.payloads, self.losses = {}, {}
+        close_s = _now() - started  # the critical path: from here on, nothing waits
+        self.metrics.closed(closed.aborted, close_s, sum(losses) / len(losses) if losses else None)
         if closed.clipped:
             self.metrics.add("clipped", len(closed.clipped))
-        self.payloads, self.losses = {}, {}
-        if self.opts.state_dir is not None:
-            extra = {"rounds": r.state_dict(), "aggregates": list(self.aggregates.values())[-1:],
-                     "counters": self.metrics.counters()}
-            await asyncio.to_thread(self.state.save, self.opts.state_dir, extra)
         self.metrics.set_round(r.round, len(r.members), 0)
         self.metrics.phase.set(0)
-        logger.info("[coordinator round=%d] %s with %d payloads (%s); digest %s%s", closed.round,
-                    "aborted" if closed.aborted else "applied", len(contributors), ", ".join(contributors),
-                    closed.param_digest[:12], f"; clipped {', '.join(closed.clipped)}" if closed.clipped else "")
+        logger.info("[coordinator round=%d] %s with %d payloads (%s); digest %s%s; published in %.1f ms",
+                    closed.round, "aborted" if closed.aborted else "applied", len(contributors),
+                    ", ".join(contributors), closed.param_digest[:12],
+                    f"; clipped {', '.join(closed.clipped)}" if closed.clipped else "", 1e3 * close_s)
         if self.opts.total_rounds and r.round >= self.opts.total_rounds:
             self.finished.set()
         self.cond.notify_all()
+        if self.persister is not None and body is not None:
+            self.persister.submit(Snapshot(r.round, {**body, "rounds": r.state_dict(), "aggregates": [closed],
+                                                     "counters": self.metrics.counters()}))
+
+    def _apply(self, outcome: ClosedRound, payloads: list[Payload]) -> tuple[ClosedAggregate, dict[str, Any] | None]:
+        """`CanonicalState.close`, then (when persisting) the snapshot of its result, in one worker thread."""
+        closed = self.state.close(outcome, payloads)
+        return closed, self.state.snapshot() if self.persister is not None else None

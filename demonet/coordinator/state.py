@@ -1,7 +1,8 @@
-"""The coordinator's canonical state: named parameters, the round's aggregate, persistence.
+"""The coordinator's canonical state: named parameters, the round's aggregate, its snapshot and state file.
 
 No network and no asyncio: the gRPC servicer calls these from `asyncio.to_thread`. The model code
-is used once, to create the initial named tensors; after that the state is only tensors.
+is used once, to create the initial named tensors; after that the state is only tensors. When the
+state file is written is `demonet.coordinator.persist`'s business.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from demonet.wire.merge import MergeRules, merge
 
 from .rounds import ClosedRound
 
-__all__ = ["CanonicalState", "ClosedAggregate"]
+__all__ = ["CanonicalState", "ClosedAggregate", "write_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +97,21 @@ class CanonicalState:
         self._blob = None
         return ClosedAggregate(round, False, contributors, self.digest, data, clipped)
 
-    def save(self, state_dir: Path, extra: dict[str, Any]) -> None:
-        """Write the state atomically (a temp file renamed over the old one): kill -9 leaves one or the other."""
-        state_dir.mkdir(parents=True, exist_ok=True)
-        body = {"config": self.cfg.to_dict(), "params": {n: p.detach() for n, p in self.params.items()},
-                "digest": self.digest, **extra}
+    def snapshot(self) -> dict[str, Any]:
+        """The state file's body as of now, its tensors cloned: the next round's apply changes the live
+        parameters (and the optimizer's buffers) in place, while a snapshot waits for its write. The
+        caller adds the rounds' state, the last aggregate and the counters of the same closed round.
+        One copy of the parameters: far cheaper than the apply before it and than the write."""
+        body: dict[str, Any] = {"config": self.cfg.to_dict(),
+                                "params": {n: p.detach().clone() for n, p in self.params.items()},
+                                "digest": self.digest}
         if self.cfg.optim.base == "adamw":
-            body["optimizer"] = self.opt.state_dict()
-        tmp = state_dir / (STATE_FILE + ".tmp")
-        torch.save(body, tmp)
-        os.replace(tmp, state_dir / STATE_FILE)
+            body["optimizer"] = _cloned(self.opt.state_dict())
+        return body
+
+    def save(self, state_dir: Path, extra: dict[str, Any]) -> None:
+        """Write the state now (`snapshot` plus `extra`), atomically: see `write_state`."""
+        write_state(state_dir, {**self.snapshot(), **extra})
 
     def load(self, state_dir: Path) -> dict[str, Any] | None:
         """Restore saved parameters; returns the saved extras, or None if there is no state file.
@@ -130,3 +136,28 @@ class CanonicalState:
         self._blob = None
         logger.info("[coordinator] resumed from %s", path)
         return dict(body)
+
+
+def write_state(state_dir: Path, body: dict[str, Any]) -> None:
+    """Write a state file's body atomically (a temp file renamed over the old one): kill -9 at any moment
+    leaves the old file or the new one, never a mix.
+
+    Raises:
+        OSError, RuntimeError: the file could not be written (torch.save's zip writer raises RuntimeError
+            for a full disk); the old file is still there.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / (STATE_FILE + ".tmp")
+    torch.save(body, tmp)
+    os.replace(tmp, state_dir / STATE_FILE)
+
+
+def _cloned(obj: Any) -> Any:
+    """`obj` with every tensor in it (in dicts, lists and tuples) cloned."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj

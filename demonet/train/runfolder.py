@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["merge_metrics", "plot_loss", "plot_pipeline", "summarize_run", "to_json"]
+__all__ = ["final_rows", "merge_metrics", "plot_loss", "plot_pipeline", "summarize_run", "to_json"]
 
 
 def to_json(obj: Any) -> str:
@@ -29,15 +29,28 @@ def to_json(obj: Any) -> str:
     return json.dumps(finite(obj), indent=2, allow_nan=False)
 
 
+def final_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One peer's metrics rows without the rounds it did again: a row for round r replaces the peer's
+    earlier rows from r on. A peer does rounds again after a coordinator restarted from a state written
+    before those rounds were published (the state is written after the publish); the last rows stand."""
+    kept: list[dict[str, Any]] = []
+    for row in rows:
+        while kept and kept[-1]["round"] >= row["round"]:
+            kept.pop()
+        kept.append(row)
+    return kept
+
+
 def merge_metrics(out: Path) -> list[dict[str, Any]]:
-    """Merge the peers' ``metrics-<peer>.jsonl`` files into ``<out>/metrics.jsonl``, sorted by (round, peer).
+    """Merge the peers' ``metrics-<peer>.jsonl`` files into ``<out>/metrics.jsonl``, sorted by (round, peer),
+    each peer's `final_rows`.
 
     Returns:
         the merged rows.
     """
     rows = []
     for path in sorted(out.glob("metrics-*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows += final_rows([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
     rows.sort(key=lambda r: (r["round"], str(r["peer"])))
     with open(out / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -24,6 +24,7 @@ from typing import IO, Any
 import pytest
 
 from demonet.lab import netlab
+from demonet.train.runfolder import final_rows
 from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round
 from tests.procs import Reaper
 
@@ -221,9 +222,11 @@ class CoordinatorCluster:
 
     def by_round(self, peers: Sequence[str]) -> dict[int, dict[str, dict[str, Any]]]:
         """round -> peer -> row, checking what must hold in every scenario: one row per peer and round,
-        finite losses, no resync, and every peer's digest after a round equal to the coordinator's."""
+        finite losses, no resync, and every peer's digest after a round equal to the coordinator's. A
+        round a peer did again (its coordinator restarted from a state written before that round was)
+        counts once, its last row (`final_rows`), as the coordinator's last log line of it does."""
         canonical = self.canonical()
-        by_round = rows_by_round(self.rows, peers)
+        by_round = rows_by_round(lambda p: final_rows(self.rows(p)), peers)
         for round_, rows in sorted(by_round.items()):
             digests = {p: r["param_digest"][:12] for p, r in rows.items()}
             assert set(digests.values()) == {canonical[round_][0]}, f"round {round_}: {digests} vs {canonical[round_]}"

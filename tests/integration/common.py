@@ -74,3 +74,4 @@ def rows_by_round(rows: Callable[[str], list[dict[str, Any]]], peers: Sequence[s
             assert p not in by_round.setdefault(row["round"], {}), f"two rows of {p} for round {row['round']}"
             by_round[row["round"]][p] = row
     return by_round
+

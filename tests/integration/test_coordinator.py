@@ -22,6 +22,7 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pbg
 from demonet.config import Config
+from demonet.coordinator.state import STATE_FILE
 from demonet.optim import DeMo, LrSchedule
 from demonet.train.data import Batches, load_corpus
 from demonet.train.model import GPT
@@ -62,6 +63,15 @@ class Coordinator:
         """SIGKILL: nothing is flushed on the way out."""
         if self.proc is not None:
             self.reaper.kill(self.proc)
+
+    def wait_saved(self, round_: int, timeout_s: float = 30.0) -> None:
+        """Wait until the state file starts round `round_`: the coordinator publishes a round, then
+        writes its state in the background."""
+        path = self.tmp / "state" / STATE_FILE
+        deadline = time.monotonic() + timeout_s
+        while not (path.exists() and torch.load(path, weights_only=False)["rounds"]["round"] >= round_):
+            assert time.monotonic() < deadline, f"the state of round {round_} was not written in {timeout_s} s"
+            time.sleep(0.02)
 
 
 @pytest.fixture
@@ -237,6 +247,7 @@ async def test_a_member_with_other_parameters_resyncs_and_each_resync_is_counted
     assert "WARNING" in log and "b resyncs at round 1 (resync 1 of the run)" in log, log
     assert "b resyncs at round 2 (resync 2 of the run)" in log and "resync 3" not in log, log
     await asyncio.gather(a.step(2), b.step(2))  # the counters are persisted when a round closes
+    coordinator.wait_saved(3)
     coordinator.kill()
     a = Peer(coordinator.start(), "a")
     assert (await a.status()).resyncs == 2
@@ -284,6 +295,7 @@ async def test_coordinator_killed_and_restarted_resumes(coordinator: Coordinator
     for r in range(3):
         await peer.step(r)
     digest = peer.digest()
+    coordinator.wait_saved(3)  # the kill at a moment a crash loses rounds: tests/integration/test_persist.py
     coordinator.kill()  # SIGKILL: nothing is flushed on the way out
     peer = Peer(coordinator.start(), "p")
     assert await peer.join() == 3  # a member reconnecting resumes the open round
@@ -307,6 +319,8 @@ async def test_a_run_ends_after_its_rounds(tmp_path: Path, reap_children: Reaper
     c.proc.send_signal(signal.SIGTERM)  # graceful: stops serving at once instead of lingering
     assert c.proc.wait(timeout=20) == 0
     assert time.monotonic() - start < 15
+    saved = torch.load(tmp_path / "state" / STATE_FILE, weights_only=False)  # the last round's, before the exit
+    assert saved["rounds"]["round"] == 2 and saved["digest"] == peer.digest()
 
 
 async def test_prometheus_metrics(tmp_path: Path, reap_children: Reaper) -> None:
@@ -325,5 +339,6 @@ async def test_prometheus_metrics(tmp_path: Path, reap_children: Reaper) -> None
     assert values["demonet_rounds_closed_total"] == 1 and values["demonet_bytes_up_total"] > 0
     assert values["demonet_resyncs_total"] == 0
     for name in ("demonet_loss", "demonet_rejected_total", "demonet_late_total", "demonet_bytes_down_total",
-                 "demonet_close_seconds_count", "demonet_submitted", "demonet_unauthorized_total"):
+                 "demonet_close_seconds_count", "demonet_submitted", "demonet_unauthorized_total",
+                 "demonet_persist_seconds_count", "demonet_persisted_round", "demonet_persist_failures_total"):
         assert name in values

@@ -50,6 +50,16 @@ def test_merge_metrics_sorts_by_round_then_peer(tmp_path: Path) -> None:
     assert [json.loads(line) for line in lines] == rows
 
 
+def test_merge_metrics_keeps_the_last_rows_of_rounds_a_peer_did_again(tmp_path: Path) -> None:
+    # a's coordinator restarted from the state of round 2 after publishing round 3: a does 2 and 3 again
+    _write(tmp_path / "metrics-a.jsonl", [_row(0, "a", 5.0), _row(1, "a", 4.0), _row(2, "a", 3.0, "old"),
+                                          _row(3, "a", 2.0, "old"), _row(2, "a", 3.5), _row(3, "a", 2.5),
+                                          _row(4, "a", 2.0)])
+    rows = runfolder.merge_metrics(tmp_path)
+    assert [(r["round"], r["param_digest"]) for r in rows] == [(0, "d0"), (1, "d1"), (2, "d2"), (3, "d3"), (4, "d4")]
+    assert runfolder.final_rows(rows) == rows  # increasing rounds: nothing to drop
+
+
 def test_summary_losses_bytes_and_digest_agreement() -> None:
     rows = [_row(r, p, 5.0 - r + (0.5 if p == "b" else 0.0), up=100 + (p == "b"), down=200)
             for r in range(8) for p in ("a", "b")]
