@@ -182,6 +182,9 @@ class FlexTrainer:
     def zero_grad(self) -> None:
         self.opt.zero_grad(set_to_none=True)
 
+    def hold(self) -> None:
+        self.opt.hold()
+
     def lookahead(self, payload: Payload, round: int) -> None:
         """Apply this rank's rows of the node's own update at once (`DeMo.lookahead`, no collective)."""
         self.opt.lookahead(aggregate([payload]), lr=self.options.lr_at(round))

@@ -86,6 +86,7 @@ class DeMo(torch.optim.Optimizer):
         self._exact_work: dict[torch.device, torch.Tensor] = {}  # float64 work space of the exact decode
         self._held: list[torch.Tensor] | None = None  # what a lookahead changed (`lookahead`), live tensors
         self._held_copy: list[torch.Tensor] = []  # their bits from before it, buffers kept between rounds
+        self._ahead = False  # the lookahead was applied (not only held)
         self._build_buckets()
 
     @classmethod
@@ -224,6 +225,9 @@ class DeMo(torch.optim.Optimizer):
         """
         self._check_payload(aggregate)
         self.undo_lookahead()
+        self._apply(aggregate, lr)
+
+    def _apply(self, aggregate: Payload, lr: float | None) -> None:
         for bucket in self._buckets:
             group = self.param_groups[bucket.group]
             step_lr, wd = group["lr"] if lr is None else lr, group["weight_decay"]
@@ -310,6 +314,21 @@ class DeMo(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
+    def hold(self) -> None:
+        """Keep a copy of what an apply writes (the parameters, and Adam's state), for a `lookahead`.
+
+        From here until the lookahead is undone, `held_parameters` gives the parameters as they are now,
+        also while the lookahead is being applied in another thread.
+        """
+        if self._held is not None:
+            raise RuntimeError("a lookahead is already held: apply or restore the previous round first")
+        live = self._changed_by_apply()
+        if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._held_copy]:
+            self._held_copy = [torch.empty_like(t) for t in live]
+        torch._foreach_copy_(self._held_copy, live)
+        self._held = live
+
+    @torch.no_grad()
     def lookahead(self, update: Payload, lr: float | None = None) -> None:
         """Apply `update` now, as a stand-in for an aggregate still on its way, keeping what it changes.
 
@@ -317,16 +336,15 @@ class DeMo(torch.optim.Optimizer):
         next round from there; the next `apply` (the real aggregate) or `restore` (the round was lost)
         first puts the parameters and the base optimizer's state back to their exact bits from before
         (`undo_lookahead`). The momentum is untouched: `compress` already took out what was sent.
+        The copy is taken here unless `hold` took it already.
         """
-        if self._held is not None:
+        if self._ahead:
             raise RuntimeError("a lookahead is already held: apply or restore the previous round first")
         self._check_payload(update)
-        live = self._changed_by_apply()
-        if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._held_copy]:
-            self._held_copy = [torch.empty_like(t) for t in live]
-        torch._foreach_copy_(self._held_copy, live)
-        self.apply(update, lr=lr)
-        self._held = live
+        if self._held is None:
+            self.hold()
+        self._ahead = True
+        self._apply(update, lr)
 
     @torch.no_grad()
     def undo_lookahead(self) -> bool:
@@ -334,7 +352,7 @@ class DeMo(torch.optim.Optimizer):
         if self._held is None:
             return False
         torch._foreach_copy_(self._held, self._held_copy)
-        self._held = None
+        self._held, self._ahead = None, False
         return True
 
     def held_parameters(self) -> dict[str, torch.Tensor] | None:

@@ -56,6 +56,7 @@ class Overlapping(Replica, Protocol):
     def forward_backward(self) -> float: ...
     def compress(self) -> Payload: ...
     def zero_grad(self) -> None: ...
+    def hold(self) -> None: ...
     def lookahead(self, payload: Payload, round: int) -> None: ...
     def canonical_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
 
@@ -261,7 +262,8 @@ class RoundLoop:
 
         Round r's outcome is settled (the lookahead replaced by the aggregate, or undone) before round
         r+1's gradient is compressed, so the payload of r+1 leaves from round r+1's canonical parameters
-        with their digest, as in a plain round: the coordinator and the DHT see no difference. After a
+        with their digest, as in a plain round: the coordinator and the DHT see no difference. The
+        lookahead is applied once the payload is on its way. After a
         catch-up or a resync the gradient computed meanwhile is dropped (it is from other parameters),
         and the pipeline starts again from the loaded round with nothing in flight.
         """
@@ -284,9 +286,14 @@ class RoundLoop:
                         await asyncio.to_thread(replica.zero_grad)
                         break
                 t1 = time.perf_counter()
-                payload = await asyncio.to_thread(self._compress_ahead, replica, self.round)
+                payload = await asyncio.to_thread(self._compress_and_hold, replica)
                 await self.membership.begin_round(self.round, self.digest, replica.canonical_parameters)
-                flight = self._submit(payload, loss, started=t0, compute_s=compute_s + time.perf_counter() - t1)
+                compute_s += time.perf_counter() - t1
+                flight = self._submit(payload, loss, started=t0, compute_s=compute_s)
+                if self.lookahead:  # while the payload travels: the next round trains from here
+                    t2 = time.perf_counter()
+                    await asyncio.to_thread(replica.lookahead, payload, self.round)
+                    flight.compute_s += time.perf_counter() - t2
                 _check_beats(beats)
             if flight is not None:  # the last round, or the one open at a stop
                 landing, flight = flight, None
@@ -298,10 +305,12 @@ class RoundLoop:
                     await flight.gather
                 await asyncio.to_thread(replica.restore, flight.payload)
 
-    def _compress_ahead(self, replica: Overlapping, round: int) -> Payload:
+    def _compress_and_hold(self, replica: Overlapping) -> Payload:
+        """The round's payload; with the lookahead, a copy of the parameters first: they are the round's
+        canonical ones, which a DHT peer serves to joiners while the lookahead changes the live ones."""
         payload = replica.compress()
         if self.lookahead:
-            replica.lookahead(payload, round)
+            replica.hold()
         return payload
 
     async def _land(self, flight: _InFlight, metrics: TextIO | None) -> str:

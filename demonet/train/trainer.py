@@ -191,6 +191,10 @@ class Trainer:
         """Drop gradients that will not be compressed (computed from parameters a catch-up replaced)."""
         self.opt.zero_grad(set_to_none=True)
 
+    def hold(self) -> None:
+        """Keep the parameters as they are for `canonical_parameters` (`DeMo.hold`), before a `lookahead`."""
+        self.opt.hold()
+
     def lookahead(self, payload: Payload, round: int) -> None:
         """Apply this peer's own payload of `round` at once (`DeMo.lookahead`); the round's real aggregate,
         or the restore of a lost round, replaces it."""

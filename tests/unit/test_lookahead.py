@@ -86,3 +86,20 @@ def test_a_second_lookahead_without_settling_is_refused_and_changes_nothing() ->
         opt.lookahead(aggregate([payload]))
     assert all(torch.equal(a, b) for a, b in zip(state, _bits(params, opt), strict=True))
     assert opt.undo_lookahead() and not opt.undo_lookahead()
+
+
+def test_hold_keeps_the_round_parameters_readable_while_the_lookahead_applies() -> None:
+    params, opt = _pair("sign", 0.0)
+    _grads(params, 2)
+    payload = opt.compress()
+    before = [p.detach().clone() for p in params]
+    opt.hold()  # the copy a DHT peer serves to joiners, taken before the lookahead changes the live tensors
+    with pytest.raises(RuntimeError, match="already held"):
+        opt.hold()
+    held = opt.held_parameters()
+    assert held is not None and all(torch.equal(h, b) for h, b in zip(held.values(), before, strict=True))
+    opt.lookahead(aggregate([payload]))
+    assert all(torch.equal(h, b) for h, b in zip(held.values(), before, strict=True))
+    assert not all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+    opt.restore(payload)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
