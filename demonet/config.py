@@ -89,6 +89,10 @@ class TrainConfig:
     tokens: str = ""
     """A token file to train on (`demonet data tokenize`, docs/data.md) instead of a corpus's bytes; empty for
     none. model.vocab_size should cover the file's vocab."""
+    tokenizer: str = ""
+    """The tokenizer every peer's token file must have been made with (its identity as the file's header
+    names it: ``bytes``, or ``NAME@HASH``); empty: not checked. A coordinator whose run has `tokens` sets
+    it from its own file, so a peer whose file came from another tokenizer is refused before it joins."""
     eval_every: int = 50
     """Steps between validation losses; 0 for none."""
     out: str = "runs/demo"

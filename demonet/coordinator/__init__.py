@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from demonet.config import Config, load_config, load_token
 from demonet.log import setup_logging
+from demonet.train.task import pin_tokenizer
 
 from .metrics import Metrics
 from .persist import StateNotSaved
@@ -139,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             "net": {"round_timeout_s": args.round_timeout_s, "min_peers": args.min_peers,
                     "start_peers": args.start_peers},
         })
+        cfg = pin_tokenizer(cfg)  # the peers' token files must come from the tokenizer of this one
         if cfg.optim.base == "adamw":
             # Adam's moments are canonical (they follow from the applied aggregates alone), but the
             # coordinator does not hand them to joiners yet: a late joiner would drift. Refuse.

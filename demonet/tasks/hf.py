@@ -92,21 +92,24 @@ def next_token_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())  # (B*T, V) against (B*T,)
 
 
-def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128) -> Task:
+def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128, tokenizer: str = "") -> Task:
     """A causal LM from a local directory, trained on windows of a token file with the next-token loss.
 
     With only a config.json in `model`, the model is built from it (`AutoModelForCausalLM.from_config`) after
     demonet seeds torch with the run seed, so every process starts from the same parameters; with weights
     there too, they are loaded (`from_pretrained(model, local_files_only=True)`) to fine-tune. The parameters
     are float32. Each peer draws `batch_size` windows of `seq_len` + 1 tokens per batch from the file's first
-    95% (`TokenBatches`, with the peer's seed).
+    95% (`TokenBatches`, with the peer's seed). `tokenizer` (the identity a token file's header names, e.g.
+    ``bytes`` or ``NAME@HASH``) holds every peer to token files of that tokenizer; empty: any.
 
     Raises:
         ValueError: a bad model directory (see `model_config`), a bad token file, a token file whose vocab is
-            larger than the model's, `seq_len` beyond the model's positions, or bad sizes.
+            larger than the model's or made with another `tokenizer`, `seq_len` beyond the model's positions, or
+            bad sizes.
     """
     config = model_config(model)
     token_file = TokenFile.open(tokens)
+    token_file.check_tokenizer(tokenizer)
     vocab_size = getattr(config, "vocab_size", None)
     if isinstance(vocab_size, int) and token_file.header.vocab_size > vocab_size:
         raise ValueError(f"{Path(model) / 'config.json'}: vocab_size should be >= {token_file.header.vocab_size}, "

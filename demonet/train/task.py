@@ -7,6 +7,7 @@ run's corpus. Training layer: imports torch, the model and the data; no network 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -20,7 +21,7 @@ from .data import Batches, load_corpus, split
 from .model import GPT
 from .tokens import TokenBatches, TokenFile
 
-__all__ = ["Task", "build_task", "first_difference", "gpt_loss", "param_specs"]
+__all__ = ["Task", "build_task", "first_difference", "gpt_loss", "param_specs", "pin_tokenizer"]
 
 Specs = list[tuple[str, tuple[int, ...], str]]
 """A model's parameters as (name, shape, dtype name), in `named_parameters` order."""
@@ -54,11 +55,13 @@ def _builtin(cfg: Any) -> Task:
     """The byte-level GPT on the run's token file (`[train] tokens`) or corpus bytes.
 
     Raises:
-        ValueError: the token file is not one, or its vocab is larger than the model's.
+        ValueError: the token file is not one, its vocab is larger than the model's, or it was made with
+            another tokenizer than `[train] tokenizer`.
     """
     if cfg.train.tokens:
         tokens = TokenFile.open(cfg.train.tokens)
         tokens.check_vocab(cfg.model.vocab_size)
+        tokens.check_tokenizer(cfg.train.tokenizer)
 
     def batches(seed: int) -> Iterator[Any]:
         if cfg.train.tokens:
@@ -82,6 +85,19 @@ def _load(spec: str) -> Callable[..., Any]:
     if not callable(function):
         raise ValueError(f"task {spec}: {module_name} has no function {function_name!r}")
     return function  # type: ignore[no-any-return]
+
+
+def pin_tokenizer(cfg: Any) -> Any:
+    """`cfg` with `[train] tokenizer` set from its token file's header, when it has `[train] tokens` and no
+    tokenizer yet: a coordinator hands this to its peers, whose token files must then match it.
+
+    Raises:
+        ValueError: the token file cannot be read (as `build_task` would).
+    """
+    if not cfg.train.tokens or cfg.train.tokenizer:
+        return cfg
+    tokenizer = TokenFile.open(cfg.train.tokens).header.tokenizer
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tokenizer=tokenizer))
 
 
 def build_task(cfg: Any) -> Task:

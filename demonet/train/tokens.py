@@ -191,6 +191,12 @@ class TokenFile:
             raise ValueError(f"model.vocab_size should be >= {self.header.vocab_size}, the vocab of the token file "
                              f"{self.path} (tokenizer {self.header.tokenizer}); got {vocab_size}")
 
+    def check_tokenizer(self, tokenizer: str) -> None:
+        """Raises ValueError unless the file was made with `tokenizer` (its identity; empty: any)."""
+        if tokenizer and self.header.tokenizer != tokenizer:
+            raise ValueError(f"the token file {self.path} was made with tokenizer {self.header.tokenizer!r}; the "
+                             f"run's is {tokenizer!r} (make it again with `demonet data tokenize` and that tokenizer)")
+
     def split(self, val_fraction: float = 0.05) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """(train, val) views: the last `val_fraction` of the tokens is validation, as `demonet.train.data.split`."""
         if not 0.0 <= val_fraction < 1.0:

@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from demonet.train.data import default_corpus
-from demonet.train.tokens import TokenFile
+from demonet.train.tokens import TokenFile, write_tokens
+from tests.integration.common import listening_line
+from tests.procs import Reaper
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +68,31 @@ def test_a_bpe_token_file_trains_the_builtin_gpt(tmp_path: Path) -> None:
     assert refused.returncode == 2
     assert f"model.vocab_size should be >= {VOCAB}, the vocab of the token file corpus.tok" in refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_peer_whose_token_file_has_another_tokenizer_is_refused_before_it_joins(tmp_path: Path,
+                                                                                   reap_children: Reaper) -> None:
+    """A real coordinator on `corpus.tok` (bytes) pins the run's tokenizer; a peer whose `corpus.tok` (same path,
+    its own folder) was made with another tokenizer exits 2 naming both, and is never a member."""
+    config = ("[model]\nd_model = 32\nn_layers = 1\nn_heads = 2\nseq_len = 32\n"
+              "[train]\nseq_len = 32\nbatch_size = 2\ntokens = \"corpus.tok\"\n[net]\nround_timeout_s = 5.0\n")
+    ids = [np.frombuffer(default_corpus()[:20000], dtype=np.uint8).astype(np.int64)]
+    (tmp_path / "coord").mkdir()
+    (tmp_path / "peer").mkdir()
+    (tmp_path / "coord" / "run.toml").write_text(config)
+    write_tokens(tmp_path / "coord" / "corpus.tok", ids, vocab_size=256, tokenizer="bytes")
+    write_tokens(tmp_path / "peer" / "corpus.tok", ids, vocab_size=256, tokenizer="bpe@0123456789abcdef")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DEMONET_TOKEN": "tokens-test"}
+    coordinator = reap_children.add(subprocess.Popen(
+        [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--config", "run.toml"],
+        cwd=tmp_path / "coord", stdout=subprocess.PIPE, stderr=reap_children.open(tmp_path / "coord.log", "w"),
+        stdin=subprocess.DEVNULL, env=env))
+    line = listening_line(coordinator, 60.0)
+    assert line.startswith("listening on "), (tmp_path / "coord.log").read_text()
+    peer = subprocess.run([sys.executable, "-m", "demonet", "peer", "--coordinator", line.split()[-1], "--peer-id",
+                           "p0", "--out", "out", "--threads", "1"], cwd=tmp_path / "peer", capture_output=True,
+                          text=True, timeout=120, env=env, check=False)
+    reap_children.stop([coordinator], 10.0)
+    assert peer.returncode == 2, peer.stdout + peer.stderr
+    assert "was made with tokenizer 'bpe@0123456789abcdef'; the run's is 'bytes'" in peer.stdout + peer.stderr
+    assert "joined" not in (tmp_path / "coord.log").read_text()

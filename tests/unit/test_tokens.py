@@ -4,6 +4,7 @@ token file."""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from demonet.cli import main
 from demonet.config import Config, load_config
+from demonet.train.task import pin_tokenizer
 from demonet.train.tokenizer import load_tokenizer
 from demonet.train.tokens import HEADER_BYTES, TokenBatches, TokenFile, choose_dtype, read_header, write_tokens
 from demonet.train.trainer import Trainer
@@ -308,3 +310,15 @@ def test_the_model_vocab_must_cover_the_file(tmp_path: Path) -> None:
 def test_corpus_and_tokens_are_exclusive() -> None:
     with pytest.raises(ValueError, match="train.corpus and train.tokens should not both be set"):
         load_config(None, {"DEMONET_TRAIN_TOKENS": "a.tok", "DEMONET_TRAIN_CORPUS": "a.txt"})
+
+
+def test_a_token_file_of_another_tokenizer_is_refused_and_the_coordinator_pins_its_own(tmp_path: Path) -> None:
+    path = _file(tmp_path, np.arange(2000) % 500, vocab_size=500)  # made with "test@0123"
+    cfg = _cfg(path, 512)
+    pinned = pin_tokenizer(cfg)
+    assert (cfg.train.tokenizer, pinned.train.tokenizer) == ("", "test@0123")
+    assert pin_tokenizer(pinned) is pinned
+    Trainer.for_run(pinned, data_seed=3, device=torch.device("cpu"))  # its own file passes
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tokenizer="wiki-bpe@89ab"))
+    with pytest.raises(ValueError, match=r"t.tok was made with tokenizer 'test@0123'; the run's is 'wiki-bpe@89ab'"):
+        Trainer.for_run(other, data_seed=3, device=torch.device("cpu"))
