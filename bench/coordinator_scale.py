@@ -4,20 +4,28 @@ Each client submits a real DeMo payload every round (no model compute) over gRPC
 client count it prints the time from the last submission to the aggregate (merge + apply +
 persist), the whole round, bytes up/down per client, and the coordinator's resident memory.
 Run from the repo root: `python bench/coordinator_scale.py`. Prints a table; not a test.
+
+`--dashboard`: the dashboard's cost. Each client count runs without it and with it, alternately
+(`--repeat` pairs, one coordinator each): with it, the coordinator serves its dashboard and a
+viewer loads the page and then the whole /status.json every `--poll-s` seconds while the rounds
+run. It prints both close times side by side, and what recording one round costs in-process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -27,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from demonet import wire  # noqa: E402
 from demonet._proto import demonet_pb2 as pb  # noqa: E402
 from demonet._proto import demonet_pb2_grpc as pbg  # noqa: E402
+from demonet.coordinator.metrics import Metrics  # noqa: E402
+from demonet.coordinator.rounds import RoundConfig, Rounds  # noqa: E402
+from demonet.coordinator.status import status_document  # noqa: E402
 from demonet.optim import DeMo, Payload  # noqa: E402
 from demonet.train.model import BENCH_MODEL, GPT  # noqa: E402
 
@@ -92,16 +103,39 @@ async def _client(stub: pbg.CoordinatorStub, name: str, payload: Payload, rounds
     return up, down
 
 
-async def _run(clients: int, rounds: int, payloads: list[Payload], workdir: Path) -> dict[str, float]:
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return len(reply.read())
+
+
+async def _viewer(url: str, poll_s: float, polls: list[int]) -> None:
+    """What an open dashboard asks for: the page once, then the whole document every `poll_s` (the page
+    itself asks only for the rounds it lacks; the whole one is the worst case)."""
+    for path in ("", "dashboard.js", "dashboard.css"):
+        await asyncio.to_thread(_get, url + path)
+    while True:
+        polls.append(await asyncio.to_thread(_get, url + "status.json"))
+        await asyncio.sleep(poll_s)
+
+
+async def _run(clients: int, rounds: int, payloads: list[Payload], workdir: Path,
+               poll_s: float | None = None) -> dict[str, Any]:
     (workdir / "run.toml").write_text(CONFIG.format(clients=clients))
+    state = workdir / f"state{clients}-{time.monotonic_ns()}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "demonet.coordinator", "--listen", "127.0.0.1:0", "--config",
-         str(workdir / "run.toml"), "--state-dir", str(workdir / f"state{clients}")],
+         str(workdir / "run.toml"), "--state-dir", str(state),
+         *(["--dashboard-port", "0"] if poll_s is not None else [])],
         stdout=subprocess.PIPE, stderr=open(workdir / f"coordinator{clients}.log", "w"), text=True,
         env={**os.environ, "DEMONET_TOKEN": TOKEN})
+    viewer: asyncio.Task[None] | None = None
+    polls: list[int] = []
     try:
         assert proc.stdout is not None
         address = proc.stdout.readline().split()[-1]
+        if poll_s is not None:
+            url = proc.stdout.readline().split()[-1]  # "dashboard on URL"
+            viewer = asyncio.create_task(_viewer(url, poll_s, polls))
         async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 2**25)]) as ch:
             stub = pbg.CoordinatorStub(ch)  # type: ignore[no-untyped-call]
             firsts = [int((await stub.Join(pb.JoinRequest(peer_id=f"c{i}"), metadata=MD)).round)
@@ -120,23 +154,77 @@ async def _run(clients: int, rounds: int, payloads: list[Payload], workdir: Path
             wall = time.perf_counter() - t0
             close_s = [min(log[-r - 1]) - max(log[r]) for r in range(first, first + rounds)]
             return {
-                "close_s": statistics.median(close_s), "round_s": wall / rounds,
+                "close_s": statistics.median(close_s), "closes": close_s, "polls": len(polls),
+                "poll_bytes": statistics.mean(polls) if polls else 0.0, "round_s": wall / rounds,
                 "up_kb": sum(s[0] for s in sizes) / clients / rounds / 1e3,
                 "down_kb": sum(s[1] for s in sizes) / clients / rounds / 1e3,
                 "rss_mb": _rss_mb(proc.pid), "rss_before_mb": rss_before,
             }
     finally:
+        if viewer is not None:
+            viewer.cancel()
         proc.kill()
         proc.wait()
+
+
+def _record_cost_us(clients: int, repeat: int = 200) -> tuple[float, float]:
+    """In-process: microseconds to record one round of `clients` payloads (their uploads, downloads and the
+    close), and to build the whole /status.json document of 512 rounds and `clients` members."""
+    metrics, peers = Metrics(), [f"c{i}" for i in range(clients)]
+    t0 = time.perf_counter()
+    for r in range(repeat):
+        for p in peers:
+            metrics.uploaded(p, 541_300, 0.05, 1.0)
+            metrics.add("bytes_down", 301_800, peer=p)
+        metrics.closed(False, 0.8, 1.0, round=r, members=peers, contributors=peers, round_s=2.0)
+    record_us = (time.perf_counter() - t0) / repeat * 1e6
+    for r in range(repeat, 512):
+        metrics.closed(False, 0.8, 1.0, round=r, members=peers, contributors=peers, round_s=2.0)
+    rounds = Rounds(cfg=RoundConfig(), now=0.0)
+    for p in peers:
+        rounds.join(p, 0.0)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        json.dumps(status_document(rounds, metrics, now=1.0, param_digest="0" * 32, total_rounds=0))
+    return record_us, (time.perf_counter() - t0) / 20 * 1e6
+
+
+def _dashboard_cost(counts: list[int], rounds: int, repeat: int, poll_s: float, payloads: list[Payload]) -> None:
+    """Without and with the dashboard, alternately, per client count; the close times side by side."""
+    print(f"dashboard cost: {repeat} pairs of runs per row (alternating), {rounds} rounds each; with: the page "
+          f"open and /status.json polled every {poll_s:g} s")
+    print(f"{'clients':>8}{'close s w/o':>13}{'close s with':>14}{'with/w/o':>10}{'round s w/o':>13}"
+          f"{'round s with':>14}{'polls':>7}{'doc kB':>8}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in counts:
+            runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+            for i in range(2 * repeat):
+                on = i % 2 == 1
+                runs[on].append(asyncio.run(_run(n, rounds, payloads, Path(tmp), poll_s if on else None)))
+            close = {on: statistics.median([c for r in rs for c in r["closes"]]) for on, rs in runs.items()}
+            rnd = {on: statistics.mean([r["round_s"] for r in rs]) for on, rs in runs.items()}
+            polls = sum(r["polls"] for r in runs[True])
+            doc_kb = statistics.mean([r["poll_bytes"] for r in runs[True]]) / 1e3
+            print(f"{n:>8}{close[False]:>13.3f}{close[True]:>14.3f}{close[True] / close[False]:>10.3f}"
+                  f"{rnd[False]:>13.3f}{rnd[True]:>14.3f}{polls:>7}{doc_kb:>8.1f}")
+            record_us, document_us = _record_cost_us(n)
+            print(f"{'':>8}recording one round of {n} payloads: {record_us:.0f} us; building the document of 512 "
+                  f"rounds and {n} members: {document_us / 1e3:.2f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--clients", default="8,16,32,64", help="client counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per client count")
+    parser.add_argument("--dashboard", action="store_true", help="measure the dashboard's cost instead (see above)")
+    parser.add_argument("--repeat", type=int, default=2, help="with --dashboard: pairs of runs per client count")
+    parser.add_argument("--poll-s", type=float, default=1.0, help="with --dashboard: seconds between polls")
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
     payloads = _payloads(8)
+    if args.dashboard:
+        _dashboard_cost(counts, args.rounds, args.repeat, args.poll_s, payloads)
+        return 0
     print(f"model: BENCH_MODEL ({sum(t.idx.numel() for t in payloads[0].tensors.values()):,} entries per payload), "
           f"{args.rounds} rounds per row, gRPC on loopback, 2 CPU cores shared by clients and coordinator")
     print(f"{'clients':>8}{'close s':>10}{'round s':>10}{'up kB':>10}{'down kB':>10}{'RSS MB':>10}")
