@@ -8,7 +8,6 @@ import asyncio
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -67,13 +66,13 @@ class Up:
         return next((ln for ln in self.stderr.read_text().splitlines() if ln.startswith(prefix)), "")
 
 
-def _up(tmp: Path, reaper: Reaper, *extra: str, peers: int) -> Up:
-    """`demonet up` of the tiny model for as many rounds as the tests need (they stop it with SIGTERM)."""
+def _up(tmp: Path, reaper: Reaper, peers: int) -> Up:
+    """`demonet up` of the tiny model for as many rounds as the tests need, in a process group of its own."""
     (tmp / "tiny.toml").write_text(tiny_config(round_timeout_s=5.0))
     stderr = tmp / "up.err"
     proc = reaper.add(subprocess.Popen(
         [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", "100000", "--out", str(tmp / "run"),
-         "--config", str(tmp / "tiny.toml"), "--no-progress", *extra],
+         "--config", str(tmp / "tiny.toml"), "--no-progress"],
         stdout=reaper.open(tmp / "up.out"), stderr=reaper.open(stderr), start_new_session=True), group=True)
     up = Up(proc, stderr, "", tmp / "run")
 
@@ -85,20 +84,13 @@ def _up(tmp: Path, reaper: Reaper, *extra: str, peers: int) -> Up:
     return up
 
 
-def _stop(up: Up) -> None:
-    up.proc.send_signal(signal.SIGTERM)  # `demonet up` stops its children as on Ctrl-C
-    up.proc.wait(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     reaper = Reaper()
     try:
-        up = _up(tmp_path_factory.mktemp("up"), reaper, peers=len(PEERS))
-        yield up
-        _stop(up)
+        yield _up(tmp_path_factory.mktemp("up"), reaper, peers=len(PEERS))
     finally:
-        reaper.close()
+        reaper.close()  # SIGKILL to its process group: `demonet up`, its coordinator and its peers
 
 
 def _coordinator(up: Up) -> tuple[str, str]:
