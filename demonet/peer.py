@@ -120,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not args.coordinator:
             raise ValueError("--coordinator HOST:PORT is required (or --dht for DHT mode)")
+        if getattr(args, "dashboard_port", None) is not None:
+            raise ValueError("--dashboard-port is for DHT mode; in coordinator mode the coordinator serves the "
+                             "dashboard (demonet coordinator --metrics-port or --dashboard-port)")
         token = load_token(args.token_file, os.environ)
         root_cert = Path(args.tls_root_cert).read_bytes() if args.tls_root_cert else None
         if args.accumulate < 1:

@@ -251,11 +251,13 @@ class AggregateChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[AggregateHeader, _Mapping]] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("detail",)
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    detail: bool
+    def __init__(self, detail: bool = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("round", "phase", "members", "submitted", "seconds_left", "param_digest", "bytes_up", "bytes_down", "last_loss", "rounds_closed", "rounds_aborted", "rejected", "resyncs")
+    __slots__ = ("round", "phase", "members", "submitted", "seconds_left", "param_digest", "bytes_up", "bytes_down", "last_loss", "rounds_closed", "rounds_aborted", "rejected", "resyncs", "detail_json")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +271,7 @@ class StatusReply(_message.Message):
     ROUNDS_ABORTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_JSON_FIELD_NUMBER: _ClassVar[int]
     round: int
     phase: str
     members: _containers.RepeatedScalarFieldContainer[str]
@@ -282,7 +285,8 @@ class StatusReply(_message.Message):
     rounds_aborted: int
     rejected: int
     resyncs: int
-    def __init__(self, round: _Optional[int] = ..., phase: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., submitted: _Optional[int] = ..., seconds_left: _Optional[float] = ..., param_digest: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., last_loss: _Optional[float] = ..., rounds_closed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., rejected: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
+    detail_json: str
+    def __init__(self, round: _Optional[int] = ..., phase: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., submitted: _Optional[int] = ..., seconds_left: _Optional[float] = ..., param_digest: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., last_loss: _Optional[float] = ..., rounds_closed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., rejected: _Optional[int] = ..., resyncs: _Optional[int] = ..., detail_json: _Optional[str] = ...) -> None: ...
 
 class DhtMessage(_message.Message):
     __slots__ = ("run", "round", "sender", "kind", "slice", "num_slices", "members_digest", "contributors", "error", "sent_at", "part", "mac")

@@ -7,28 +7,21 @@ Reads configuration (demonet.config) and hands explicit arguments to the library
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from demonet import health, peer
-from demonet.config import TOKEN_ENV, load_config, load_token
+from demonet.config import load_config
 from demonet.dht import peer as peer_dht
-from demonet.errors import DemonetError
 from demonet.log import setup_logging
-from demonet.train.runfolder import to_json
 from demonet.train.tokens import TokenFile
-from demonet.transport.grpc import GrpcClient
 
-from . import data, export, up
+from . import data, export, status, up
 
 __all__ = ["main"]
 
@@ -67,10 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     data.add_arguments(sub.add_parser("data", help="prepare training data: tokenize text into a token file",
                                       description="Prepare training data (docs/data.md)."))
     sub.add_parser("bench", add_help=False, help="compare with AdamW-DDP and hivemind over shaped links (root)")
-    status = sub.add_parser("status", help="print a coordinator's status as JSON")
-    status.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
-    status.add_argument("--token-file", help=f"file holding the run token (default: the {TOKEN_ENV} env var)")
-    status.add_argument("--tls-root-cert", help="PEM file to verify a TLS coordinator (default: plaintext)")
+    status.add_arguments(sub.add_parser(
+        "status", help="print a run's status: the run, recent rounds, members, refusals (--json: as JSON)",
+        description="Ask a coordinator (gRPC, with the run token) or a dashboard (HTTP, e.g. a DHT peer's) for the "
+                    "run's status document (docs/dashboard.md) and print it as tables, or as JSON with --json."))
     health.add_arguments(sub.add_parser("health", help="exit 0 if a coordinator's gRPC health service serves",
                                         description="Ask a coordinator's standard gRPC health service (no "
                                                     "token needed); exit 0 on SERVING, 1 otherwise."))
@@ -91,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer (1)")
     up.add_argument("--no-progress", action="store_true", help="no progress bar")
     up.add_argument("--dht", action="store_true", help="no coordinator: the peers meet on a hivemind DHT on loopback")
+    up.add_argument("--dashboard-port", type=int, default=0,
+                    help="the run's dashboard on this port of 127.0.0.1 (0: any free port; the address is printed)")
+    up.add_argument("--no-dashboard", action="store_true", help="no dashboard")
     return parser
 
 
@@ -112,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "peer":
         return peer_dht.run(args) if args.dht else peer.run(args)
     if args.command == "status":
-        return _status(args)
+        return status.run(args)
     if args.command == "health":
         return health.run(args)
     if args.command == "up":
@@ -154,30 +150,6 @@ def _coordinator(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="demonet coordinator", description="Serve a run's rounds over gRPC.")
     coordinator.add_arguments(parser)
     return coordinator.run(parser.parse_args(argv))
-
-
-def _status(args: argparse.Namespace) -> int:
-    try:
-        token = load_token(args.token_file, os.environ)
-        root_cert = Path(args.tls_root_cert).read_bytes() if args.tls_root_cert else None
-    except (ValueError, OSError) as e:
-        print(f"demonet status: {e}", file=sys.stderr)
-        return 2
-
-    async def ask() -> dict[str, Any]:
-        client = GrpcClient(args.coordinator, token=token, root_cert=root_cert, reconnect_timeout_s=10.0)
-        try:
-            return dataclasses.asdict(await client.status())
-        finally:
-            await client.close()
-
-    try:
-        status = asyncio.run(ask())
-    except (DemonetError, PermissionError) as e:
-        print(f"demonet status: {e}", file=sys.stderr)
-        return 1
-    print(to_json(status))
-    return 0
 
 
 if __name__ == "__main__":

@@ -56,17 +56,28 @@ def _spawn(name: str, argv: list[str], logs: Path, env: dict[str, str]) -> _Chil
     return _Child(name, proc, log)
 
 
-def _wait_listening(child: _Child, log_path: Path, timeout_s: float) -> str:
-    """The HOST:PORT from the coordinator's `listening on HOST:PORT` line in its log."""
+def _wait_line(child: _Child, log_path: Path, prefix: str, timeout_s: float) -> str:
+    """The rest of the first line of the child's log that starts with `prefix` (e.g. "listening on ")."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in log_path.read_text(errors="replace").splitlines():
-            if line.startswith("listening on "):
-                return line.removeprefix("listening on ").strip()
+            if line.startswith(prefix):
+                return line.removeprefix(prefix).strip()
         if child.proc.poll() is not None:
-            raise RuntimeError(f"the coordinator exited with code {child.proc.returncode}; see {log_path}")
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; see {log_path}")
         time.sleep(0.1)
-    raise RuntimeError(f"the coordinator did not say where it listens within {timeout_s:.0f} s; see {log_path}")
+    raise RuntimeError(f"{child.name} did not say {prefix!r}... within {timeout_s:.0f} s; see {log_path}")
+
+
+def _dashboard_argv(args: argparse.Namespace) -> list[str]:
+    return [] if args.no_dashboard else ["--dashboard-port", str(args.dashboard_port)]
+
+
+def _announce_dashboard(child: _Child, log_path: Path, args: argparse.Namespace) -> None:
+    """Print where the dashboard of the run is (stderr: stdout is the run's JSON summary)."""
+    if not args.no_dashboard:
+        url = _wait_line(child, log_path, "dashboard on ", LISTEN_TIMEOUT_S)
+        print(f"dashboard: {url}", file=sys.stderr, flush=True)
 
 
 def _stop(children: list[_Child], grace_s: float) -> None:
@@ -115,6 +126,10 @@ async def _watch(address: str, token: str, coordinator: _Child, peers: list[_Chi
         await client.close()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     if args.peers < 1 or args.steps < 1 or args.threads_per_peer < 1:
         print("demonet up: --peers, --steps and --threads-per-peer should be >= 1", file=sys.stderr)
@@ -124,10 +139,11 @@ def run(args: argparse.Namespace) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(24)
     env = {**os.environ, TOKEN_ENV: token}  # never on a command line, where `ps` shows it
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the children as Ctrl-C does
     if args.dht:
         return _up_dht(args, out, env)
     argv = ["coordinator", "--listen", "127.0.0.1:0", "--steps", str(args.steps),
-            "--state-dir", str(out / "coordinator"), "--start-peers", str(args.peers)]
+            "--state-dir", str(out / "coordinator"), "--start-peers", str(args.peers), *_dashboard_argv(args)]
     if args.config:
         argv += ["--config", args.config]
     if args.task:  # the peers take it from the run's config
@@ -138,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     peers: list[_Child] = []
     interrupted = False
     try:
-        address = _wait_listening(coordinator, logs / "coordinator.log", LISTEN_TIMEOUT_S)
+        address = _wait_line(coordinator, logs / "coordinator.log", "listening on ", LISTEN_TIMEOUT_S)
+        _announce_dashboard(coordinator, logs / "coordinator.log", args)
         logger.info("coordinator listening on %s; starting %d peers; logs in %s", address, args.peers, logs)
         for i in range(args.peers):
             peers.append(_spawn(f"peer-{i}", ["peer", "--coordinator", address, "--peer-id", f"peer-{i}",
@@ -197,7 +214,7 @@ def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
         port = s.getsockname()[1]
     maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{PeerID.from_identity(identity.read_bytes())}"
     peers = [_spawn("peer-0", [*argv, "--peer-id", "peer-0", "--identity", str(identity), "--host-maddr",
-                               f"/ip4/127.0.0.1/tcp/{port}"], logs, env)]
+                               f"/ip4/127.0.0.1/tcp/{port}", *_dashboard_argv(args)], logs, env)]
     logger.info("peer-0 starts the DHT at %s; logs in %s", maddr, logs)
     for i in range(1, args.peers):
         peers.append(_spawn(f"peer-{i}", [*argv, "--peer-id", f"peer-{i}", "--initial-peers", maddr, "--host-maddr",
@@ -205,6 +222,7 @@ def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
     interrupted = False
     bar = tqdm(total=args.steps, disable=args.no_progress or not sys.stderr.isatty(), desc="up --dht", unit="round")
     try:
+        _announce_dashboard(peers[0], logs / "peer-0.log", args)  # peer-0's view of the run
         while True:
             codes = [c.proc.poll() for c in peers]
             if any(code not in (None, 0) for code in codes) or all(code == 0 for code in codes):

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from demonet.config import Config, load_config, load_token
+from demonet.dashboard import page_routes, start_http
 from demonet.log import setup_logging
 from demonet.train.task import pin_tokenizer
 
@@ -27,7 +29,7 @@ from .persist import StateNotSaved
 from .server import CoordinatorOptions, CoordinatorServicer, add_to_server
 from .weights import WeightsFileError
 
-__all__ = ["CoordinatorOptions", "add_arguments", "main", "run", "serve", "total_rounds"]
+__all__ = ["CoordinatorOptions", "HttpPorts", "add_arguments", "main", "run", "serve", "total_rounds"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +37,45 @@ SERVICE = "demonet.v1.Coordinator"
 _MESSAGE_BYTES = 16 * 2**20  # parts are at most 2 MiB; room for headers
 
 
-async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0.1:0", metrics_port: int = 0,
-                tls: tuple[bytes, bytes] | None = None, on_listening: Callable[[str], None] | None = None,
-                linger_s: float = 10.0) -> None:
+@dataclass(frozen=True, kw_only=True)
+class HttpPorts:
+    """The coordinator's HTTP side: Prometheus /metrics and the dashboard (docs/dashboard.md)."""
+
+    metrics: int = 0
+    """Serve Prometheus /metrics on this port, on all interfaces, and the dashboard there too unless it
+    has its own port or is off; 0: no metrics port."""
+    dashboard: int | None = None
+    """Serve the dashboard (and /metrics) on this port, on the interface of the gRPC address; 0: any free
+    port; None: only on the metrics port."""
+    dashboard_on: bool = True
+    """False: no dashboard anywhere (the metrics port serves /metrics only)."""
+
+    def __post_init__(self) -> None:
+        if self.metrics < 0 or (self.dashboard is not None and self.dashboard < 0):
+            raise ValueError("--metrics-port and --dashboard-port should be >= 0")
+
+
+async def _start_http(servicer: CoordinatorServicer, ports: HttpPorts, listen_host: str
+                      ) -> tuple[asyncio.Server, str] | None:
+    """Open the HTTP ports: /metrics alone (prometheus_client's thread, as without a dashboard) and the
+    dashboard (on this loop, which owns what it reads). Returns the dashboard's server and URL."""
+    metrics = servicer.metrics
+    shared = ports.dashboard is None or ports.dashboard == ports.metrics != 0  # the dashboard on the metrics port
+    if ports.metrics and not (ports.dashboard_on and shared):
+        metrics.serve(ports.metrics)
+    if not ports.dashboard_on or (shared and not ports.metrics):
+        return None
+    routes = {**page_routes(servicer.status_document), "/metrics": lambda q: metrics.exposition()}
+    host = "0.0.0.0" if shared else listen_host.strip("[]")
+    site = await start_http(routes, host, ports.metrics if shared else ports.dashboard or 0)
+    shown = "localhost" if host in ("", "0.0.0.0", "::") else host if ":" not in host else f"[{host}]"
+    return site, f"http://{shown}:{site.sockets[0].getsockname()[1]}/"
+
+
+async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0.1:0",
+                http: HttpPorts = HttpPorts(), tls: tuple[bytes, bytes] | None = None,
+                on_listening: Callable[[str], None] | None = None,
+                on_dashboard: Callable[[str], None] | None = None, linger_s: float = 10.0) -> None:
     """Run a coordinator until the run's last round closes, or SIGTERM/SIGINT; with a state folder, the
     newest closed round's state is on disk when it returns.
 
@@ -45,9 +83,10 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
         cfg: the run.
         opts: token, state folder, number of rounds.
         listen: HOST:PORT; port 0 takes a free one (passed to `on_listening`).
-        metrics_port: serve Prometheus /metrics on this HTTP port (0: no).
+        http: the metrics and dashboard ports.
         tls: (certificate chain, private key) in PEM, or None for plaintext.
         on_listening: called with "HOST:PORT" once the server accepts calls.
+        on_dashboard: then called with the dashboard's URL, if one is served.
         linger_s: after the last round, how long peers may still download its aggregate.
 
     Raises:
@@ -55,14 +94,13 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
     """
     metrics = Metrics()
     servicer = CoordinatorServicer(cfg, opts, metrics)  # before any port opens: it may refuse --init's file
-    if metrics_port:
-        metrics.serve(metrics_port)
+    host = listen.rsplit(":", 1)[0]
+    web = await _start_http(servicer, http, host)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", _MESSAGE_BYTES)])
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    host = listen.rsplit(":", 1)[0]
     port = (server.add_secure_port(listen, grpc.ssl_server_credentials([(tls[1], tls[0])])) if tls
             else server.add_insecure_port(listen))
     await server.start()
@@ -77,6 +115,10 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
                 torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     if on_listening is not None:
         on_listening(f"{host}:{port}")
+    if web is not None:
+        logger.info("[coordinator] dashboard on %s (no token needed to view it)", web[1])
+        if on_dashboard is not None:
+            on_dashboard(web[1])
     ticker = asyncio.create_task(servicer.tick_forever())
     finished = asyncio.create_task(servicer.finished.wait())
     stopped = asyncio.create_task(stop.wait())
@@ -93,6 +135,8 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for task in (ticker, finished, stopped):
             task.cancel()
+        if web is not None:
+            web[0].close()
         await server.stop(grace=3.0)
         if servicer.persister is not None:  # the newest round's state, before the process exits
             await servicer.persister.flush()
@@ -115,7 +159,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the run's model, data and loss, a demonet.Task (default: the built-in GPT); the "
                              "coordinator builds only its model")
     parser.add_argument("--metrics-port", type=int, default=0,
-                        help="serve Prometheus /metrics on this port (all interfaces)")
+                        help="serve Prometheus /metrics on this port (all interfaces), and the dashboard at / there "
+                             "unless --dashboard-port or --no-dashboard")
+    parser.add_argument("--dashboard-port", type=int,
+                        help="serve the dashboard (a page at /, /status.json, /metrics; no token) on this port, on "
+                             "the --listen interface (0: any free port)")
+    parser.add_argument("--no-dashboard", action="store_true", help="serve no dashboard")
     parser.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key: serve TLS)")
     parser.add_argument("--tls-key", help="PEM private key")
     parser.add_argument("--init", metavar="FILE.safetensors",
@@ -152,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--tls-cert and --tls-key go together")
             tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes())
         steps = total_rounds(args.steps, cfg)
+        http = HttpPorts(metrics=args.metrics_port, dashboard=args.dashboard_port, dashboard_on=not args.no_dashboard)
     except (ValueError, OSError) as e:
         print(f"demonet coordinator: {e}", file=sys.stderr)
         return 2
@@ -161,7 +211,11 @@ def run(args: argparse.Namespace) -> int:
     def announce(address: str) -> None:
         print(f"listening on {address}", flush=True)
 
-    coro = serve(cfg, opts, listen=args.listen, metrics_port=args.metrics_port, tls=tls, on_listening=announce)
+    def announce_dashboard(url: str) -> None:
+        print(f"dashboard on {url}", flush=True)
+
+    coro = serve(cfg, opts, listen=args.listen, http=http, tls=tls, on_listening=announce,
+                 on_dashboard=announce_dashboard)
     try:
         import uvloop
 

@@ -1,15 +1,39 @@
-"""The coordinator's Prometheus metrics (served over HTTP with --metrics-port) and status counters.
+"""The coordinator's Prometheus metrics (served over HTTP with --metrics-port), status counters, and the
+dashboard's record of the run.
 
-Imports prometheus_client only; the servicer updates these, `demonet status` reads them over gRPC.
+Imports prometheus_client and demonet.dashboard only; the servicer updates these, `demonet status`
+reads them over gRPC and the dashboard over HTTP.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+
+from demonet.dashboard import RunRecord
 
 __all__ = ["Metrics"]
+
+
+class _Phase:
+    """The phase gauge, and its value for the status (a gauge has no public getter)."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self.gauge, self.value = gauge, 0
+
+    def set(self, value: int) -> None:
+        self.value = value
+        self.gauge.set(value)
 
 
 class Metrics:
@@ -21,7 +45,8 @@ class Metrics:
         self.round = Gauge("demonet_round", "The open round", registry=r)
         self.members = Gauge("demonet_members", "Members of the open round", registry=r)
         self.submitted = Gauge("demonet_submitted", "Payloads in for the open round", registry=r)
-        self.phase = Gauge("demonet_phase", "0: the round is open; 1: closing (merge, apply, snapshot)", registry=r)
+        self.phase = _Phase(Gauge("demonet_phase", "0: the round is open; 1: closing (merge, apply, snapshot)",
+                                  registry=r))
         self.loss = Gauge("demonet_loss", "Mean training loss of the last applied round", registry=r)
         self._counters = {
             name: Counter(f"demonet_{name}", doc, registry=r) for name, doc in (
@@ -51,6 +76,9 @@ class Metrics:
         self.persisted_round = Gauge("demonet_persisted_round", "The round the state file on disk starts; a "
                                      "restart resumes there", registry=r)
         self.last_loss = float("nan")
+        self.record = RunRecord()
+        """What the dashboard shows: recent rounds, members' counters, recent refusals (bounded)."""
+        self._bytes_at_close = (0, 0)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Expose /metrics on an HTTP port (a daemon thread)."""
@@ -61,12 +89,29 @@ class Metrics:
         self.members.set(members)
         self.submitted.set(submitted)
 
-    def add(self, name: str, amount: int = 1) -> None:
-        """Count something (a name from `totals`)."""
+    def exposition(self) -> tuple[str, bytes]:
+        """The /metrics page: (content type, body), for a server other than `serve`'s."""
+        return CONTENT_TYPE_LATEST, generate_latest(self.registry)
+
+    def add(self, name: str, amount: int = 1, *, peer: str = "") -> None:
+        """Count something (a name from `totals`); with `peer`, also in that member's counters."""
         self.totals[name] += amount
         self._counters[name].inc(amount)
+        if peer:
+            self.record.count(name, peer, amount)
 
-    def closed(self, aborted: bool, seconds: float, loss: float | None) -> None:
+    def uploaded(self, peer: str, num_bytes: int, seconds: float, loss: float) -> None:
+        """An accepted payload of `num_bytes` whose Submit stream took `seconds`."""
+        self.add("bytes_up", num_bytes)
+        self.record.uploaded(peer, num_bytes, seconds, loss)
+
+    def refused(self, peer: str, round: int | None, kind: str, reason: str) -> None:
+        """A refused call or payload, for the dashboard's list (the counters are counted where they apply)."""
+        self.record.refused(peer, round, kind, reason)
+
+    def closed(self, aborted: bool, seconds: float, loss: float | None, *, round: int = -1,
+               members: Iterable[str] = (), contributors: Iterable[str] = (), round_s: float | None = None) -> None:
+        """A round closed in `seconds` (merge, apply, persist); `round_s`: since it opened."""
         self.add("rounds_closed")
         if aborted:
             self.add("rounds_aborted")
@@ -74,6 +119,11 @@ class Metrics:
         if loss is not None:
             self.last_loss = loss
             self.loss.set(loss)
+        up, down = self.totals["bytes_up"], self.totals["bytes_down"]
+        self.record.round_closed(round, members=members, contributors=contributors, aborted=aborted, loss=loss,
+                                 round_s=round_s, close_s=seconds, bytes_up=up - self._bytes_at_close[0],
+                                 bytes_down=down - self._bytes_at_close[1])
+        self._bytes_at_close = (up, down)
 
     def persisted(self, round: int, seconds: float) -> None:
         """The state of `round` is on disk; its write took `seconds`."""
@@ -90,3 +140,4 @@ class Metrics:
                 self.last_loss = float(value)
             elif name in self.totals and value:
                 self.add(name, int(value))
+        self._bytes_at_close = (self.totals["bytes_up"], self.totals["bytes_down"])  # a round's bytes, not the run's

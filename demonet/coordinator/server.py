@@ -35,6 +35,7 @@ from .metrics import Metrics
 from .persist import Persister, Snapshot
 from .rounds import ClosedRound, RoundConfig, Rounds, SubmitRejected
 from .state import CanonicalState, ClosedAggregate
+from .status import status_document
 
 __all__ = ["CoordinatorOptions", "CoordinatorServicer", "Malformed", "add_to_server"]
 
@@ -163,12 +164,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         await self._authorize(context)
         if isinstance(request, Malformed):
             self.metrics.add("rejected")
+            self.metrics.refused("", None, "malformed", str(request))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
 
     async def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         given = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not hmac.compare_digest(str(given).encode(), f"Bearer {self.opts.token}".encode()):
             self.metrics.add("unauthorized")
+            self.metrics.refused("", None, "unauthorized", "missing or wrong run token")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
 
     async def _peer_id(self, peer_id: str, context: grpc.aio.ServicerContext[Any, Any]) -> str:
@@ -231,13 +234,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                              f"round {request.round} to open")
             round_ = self.rounds.round
             blob = await asyncio.to_thread(self.state.parameters_blob, round_)
-        self.metrics.add("bytes_down", len(blob))
+        self.metrics.add("bytes_down", len(blob), peer=request.peer_id)
         for part in wire.split(blob):
             yield part
 
     async def Submit(self, request_iterator: AsyncIterator[pb.SubmitPart],
                      context: grpc.aio.ServicerContext[Any, Any]) -> pb.SubmitReply:
         await self._authorize(context)
+        began = time.perf_counter()  # the stream's start: its bytes over its duration are the sender's link speed
         head: pb.SubmitPart | None = None
         reassembler = wire.Reassembler(max_bytes=self.opts.max_payload_bytes)
         data: bytes | None = None
@@ -251,18 +255,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     try:  # refuse before reading (and decoding) the rest of the stream
                         self.rounds.check_submit(head.peer_id, head.round)
                     except SubmitRejected as e:
-                        return self._refused(e)
+                        return self._refused(e, head.peer_id, head.round)
                 elif (part.peer_id, part.round) != (head.peer_id, head.round):
                     raise InvalidPayload("parts of one submission name different peers or rounds")
                 data = reassembler.add(part.part)
             if head is None or data is None:
                 raise InvalidPayload("the submission ended before its payload was complete")
+            stream_s = time.perf_counter() - began
             step, payload = await asyncio.to_thread(decode_contribution, data, expected=self.state.specs,
                                                     rules=self.state.rules)
             if step != head.round:
                 raise InvalidPayload(f"payload says round {step}, submission says {head.round}")
         except InvalidPayload as e:
             self.metrics.add("rejected")
+            self.metrics.refused(head.peer_id if head else "", head.round if head else None, "invalid", str(e))
             logger.warning("[coordinator round=%d] rejected a payload from %s: %s", self.rounds.round,
                            head.peer_id if head else "?", e)
             return pb.SubmitReply(accepted=False, reason=f"invalid payload: {e}", refusal=pb.REFUSAL_INVALID,
@@ -271,16 +277,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if head.param_digest != self.state.digest and head.round == self.rounds.round:
                 self._resynced(head.peer_id, head.round, f"it submitted with digest {head.param_digest[:12]}, "
                                f"the canonical one is {self.state.digest[:12]}")
+                self.metrics.refused(head.peer_id, head.round, "resync", "parameter digest differs from the "
+                                     "canonical one")
                 return pb.SubmitReply(accepted=False, resync=True, refusal=pb.REFUSAL_RESYNC,
                                       reason="parameter digest differs from the canonical one",
                                       open_round=self.rounds.round)
             try:
                 self.rounds.submit(head.peer_id, head.round, _now())
             except SubmitRejected as e:
-                return self._refused(e)
+                return self._refused(e, head.peer_id, head.round)
             self.payloads[head.peer_id] = payload
             self.losses[head.peer_id] = head.loss
-            self.metrics.add("bytes_up", len(data))
+            self.metrics.uploaded(head.peer_id, len(data), stream_s, head.loss)
             self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
             self.cond.notify_all()
         return pb.SubmitReply(accepted=True, open_round=self.rounds.round)
@@ -293,14 +301,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if self.resynced_at.get(peer_id) == round:
             return  # the same call again (the client retries a call that timed out or lost its connection)
         self.resynced_at[peer_id] = round
-        self.metrics.add("resyncs")
+        self.metrics.add("resyncs", peer=peer_id)
         logger.warning("[coordinator round=%d] %s resyncs at round %d (resync %d of the run): %s; it downloads "
                        "the whole parameters", self.rounds.round, peer_id, round, self.metrics.totals["resyncs"],
                        why)
 
-    def _refused(self, e: SubmitRejected) -> pb.SubmitReply:
+    def _refused(self, e: SubmitRejected, peer_id: str, round: int) -> pb.SubmitReply:
         if e.stale:
             self.metrics.add("late")
+        self.metrics.refused(peer_id, round, e.kind, e.reason)
         return pb.SubmitReply(accepted=False, reason=e.reason, refusal=_REFUSALS[e.kind], open_round=self.rounds.round)
 
     async def GetAggregate(self, request: pb.AggregateRequest,
@@ -328,7 +337,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         yield pb.AggregateChunk(header=pb.AggregateHeader(round=closed.round, aborted=closed.aborted,
                                                           contributors=list(closed.contributors),
                                                           param_digest=closed.param_digest))
-        self.metrics.add("bytes_down", len(closed.data))
+        self.metrics.add("bytes_down", len(closed.data), peer=request.peer_id)
         if closed.data:
             for part in wire.split(closed.data):
                 yield pb.AggregateChunk(part=part)
@@ -336,11 +345,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatusReply:
         await self._admit(request, context)
         r, t = self.rounds, self.metrics.totals
-        return pb.StatusReply(round=r.round, phase="open", members=sorted(r.members), submitted=len(r.submitted),
+        detail = json.dumps(self.status_document(), allow_nan=False) if request.detail else ""
+        return pb.StatusReply(round=r.round, phase="closing" if self.metrics.phase.value else "open",
+                              members=sorted(r.members), submitted=len(r.submitted),
                               seconds_left=r.seconds_left(_now()), param_digest=self.state.digest,
                               bytes_up=t["bytes_up"], bytes_down=t["bytes_down"], last_loss=self.metrics.last_loss,
                               rounds_closed=t["rounds_closed"], rounds_aborted=t["rounds_aborted"],
-                              rejected=t["rejected"], resyncs=t["resyncs"])
+                              rejected=t["rejected"], resyncs=t["resyncs"], detail_json=detail)
+
+    def status_document(self, since: int | None = None) -> dict[str, Any]:
+        """The dashboard's document (docs/dashboard.md): `/status.json` and `Status` with `detail`."""
+        return status_document(self.rounds, self.metrics, now=_now(), param_digest=self.state.digest,
+                               total_rounds=self.opts.total_rounds, since=since)
 
     # -- the clock -----------------------------------------------------------------------------------
 
@@ -376,6 +392,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         contributors = outcome.contributors
         payloads = [self.payloads[p] for p in contributors]
         closed, body = await asyncio.to_thread(self._apply, outcome, payloads)
+        members, opened_at = tuple(r.members), r.opened_at  # for the dashboard's record, before they change
         decided = r.close(_now())
         assert decided == outcome, "the round changed while it was applied; submissions should wait on `cond`"
         self.aggregates[closed.round] = closed
@@ -384,7 +401,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         losses = [self.losses[p] for p in contributors if p in self.losses]
         self.payloads, self.losses = {}, {}
         close_s = _now() - started  # the critical path: from here on, nothing waits
-        self.metrics.closed(closed.aborted, close_s, sum(losses) / len(losses) if losses else None)
+        self.metrics.closed(closed.aborted, close_s, sum(losses) / len(losses) if losses else None,
+                            round=closed.round, members=members, contributors=contributors, round_s=_now() - opened_at)
         if closed.clipped:
             self.metrics.add("clipped", len(closed.clipped))
         self.metrics.set_round(r.round, len(r.members), 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -91,8 +92,10 @@ class RoundBoard:
 
     # -- one round -------------------------------------------------------------------------------------
 
-    async def enter(self, r: int, digest: str) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
-        """Announce this peer in round `r` and read the round's announcements until its freeze is final.
+    async def enter(self, r: int, digest: str, loss: float | None = None
+                    ) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
+        """Announce this peer in round `r` (with its loss, for the dashboards) and read the round's
+        announcements until its freeze is final.
 
         Raises:
             NotMember: the round froze without this peer (it announced too late).
@@ -100,6 +103,8 @@ class RoundBoard:
         """
         announcement = {"t": now(), "digest": digest, "address": self._node.address,
                         "client": self._opts.client_mode}
+        if loss is not None and math.isfinite(loss):
+            announcement["loss"] = float(loss)
         await self._node.store(self._node.key("members", r), announcement)
         frozen, announced = await self._freeze(r)
         if self._node.peer_id not in frozen.members:
@@ -125,8 +130,10 @@ class RoundBoard:
             announced = {}
             for p, v in (await self._node.get(self._node.key("members", r))).items():
                 with contextlib.suppress(KeyError, TypeError, ValueError):
+                    loss = v.get("loss")  # optional: only for the dashboards
                     announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
-                                                      bool(v["client"]))
+                                                      bool(v["client"]),
+                                                      float(loss) if isinstance(loss, float | int) else None)
             frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers, window_s=opts.window_s)
             if frozen is not None and (frozen.settled or read_at >= frozen.deadline + opts.settle_s):
                 if not frozen.complete:

@@ -61,6 +61,8 @@ class Exchanged:
     """The owners of slices nobody delivered."""
     bytes_up: int
     bytes_down: int
+    slice_owners: tuple[str, ...] = ()
+    """The owner of each slice of the round, in order (for the dashboards)."""
 
 
 class SliceExchange:
@@ -112,14 +114,14 @@ class SliceExchange:
         contributors = tuple(sorted({p for s in delivered for p in st.merged[s][0]}))
         dead_owners = frozenset(st.owners[s] for s, m in enumerate(merged) if m is None)
         if not delivered:
-            return Exchanged(None, None, contributors, dead_owners, st.bytes_up, st.bytes_down)
+            return Exchanged(None, None, contributors, dead_owners, st.bytes_up, st.bytes_down, tuple(st.owners))
         if dead_owners:
             logger.warning("[%s round=%d] dropped the slices of %s: no member holds them", self.peer_id, r,
                            ", ".join(sorted(dead_owners)))
         agg = st.plan.join(merged)
         mine = [m if m is not None and self.peer_id in st.merged[s][0] else None for s, m in enumerate(merged)]
         kept = agg if mine == merged else st.plan.join(mine)  # restore all of the slices without this payload
-        return Exchanged(agg, kept, contributors, dead_owners, st.bytes_up, st.bytes_down)
+        return Exchanged(agg, kept, contributors, dead_owners, st.bytes_up, st.bytes_down, tuple(st.owners))
 
     async def _exchange(self, r: int, st: _Round, payload: Payload, addresses: Mapping[str, str]
                         ) -> list[Payload | None]:

@@ -22,6 +22,7 @@ from .donor import ParamDonor
 from .exchange import SliceExchange
 from .node import DhtNode
 from .streams import DhtOptions, HmacValidator
+from .view import DhtView
 
 __all__ = ["DhtGatherer", "DhtOptions", "HmacValidator"]
 
@@ -43,6 +44,8 @@ class DhtGatherer:
         self._board = RoundBoard(node)
         self._exchange = SliceExchange(node)
         self._donor = ParamDonor(node)
+        self.view: DhtView | None = None
+        """This peer's view of the run for its dashboard, fed each round; None: no dashboard."""
 
     @classmethod
     async def create(cls, opts: DhtOptions, peer_id: str, specs: rules.Specs) -> DhtGatherer:
@@ -134,11 +137,15 @@ class DhtGatherer:
             NotMember: this peer announced after the round froze.
             Resync: this peer's parameters are not the majority's.
         """
-        r, board = round, self._board
-        frozen, announced = await board.enter(r, param_digest)
+        r, board, view = round, self._board, self.view
+        if view is not None:
+            view.entered(r)
+        frozen, announced = await board.enter(r, param_digest, loss)
         digests = {p: announced[p].digest for p in frozen.members}
         good = rules.majority_digest(digests)
         members = [p for p in frozen.members if digests[p] == good]
+        if view is not None:
+            view.frozen(r, frozen.members, announced, good)
         # Joiners admitted for the next round; read while the payloads are exchanged.
         joiners_task = asyncio.create_task(board.joiners(r + 1, frozen.deadline))
         if param_digest != good:
@@ -157,6 +164,9 @@ class DhtGatherer:
         # The next round waits for the members whose payload and own slice made it into this one.
         board.expected[r + 1] = (set(done.contributors) - done.dead_owners) | joiners
         self._donor.withdraw()
+        if view is not None:
+            view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners,
+                           aborted=done.aggregate is None, bytes_up=done.bytes_up, bytes_down=done.bytes_down)
         if done.aggregate is None:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
                                bytes_up=done.bytes_up, bytes_down=done.bytes_down)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from demonet.config import Config, load_config, load_token
+from demonet.dashboard import page_routes, start_http
 from demonet.errors import PeerUnavailable
 from demonet.train.data import data_seed
 from demonet.train.loop import RoundLoop, stop_on_signals, warm_up
@@ -27,6 +28,7 @@ from demonet.transport import JoinInfo
 from demonet.wire.merge import MergeRules
 
 from .membership import DhtMembership
+from .view import DhtView
 
 if TYPE_CHECKING:
     from .gatherer import DhtOptions
@@ -36,10 +38,28 @@ __all__ = ["add_arguments", "run", "run_dht_peer"]
 logger = logging.getLogger(__name__)
 
 
+def _dashboard_host(host_maddrs: tuple[str, ...]) -> str:
+    """The interface of the peer's first listening multiaddr (/ip4/HOST/... or /ip6/HOST/...); else all."""
+    parts = host_maddrs[0].split("/") if host_maddrs else []
+    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else "0.0.0.0"
+
+
+async def _serve_view(view: DhtView, host: str, port: int, on_dashboard: Callable[[str], None] | None
+                      ) -> asyncio.Server:
+    site = await start_http(page_routes(view.document), host, port)
+    shown = "localhost" if host in ("0.0.0.0", "::") else host if ":" not in host else f"[{host}]"
+    url = f"http://{shown}:{site.sockets[0].getsockname()[1]}/"
+    logger.info("[%s] dashboard on %s (no token needed to view it)", view.peer_id, url)
+    if on_dashboard is not None:
+        on_dashboard(url)
+    return site
+
+
 async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path, total_rounds: int,
                        device: str = "cpu", threads: int | None = None, accumulate: int = 1,
                        checkpoint_every: int = 10, stop: asyncio.Event | None = None,
-                       on_ready: Callable[[list[str]], None] | None = None) -> int:
+                       on_ready: Callable[[list[str]], None] | None = None, dashboard_port: int | None = None,
+                       on_dashboard: Callable[[str], None] | None = None) -> int:
     """Train as one peer of a DHT run until its last round, SIGTERM or `stop`.
 
     Args:
@@ -51,6 +71,9 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
         device, threads, accumulate, checkpoint_every: as for `demonet.peer.run_peer`.
         stop: set it to stop as SIGTERM does.
         on_ready: called with this peer's visible multiaddrs once its DHT node runs.
+        dashboard_port: serve this peer's view of the run (docs/dashboard.md) on this port (0: any free
+            one), on the interface of its first host multiaddr; None: no dashboard.
+        on_dashboard: called with the dashboard's URL.
 
     Returns:
         0 after the last round or a graceful stop; 1 if the run could not be reached or joined.
@@ -61,10 +84,15 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
         torch.set_num_threads(threads)
     stop = stop or asyncio.Event()
     membership: DhtMembership | None = None
+    view, site = DhtView(peer_id, total_rounds=total_rounds, window_s=opts.window_s), None
     with stop_on_signals(stop):
         try:
+            if dashboard_port is not None:
+                site = await _serve_view(view, _dashboard_host(opts.host_maddrs), dashboard_port, on_dashboard)
             await asyncio.to_thread(warm_up)
             gatherer = await DhtGatherer.create(opts, peer_id, {})
+            if site is not None:
+                gatherer.view, view.refused = view, lambda: gatherer.refused
             membership = DhtMembership(gatherer, JoinInfo(
                 peer_id=peer_id, round=0, run_config=cfg.to_dict(), data_seed=data_seed(cfg.train.seed, peer_id),
                 round_timeout_s=opts.window_s, heartbeat_interval_s=0.0, total_rounds=total_rounds))
@@ -91,6 +119,8 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
         finally:
             if membership is not None:
                 await membership.close()
+            if site is not None:
+                site.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -118,6 +148,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--exchange-timeout-s", type=float, default=10.0,
                        help="bound of each exchange phase of a round (10)")
     group.add_argument("--settle-s", type=float, default=0.2, help="DHT store latency allowed (0.2)")
+    group.add_argument("--dashboard-port", type=int, metavar="PORT",
+                       help="serve this peer's view of the run as a dashboard (a page at /, /status.json; no token) "
+                            "on this port, on the interface of the first --host-maddr (0: any free port)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,7 +187,11 @@ def run(args: argparse.Namespace) -> int:
         for maddr in maddrs:
             print(f"dht listening on {maddr}", flush=True)
 
+    def announce_dashboard(url: str) -> None:
+        print(f"dashboard on {url}", flush=True)
+
     kwargs: dict[str, Any] = dict(peer_id=args.peer_id, out=Path(args.out), total_rounds=steps, device=args.device,
                                   threads=args.threads, accumulate=args.accumulate,
-                                  checkpoint_every=args.checkpoint_every, on_ready=announce)
+                                  checkpoint_every=args.checkpoint_every, on_ready=announce,
+                                  dashboard_port=args.dashboard_port, on_dashboard=announce_dashboard)
     return asyncio.run(run_dht_peer(cfg, opts, **kwargs))

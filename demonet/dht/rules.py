@@ -58,6 +58,8 @@ class Announcement:
     """Its libp2p peer id (where to send parts and fetch slices)."""
     client: bool = False
     """A peer in client mode (behind NAT): it cannot be dialed, so it owns no slice and donates nothing."""
+    loss: float | None = None
+    """Its training loss on its batch of the round, for the dashboards (None: not said)."""
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,20 @@ class GrpcClient:
             rounds_closed=int(reply.rounds_closed), rounds_aborted=int(reply.rounds_aborted),
             rejected=int(reply.rejected), resyncs=int(reply.resyncs))
 
+    async def status_document(self) -> dict[str, Any]:
+        """The coordinator's dashboard document (docs/dashboard.md): the run, recent rounds, members, refusals.
+
+        Raises:
+            PeerUnavailable: the coordinator could not be reached in time, or sends no document (older).
+        """
+        reply = await self._call("Status", lambda: self._stub.Status(pb.StatusRequest(detail=True),
+                                                                     metadata=self._metadata,
+                                                                     timeout=self.call_timeout_s))
+        if not reply.detail_json:
+            raise PeerUnavailable(f"the coordinator at {self.address} sends no status document (an older version)")
+        document: dict[str, Any] = json.loads(reply.detail_json)
+        return document
+
     # -- streams ---------------------------------------------------------------------------------------
 
     async def get_parameters(self, round: int, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,

@@ -1,7 +1,7 @@
 """DHT mode with real processes: hivemind DHT nodes and libp2p streams on loopback, no coordinator.
 
 - `demonet up --dht`: three peer processes train a run whose digests agree every round, and write
-  the same run folder as coordinator mode.
+  the same run folder as coordinator mode; peer-0's dashboard shows its view of the run meanwhile.
 - Faults in one run (starting hivemind processes is what costs here): a peer SIGKILLed (with its
   DHT and p2pd processes) while the others carry on; a late joiner in client mode (as behind NAT)
   that loads the parameters from several donors and is in sync from its first round; a peer with a
@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.dashboard_schema import check_document
 from tests.integration.common import tiny_config
 from tests.procs import Reaper
 
@@ -128,19 +130,43 @@ def _digests_by_round(rows: list[dict[str, Any]]) -> dict[int, set[str]]:
     return by_round
 
 
-def test_up_dht_run_folder(tmp_path: Path) -> None:
-    """`demonet up --dht`: three peers, every round with three contributors and one digest."""
+def _dashboard_of_peer_0(proc: subprocess.Popen[bytes], stderr: Path) -> dict[str, Any]:
+    """peer-0's /status.json once it has seen two rounds of all three peers (while the run goes on)."""
+    deadline = time.monotonic() + 2 * WAIT_S
+    url, doc = "", {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        url = url or next((ln.removeprefix("dashboard: ") for ln in stderr.read_text().splitlines()
+                           if ln.startswith("dashboard: ")), "")
+        if url:
+            with urllib.request.urlopen(url + "status.json", timeout=10) as reply:
+                doc = json.loads(reply.read())
+            if doc["run"]["rounds_closed"] >= 2 and len(doc["members"]) == 3:
+                return doc
+        time.sleep(0.1)
+    raise AssertionError(f"no dashboard with two rounds of three peers (last: {doc}); {stderr.read_text()[-2000:]}")
+
+
+def test_up_dht_run_folder(tmp_path: Path, reap_children: Reaper) -> None:
+    """`demonet up --dht`: three peers, every round with three contributors and one digest; peer-0 serves
+    its view of the run on the dashboard that `demonet up` announces, in the coordinator's document."""
     (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=5.0))
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "demonet", "up", "--dht", "--peers", "3", "--steps", "4",
-                           "--out", str(out), "--config", str(tmp_path / "run.toml"), "--no-progress"],
-                          capture_output=True, timeout=240, start_new_session=True)
-    logs = "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted((out / "logs").glob("*.log")))
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:] + logs
+    out, steps = tmp_path / "run", 12
+    proc = reap_children.add(subprocess.Popen(
+        [sys.executable, "-m", "demonet", "up", "--dht", "--peers", "3", "--steps", str(steps), "--out", str(out),
+         "--config", str(tmp_path / "run.toml"), "--no-progress"], stdout=subprocess.DEVNULL,
+        stderr=reap_children.open(tmp_path / "up.err"), start_new_session=True), group=True)
+    doc = _dashboard_of_peer_0(proc, tmp_path / "up.err")
+    check_document(doc, "dht")
+    members = {m["id"]: m for m in doc["members"]}
+    assert doc["source"] == "peer-0" and set(members) == {"peer-0", "peer-1", "peer-2"}, doc
+    assert sum(m["slices"] for m in members.values()) >= 1 and members["peer-0"]["bytes_up"] > 0, members
+    assert all(m["last_loss"] is not None and m["contributed"] >= 1 for m in members.values()), members
+    assert proc.wait(timeout=240) == 0, (tmp_path / "up.err").read_text()[-3000:] + "\n".join(
+        p.read_text(errors="replace")[-2000:] for p in sorted((out / "logs").glob("*.log")))
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["digests_agree"] and summary["rounds"] == 4 and summary["peers"] == 3, summary
+    assert summary["digests_agree"] and summary["rounds"] == steps and summary["peers"] == 3, summary
     rows = _rows(out / "metrics.jsonl")
-    assert len(rows) == 12 and all(r["contributors"] == 3 for r in rows), rows
+    assert len(rows) == 3 * steps and all(r["contributors"] == 3 for r in rows), rows
     assert all(r["resyncs"] == 0 for r in rows), rows  # DHT peers count resyncs in their rows too
     assert all(r["bytes_down"] > 0 and r["bytes_up"] > 0 for r in rows)
     assert (out / "loss.png").stat().st_size > 0

@@ -61,7 +61,7 @@ def test_a_peer_whose_model_differs_is_refused_before_it_is_admitted(tmp_path: P
                     "--task", "tests.integration.tasks:five_classes")
     assert peer.returncode == 2, peer.stderr[-3000:]
     assert "parameter '7.weight' is [5, 16] float32 here, [4, 16] float32 in the run" in peer.stderr
-    status = _demonet("status", "--coordinator", address)
+    status = _demonet("status", "--coordinator", address, "--json")
     assert status.returncode == 0 and json.loads(status.stdout)["members"] == [], status.stdout
     assert "odd" not in (tmp_path / "coordinator.log").read_text()  # never admitted, never waited for
 

@@ -66,7 +66,8 @@ def _violations(modules: tuple[str, ...], forbidden: tuple[str, ...], allowed: t
 
 def test_the_layer_table_covers_every_module() -> None:
     assert {"demonet.optim.demo", "demonet.wire", "demonet.train.loop", "demonet.transport.grpc",
-            "demonet.coordinator.rounds", "demonet.dht.rules", "demonet.flex.link"} <= set(SOURCES)
+            "demonet.coordinator.rounds", "demonet.dht.rules", "demonet.flex.link", "demonet.dashboard.record",
+            "demonet.dashboard.server"} <= set(SOURCES)
 
 
 def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
@@ -91,6 +92,11 @@ def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
     # Services do not import each other sideways.
     (("demonet.peer",), ("demonet.dht", "demonet.flex", "demonet.coordinator"), ()),
     (("demonet.flex",), ("demonet.peer", "demonet.dht", "demonet.coordinator"), ()),
+    # The dashboard is standard library only: the coordinator and DHT mode both use it, it uses neither.
+    (("demonet.dashboard",), NETWORK + SERVICES + ("torch", "prometheus_client", "demonet.transport", "demonet.train",
+                                                  "demonet.wire", "demonet.optim"), ()),
+    # What it and a DHT peer record is pure bookkeeping: no I/O loop, no network.
+    (("demonet.dashboard.record", "demonet.dht.view"), NETWORK + ("asyncio",), ()),
     # The pure rules: no asyncio, no network, no torch.distributed.
     (("demonet.coordinator.rounds", "demonet.dht.rules"), NETWORK + ("asyncio", "torch.distributed") + SERVICES, ()),
 ])

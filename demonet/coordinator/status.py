@@ -1,0 +1,43 @@
+"""The coordinator's status document: what `/status.json`, the dashboard and `demonet status` show.
+
+Reads the round state machine, the metrics and the dashboard's record; changes nothing. Imports no
+grpc: the servicer's Status RPC and the dashboard's HTTP server both call `status_document`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from demonet.dashboard.record import finite
+
+from .metrics import Metrics
+from .rounds import Rounds
+
+__all__ = ["status_document"]
+
+
+def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_digest: str, total_rounds: int,
+                    since: int | None = None) -> dict[str, Any]:
+    """The document of docs/dashboard.md for a coordinator.
+
+    Args:
+        rounds: the coordinator's round state.
+        metrics: its counters and record.
+        now: the clock `rounds` runs on (time.monotonic()).
+        param_digest: the canonical digest at the start of the open round.
+        total_rounds: the run's rounds (0: no end).
+        since: only the rounds after this one.
+    """
+    t = metrics.totals
+    phase = "closing" if metrics.phase.value else "open" if rounds.started else "waiting"
+    run = {"round": rounds.round, "phase": phase,
+           "seconds_left": rounds.seconds_left(now) if rounds.started else None,
+           "members": len(rounds.members), "joiners": len(rounds.joiners), "submitted": len(rounds.submitted),
+           "rounds_closed": t["rounds_closed"], "rounds_aborted": t["rounds_aborted"], "total_rounds": total_rounds,
+           "last_loss": finite(metrics.last_loss), "param_digest": param_digest, "bytes_up": t["bytes_up"],
+           "bytes_down": t["bytes_down"], "rejected": t["rejected"], "late": t["late"], "clipped": t["clipped"],
+           "resyncs": t["resyncs"], "unauthorized": t["unauthorized"], "round_timeout_s": rounds.cfg.round_timeout_s}
+    submitted = set(rounds.submitted)
+    live = {p: ("submitted" if p in submitted else "member", now - seen) for p, seen in rounds.members.items()}
+    live.update({p: ("joining", now - seen) for p, seen in rounds.joiners.items()})
+    return metrics.record.document("coordinator", "coordinator", run, live, since=since)

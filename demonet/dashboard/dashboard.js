@@ -1,0 +1,194 @@
+// The dashboard: polls status.json and draws the run, its curves and its members. Plain JS, no library;
+// text goes in through textContent only (peer ids and refusal reasons come from the network).
+"use strict";
+
+const POLL_MS = 2000;
+const KEEP_ROUNDS = 5000;
+const SVG = "http://www.w3.org/2000/svg";
+const rounds = new Map(); // round -> row, accumulated across polls (each asks only for newer rounds)
+let lastRound = null;
+
+function el(tag, text, cls) {
+  const e = document.createElement(tag);
+  if (text !== undefined && text !== null) e.textContent = String(text);
+  if (cls) e.className = cls;
+  return e;
+}
+
+function svgEl(tag, attrs) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
+  return e;
+}
+
+function num(x, digits) {
+  if (x === null || x === undefined) return "—";
+  return Number(x).toFixed(digits === undefined ? 0 : digits);
+}
+
+function bytes(x) {
+  if (x === null || x === undefined) return "—";
+  const units = ["B", "kB", "MB", "GB", "TB"];
+  let i = 0;
+  while (Math.abs(x) >= 1000 && i < units.length - 1) { x /= 1000; i++; }
+  return (i === 0 ? x.toFixed(0) : x.toFixed(1)) + " " + units[i];
+}
+
+function rate(bps) {
+  if (bps === null || bps === undefined) return "—";
+  return bytes(bps * 8).replace("B", "bit") + "/s";
+}
+
+function ago(s) {
+  if (s === null || s === undefined) return "—";
+  if (s < 60) return s.toFixed(1) + " s ago";
+  if (s < 3600) return (s / 60).toFixed(1) + " min ago";
+  return (s / 3600).toFixed(1) + " h ago";
+}
+
+function clock(t) {
+  return new Date(t * 1000).toLocaleTimeString();
+}
+
+// A line chart of one or more series [{cls, points: [[x, y], ...]}] into an <svg>; the number of points
+// drawn goes to its data-points attribute. `zero`: the y axis starts at 0 (times, bytes).
+function chart(svg, series, zero) {
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  const W = 420, H = 200, L = 52, R = 10, T = 10, B = 24;
+  const all = series.flatMap((s) => s.points);
+  svg.setAttribute("data-points", all.length);
+  svg.appendChild(svgEl("line", {x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis"}));
+  svg.appendChild(svgEl("line", {x1: L, y1: T, x2: L, y2: H - B, class: "axis"}));
+  if (all.length === 0) {
+    const t = svgEl("text", {x: W / 2, y: H / 2, "text-anchor": "middle"});
+    t.textContent = "no rounds yet";
+    svg.appendChild(t);
+    return;
+  }
+  let x0 = Math.min(...all.map((p) => p[0])), x1 = Math.max(...all.map((p) => p[0]));
+  let y0 = zero ? 0 : Math.min(...all.map((p) => p[1])), y1 = Math.max(...all.map((p) => p[1]));
+  if (x1 === x0) { x0 -= 1; x1 += 1; }
+  if (y1 === y0) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
+  const sx = (x) => L + (x - x0) / (x1 - x0) * (W - L - R);
+  const sy = (y) => H - B - (y - y0) / (y1 - y0) * (H - T - B);
+  const label = (x, y, text, anchor) => {
+    const t = svgEl("text", {x: x, y: y, "text-anchor": anchor});
+    t.textContent = text;
+    svg.appendChild(t);
+  };
+  const fmt = (v) => Math.abs(v) >= 1000 ? bytes(v) : Number(v.toPrecision(3)).toString();
+  for (const f of [0, 0.5, 1]) {
+    const y = y0 + f * (y1 - y0);
+    if (f > 0) svg.appendChild(svgEl("line", {x1: L, y1: sy(y), x2: W - R, y2: sy(y), class: "grid"}));
+    label(L - 4, sy(y) + 3, fmt(y), "end");
+  }
+  label(L, H - 8, "round " + Math.round(x0), "start");
+  label(W - R, H - 8, "round " + Math.round(x1), "end");
+  series.forEach((s) => {
+    if (s.points.length === 0) return;
+    const pts = s.points.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
+    svg.appendChild(svgEl("polyline", {points: pts, class: s.cls, "data-points": s.points.length}));
+  });
+}
+
+function points(rows, field) {
+  return rows.filter((r) => r[field] !== null && r[field] !== undefined).map((r) => [r.round, r[field]]);
+}
+
+function card(parent, label, value) {
+  const c = el("div", null, "card");
+  c.appendChild(el("b", value));
+  c.appendChild(el("span", label));
+  parent.appendChild(c);
+}
+
+function renderRun(doc) {
+  const run = doc.run, box = document.getElementById("run");
+  box.replaceChildren();
+  card(box, "round" + (run.total_rounds ? " of " + run.total_rounds : ""), run.round);
+  card(box, "phase", run.phase);
+  card(box, "seconds left", run.seconds_left === null ? "—" : num(run.seconds_left, 1));
+  card(box, "rounds closed", run.rounds_closed);
+  card(box, "rounds aborted", run.rounds_aborted);
+  card(box, "members", run.members);
+  card(box, "last loss", num(run.last_loss, 4));
+  card(box, "bytes in", bytes(run.bytes_up));
+  card(box, "bytes out", bytes(run.bytes_down));
+  card(box, "resyncs", run.resyncs);
+  card(box, "rejected", run.rejected);
+}
+
+function renderMembers(doc) {
+  const body = document.querySelector("#members tbody");
+  body.replaceChildren();
+  const dht = doc.members.some((m) => m.slices !== null);
+  document.querySelectorAll(".dht").forEach((e) => e.classList.toggle("hidden", !dht));
+  for (const m of doc.members) {
+    const tr = el("tr", null, m.state === "left" ? "left" : "");
+    tr.setAttribute("data-peer", m.id);
+    const cells = [m.id, m.state, ago(m.last_seen_s), m.contributed, m.missed, m.resyncs, num(m.last_loss, 4),
+      bytes(m.bytes_up), bytes(m.bytes_down), rate(m.link_bps)];
+    cells.forEach((v, i) => tr.appendChild(el("td", v, i === 1 ? "state-" + m.state : "")));
+    const slices = el("td", m.slices === null ? "—" : m.slices, "dht");
+    slices.classList.toggle("hidden", !dht);
+    tr.appendChild(slices);
+    body.appendChild(tr);
+  }
+}
+
+function renderRefusals(doc) {
+  const body = document.querySelector("#refusals tbody");
+  body.replaceChildren();
+  for (const r of doc.refusals.slice().reverse()) {
+    const tr = el("tr");
+    [clock(r.time), r.peer || "?", r.round === null ? "—" : r.round, r.kind, r.reason]
+      .forEach((v) => tr.appendChild(el("td", v)));
+    body.appendChild(tr);
+  }
+  if (doc.refusals.length === 0) {
+    const tr = el("tr");
+    const td = el("td", "none", "muted");
+    td.colSpan = 5;
+    tr.appendChild(td);
+    body.appendChild(tr);
+  }
+}
+
+function render(doc) {
+  document.getElementById("source").textContent = doc.mode === "dht" ? "DHT peer " + doc.source : doc.source;
+  document.title = "demonet · round " + doc.run.round;
+  renderRun(doc);
+  const rows = Array.from(rounds.values()).sort((a, b) => a.round - b.round);
+  chart(document.getElementById("loss-chart"), [{cls: "s0", points: points(rows, "loss")}]);
+  chart(document.getElementById("time-chart"), [{cls: "s0", points: points(rows, "round_s")},
+    {cls: "s1", points: points(rows, "close_s")}], true);
+  chart(document.getElementById("bytes-chart"), [{cls: "s0", points: points(rows, "bytes_up")},
+    {cls: "s1", points: points(rows, "bytes_down")}], true);
+  renderMembers(doc);
+  renderRefusals(doc);
+}
+
+async function poll() {
+  const updated = document.getElementById("updated");
+  try {
+    const reply = await fetch("status.json" + (lastRound === null ? "" : "?since=" + lastRound), {cache: "no-store"});
+    if (!reply.ok) throw new Error("HTTP " + reply.status);
+    const doc = await reply.json();
+    if (lastRound !== null && doc.run.round <= lastRound && doc.rounds.length === 0 && doc.run.rounds_closed === 0) {
+      rounds.clear(); // a new run on the same address
+      lastRound = null;
+    }
+    for (const r of doc.rounds) rounds.set(r.round, r);
+    while (rounds.size > KEEP_ROUNDS) rounds.delete(rounds.keys().next().value);
+    if (doc.rounds.length > 0) lastRound = Math.max(lastRound === null ? -1 : lastRound, ...doc.rounds.map((r) => r.round));
+    render(doc);
+    updated.textContent = "updated " + clock(doc.time) + " · up " + num(doc.uptime_s / 60, 1) + " min";
+    updated.className = "muted";
+  } catch (e) {
+    updated.textContent = "cannot read status.json: " + e.message;
+    updated.className = "error";
+  }
+}
+
+poll();
+setInterval(poll, POLL_MS);

@@ -1,0 +1,150 @@
+"""What the dashboard shows of a run, kept bounded: recent rounds, members' counters, recent refusals.
+
+Pure bookkeeping: no I/O, no asyncio. The owner (the coordinator's `Metrics`, a DHT peer's gatherer)
+calls it on events it already handles; `document` builds the `/status.json` document on request,
+so nothing is serialized on a round's path.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SCHEMA", "MemberStats", "RunRecord"]
+
+SCHEMA = 1
+"""The version of the `/status.json` document (docs/dashboard.md); bumped when a field changes meaning."""
+
+
+def finite(x: float | None) -> float | None:
+    """`x`, or None when it is None, NaN or infinite (JSON has no NaN)."""
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+@dataclass
+class MemberStats:
+    """One peer's counters, as its coordinator (or a DHT peer) saw them. None: nothing measured yet."""
+
+    contributed: int = 0
+    """Rounds whose aggregate holds its payload."""
+    missed: int = 0
+    """Rounds it was a member of whose aggregate does not hold its payload."""
+    resyncs: int = 0
+    last_loss: float | None = None
+    bytes_up: int | None = None
+    """Bytes received from it (its payloads)."""
+    bytes_down: int | None = None
+    """Bytes sent to it (aggregates, parameters)."""
+    link_bps: float | None = None
+    """Bytes per second of its last upload: the payload's bytes over its stream's duration."""
+    slices: int | None = None
+    """DHT mode: slices of the last round it owned."""
+    seen_at: float = 0.0
+    """time.monotonic() of the last event from it."""
+
+
+class RunRecord:
+    """Ring buffers of the recent rounds and refusals, and the counters of the last `max_members` peers.
+
+    Args:
+        max_rounds: rounds kept for the curves.
+        max_refusals: refusals kept.
+        max_members: peers kept; the one heard from least recently goes first.
+    """
+
+    def __init__(self, *, max_rounds: int = 512, max_refusals: int = 50, max_members: int = 256) -> None:
+        self.rounds: deque[dict[str, Any]] = deque(maxlen=max_rounds)
+        self.refusals: deque[dict[str, Any]] = deque(maxlen=max_refusals)
+        self.members: OrderedDict[str, MemberStats] = OrderedDict()
+        self.max_members = max_members
+        self.started_at = time.time()
+
+    def member(self, peer_id: str) -> MemberStats:
+        """The counters of `peer_id` (created if new), marked as just heard from."""
+        stats = self.members.get(peer_id)
+        if stats is None:
+            stats = self.members[peer_id] = MemberStats()
+            while len(self.members) > self.max_members:
+                self.members.popitem(last=False)
+        else:
+            self.members.move_to_end(peer_id)
+        stats.seen_at = time.monotonic()
+        return stats
+
+    # -- events ------------------------------------------------------------------------------------------
+
+    def count(self, name: str, peer_id: str, amount: int = 1) -> None:
+        """Add to one of a member's counters: "bytes_up", "bytes_down" or "resyncs" (others are ignored)."""
+        if not peer_id or name not in ("bytes_up", "bytes_down", "resyncs"):
+            return
+        stats = self.member(peer_id)
+        setattr(stats, name, (getattr(stats, name) or 0) + amount)
+
+    def uploaded(self, peer_id: str, num_bytes: int, seconds: float, loss: float | None) -> None:
+        """A payload of `num_bytes` whose stream took `seconds`, with the loss its sender reported."""
+        self.count("bytes_up", peer_id, num_bytes)
+        stats = self.member(peer_id)
+        stats.last_loss = finite(loss)
+        if seconds > 0:
+            stats.link_bps = num_bytes / seconds
+
+    def refused(self, peer_id: str, round: int | None, kind: str, reason: str) -> None:
+        """A call or payload refused: `kind` is a short word (stale, invalid, resync, unauthorized, ...)."""
+        self.refusals.append({"time": time.time(), "peer": peer_id, "round": round, "kind": kind,
+                              "reason": reason[:300]})
+
+    def round_closed(self, round: int, *, members: Iterable[str], contributors: Iterable[str], aborted: bool,
+                     loss: float | None, round_s: float | None, close_s: float | None, bytes_up: int,
+                     bytes_down: int) -> None:
+        """A round ended: count who contributed and who missed it, and keep its row for the curves.
+
+        Args:
+            members: the round's members (contributors included).
+            round_s: the round's wall time, open to aggregate.
+            close_s: the time to build the aggregate (coordinator: merge, apply, persist; DHT: the exchange).
+            bytes_up, bytes_down: bytes received and sent during the round.
+        """
+        contributed = set(contributors)
+        every = set(members) | contributed
+        for p in every:
+            stats = self.members.get(p) or self.member(p)
+            if p in contributed and not aborted:
+                stats.contributed += 1
+            else:
+                stats.missed += 1
+        self.rounds.append({"round": round, "time": time.time(), "aborted": aborted, "loss": finite(loss),
+                            "round_s": None if round_s is None else finite(max(0.0, round_s)),
+                            "close_s": finite(close_s), "members": len(every), "contributors": len(contributed),
+                            "bytes_up": bytes_up, "bytes_down": bytes_down})
+
+    # -- the document --------------------------------------------------------------------------------------
+
+    def document(self, mode: str, source: str, run: Mapping[str, Any], live: Mapping[str, tuple[str, float]], *,
+                 since: int | None = None) -> dict[str, Any]:
+        """The `/status.json` document (docs/dashboard.md).
+
+        Args:
+            mode: "coordinator" or "dht".
+            source: who describes the run (the coordinator, or the DHT peer's id).
+            run: the run's section, as the owner sees it now.
+            live: peer -> (state, seconds since last heard) for the peers in the run now; the other
+                peers this record knows are listed as "left".
+            since: only the rounds after this one (a page that already holds the older ones).
+        """
+        now = time.monotonic()
+        rows = [dict(r) for r in self.rounds if since is None or r["round"] > since]
+        members = []
+        for p in sorted(live) + [p for p in reversed(self.members) if p not in live]:
+            stats = self.members.get(p) or MemberStats(seen_at=now)
+            state, ago = live.get(p, ("left", now - stats.seen_at))
+            members.append({"id": p, "state": state, "last_seen_s": max(0.0, ago), "contributed": stats.contributed,
+                            "missed": stats.missed, "resyncs": stats.resyncs, "last_loss": stats.last_loss,
+                            "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down, "link_bps": stats.link_bps,
+                            "slices": stats.slices})
+        return {"schema": SCHEMA, "mode": mode, "source": source, "time": time.time(),
+                "uptime_s": time.time() - self.started_at, "run": dict(run), "rounds": rows, "members": members,
+                "refusals": list(self.refusals)}

@@ -1,0 +1,99 @@
+"""A DHT peer's view of its run, for the dashboard (`demonet peer --dht --dashboard-port`).
+
+Fed by the peer's `DhtGatherer` at two points of each round (the freeze, the end of the exchange); it
+keeps a `demonet.dashboard.RunRecord` and describes the run in the same document a coordinator
+serves (docs/dashboard.md). Pure bookkeeping: no I/O, no asyncio, no hivemind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from demonet.dashboard import RunRecord
+from demonet.dashboard.record import finite
+
+from .rules import Announcement
+
+__all__ = ["DhtView"]
+
+
+class DhtView:
+    """What one DHT peer saw of the run: rounds, members and their digests, slices owned, resyncs.
+
+    Args:
+        peer_id: this peer.
+        total_rounds: the run's rounds (0: no end).
+        window_s: the round window (the freeze's timeout).
+    """
+
+    def __init__(self, peer_id: str, *, total_rounds: int, window_s: float) -> None:
+        self.peer_id, self.total_rounds, self.window_s = peer_id, total_rounds, window_s
+        self.record = RunRecord()
+        self.refused: Callable[[], int] = lambda: 0
+        """Stream messages refused so far (bad MAC, another run); set by the peer once its node runs."""
+        self.round, self.phase = 0, "waiting"
+        self.rounds_closed = self.rounds_aborted = self.resyncs = self.bytes_up = self.bytes_down = 0
+        self.last_loss: float | None = None
+        self.digest = ""
+        self._states: dict[str, str] = {}  # the last round's members -> their state in it
+        self._entered_at = self._frozen_at = 0.0
+        self._ended_at: float | None = None
+
+    def entered(self, round: int) -> None:
+        """This peer announced itself in `round` (its payload is ready)."""
+        self.round, self.phase, self._entered_at = round, "exchanging", time.monotonic()
+
+    def frozen(self, round: int, members: Sequence[str], announced: Mapping[str, Announcement], good: str) -> None:
+        """The round froze with `members`; those whose digest is not the majority's (`good`) resync."""
+        self._frozen_at, self.digest = time.monotonic(), good
+        self._states = {}
+        for p in members:
+            stats = self.record.member(p)
+            stats.last_loss = finite(announced[p].loss)
+            stats.slices = 0
+            self._states[p] = "member" if announced[p].digest == good else "resync"
+            if self._states[p] == "resync":
+                self.record.count("resyncs", p)
+        if self._states.get(self.peer_id) == "resync":
+            self.resyncs += 1
+            self.phase = "resyncing"
+
+    def exchanged(self, round: int, *, contributors: Sequence[str], slice_owners: Sequence[str], aborted: bool,
+                  bytes_up: int, bytes_down: int) -> None:
+        """The round's exchange ended: count it, with this peer's bytes and the slices each member owned."""
+        now = time.monotonic()
+        for p in slice_owners:
+            if p in self.record.members:
+                stats = self.record.members[p]
+                stats.slices = (stats.slices or 0) + 1
+        for p in self._states:
+            if self._states[p] == "member" and p not in contributors:
+                self._states[p] = "missed"
+        self.record.count("bytes_up", self.peer_id, bytes_up)
+        self.record.count("bytes_down", self.peer_id, bytes_down)
+        self.bytes_up, self.bytes_down = self.bytes_up + bytes_up, self.bytes_down + bytes_down
+        losses = [s.last_loss for p in contributors if (s := self.record.members.get(p)) and s.last_loss is not None]
+        loss = sum(losses) / len(losses) if losses else None
+        self.rounds_closed += 1
+        self.rounds_aborted += aborted
+        self.last_loss = loss if loss is not None else self.last_loss
+        self.record.round_closed(round, members=list(self._states), contributors=contributors, aborted=aborted,
+                                 loss=loss, round_s=now - (self._ended_at or self._entered_at),
+                                 close_s=now - self._frozen_at, bytes_up=bytes_up, bytes_down=bytes_down)
+        self._ended_at = now
+        self.round, self.phase = round + 1, "training"
+
+    def document(self, since: int | None = None) -> dict[str, Any]:
+        """The document of docs/dashboard.md, from this peer's view (null where DHT mode has no such thing)."""
+        now = time.monotonic()
+        run = {"round": self.round, "phase": self.phase, "seconds_left": None, "members": len(self._states),
+               "joiners": None, "submitted": None, "rounds_closed": self.rounds_closed,
+               "rounds_aborted": self.rounds_aborted, "total_rounds": self.total_rounds,
+               "last_loss": self.last_loss, "param_digest": self.digest, "bytes_up": self.bytes_up,
+               "bytes_down": self.bytes_down, "rejected": self.refused(), "late": None, "clipped": None,
+               "resyncs": self.resyncs, "unauthorized": None, "round_timeout_s": self.window_s}
+        live = {p: (state, now - self.record.members[p].seen_at) for p, state in self._states.items()
+                if p in self.record.members}
+        return self.record.document("dht", self.peer_id, run, live, since=since)

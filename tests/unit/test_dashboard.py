@@ -1,0 +1,144 @@
+"""The dashboard's pieces without sockets: the bounded record, both modes' documents, the HTTP answers,
+and `demonet status`'s tables."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from demonet.cli.status import format_status
+from demonet.coordinator.metrics import Metrics
+from demonet.coordinator.rounds import RoundConfig, Rounds
+from demonet.coordinator.status import status_document
+from demonet.dashboard import RunRecord, page_routes
+from demonet.dashboard.server import _respond
+from demonet.dht.rules import Announcement
+from demonet.dht.view import DhtView
+from tests import dashboard_schema
+from tests.dashboard_schema import check_document
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "dashboard.md"
+
+
+def test_the_record_is_bounded_and_keeps_the_latest() -> None:
+    record = RunRecord(max_rounds=4, max_refusals=3, max_members=5)
+    for i in range(10):
+        record.uploaded(f"p{i}", 100, 0.5, 1.0)
+        record.refused(f"p{i}", i, "stale", "x" * 1000)
+        record.round_closed(i, members=[f"p{i}"], contributors=[f"p{i}"], aborted=False, loss=1.0, round_s=1.0,
+                            close_s=0.1, bytes_up=1, bytes_down=2)
+    assert [r["round"] for r in record.rounds] == [6, 7, 8, 9]
+    assert [r["peer"] for r in record.refusals] == ["p7", "p8", "p9"]
+    assert all(len(r["reason"]) <= 300 for r in record.refusals)
+    assert list(record.members) == ["p5", "p6", "p7", "p8", "p9"]
+    assert record.members["p9"].link_bps == 200.0
+
+
+def test_rounds_count_contributions_and_misses_and_json_has_no_nan() -> None:
+    record = RunRecord()
+    record.round_closed(0, members=["a", "b"], contributors=["a"], aborted=False, loss=math.nan, round_s=-1.0,
+                        close_s=math.inf, bytes_up=5, bytes_down=6)
+    record.round_closed(1, members=["a", "b"], contributors=["a", "b"], aborted=True, loss=2.0, round_s=1.0,
+                        close_s=0.5, bytes_up=5, bytes_down=6)
+    a, b = record.members["a"], record.members["b"]
+    assert (a.contributed, a.missed, b.contributed, b.missed) == (1, 1, 0, 2)  # an aborted round: nobody's in
+    doc = record.document("coordinator", "coordinator", {}, {"a": ("member", 0.5)}, since=0)
+    assert [r["round"] for r in doc["rounds"]] == [1]
+    first = record.document("coordinator", "coordinator", {}, {})["rounds"][0]
+    assert (first["loss"], first["round_s"], first["close_s"]) == (None, 0.0, None)
+    json.dumps(doc, allow_nan=False)
+    assert [(m["id"], m["state"]) for m in doc["members"]] == [("a", "member"), ("b", "left")]
+
+
+def test_the_coordinator_document_follows_the_rounds_and_metrics() -> None:
+    rounds, metrics = Rounds(cfg=RoundConfig(round_timeout_s=10.0, start_peers=2), now=0.0), Metrics()
+
+    def doc(now: float) -> dict:
+        d = status_document(rounds, metrics, now=now, param_digest="ab" * 16, total_rounds=3)
+        check_document(d, "coordinator")
+        return d
+
+    rounds.join("a", 0.0)
+    assert doc(1.0)["run"]["phase"] == "waiting" and doc(1.0)["run"]["seconds_left"] is None
+    rounds.join("b", 1.0)
+    rounds.submit("a", 0, 2.0)
+    metrics.uploaded("a", 1000, 0.01, 3.5)
+    metrics.add("bytes_down", 700, peer="b")
+    metrics.refused("b", 0, "stale", "round 0 is closed")
+    d = doc(3.0)
+    assert (d["run"]["phase"], d["run"]["seconds_left"], d["run"]["submitted"]) == ("open", 8.0, 1)
+    states = {m["id"]: (m["state"], m["last_seen_s"]) for m in d["members"]}
+    assert states == {"a": ("submitted", 1.0), "b": ("member", 2.0)}
+    metrics.phase.set(1)
+    assert doc(3.0)["run"]["phase"] == "closing"
+    metrics.phase.set(0)
+    metrics.closed(False, 0.2, 3.5, round=0, members=("a", "b"), contributors=("a",), round_s=2.5)
+    rounds.submit("b", 0, 3.0)
+    rounds.close(4.0)
+    d = doc(4.0)
+    assert d["rounds"][0] | {"time": 0} == {"round": 0, "time": 0, "aborted": False, "loss": 3.5, "round_s": 2.5,
+                                            "close_s": 0.2, "members": 2, "contributors": 1, "bytes_up": 1000,
+                                            "bytes_down": 700}
+    a = next(m for m in d["members"] if m["id"] == "a")
+    assert (a["contributed"], a["missed"], a["bytes_up"], a["link_bps"], a["last_loss"]) == (1, 0, 1000, 1e5, 3.5)
+    assert d["refusals"][0]["kind"] == "stale" and d["run"]["bytes_up"] == 1000
+
+
+def test_a_dht_peer_describes_the_run_in_the_same_document() -> None:
+    view = DhtView("a", total_rounds=10, window_s=5.0)
+    check_document(view.document(), "dht")
+    announced = {p: Announcement(p, 0.0, "good" if p != "c" else "bad", loss=loss)
+                 for p, loss in (("a", 2.0), ("b", 4.0), ("c", None))}
+    view.entered(0)
+    view.frozen(0, ["a", "b", "c"], announced, "good")
+    view.exchanged(0, contributors=["a", "b"], slice_owners=["a", "b", "a"], aborted=False, bytes_up=10,
+                   bytes_down=20)
+    view.refused = lambda: 3
+    d = view.document()
+    check_document(d, "dht")
+    run = d["run"]
+    assert (run["round"], run["phase"], run["last_loss"], run["rejected"]) == (1, "training", 3.0, 3)
+    members = {m["id"]: m for m in d["members"]}
+    assert {p: (m["state"], m["slices"], m["resyncs"]) for p, m in members.items()} == {
+        "a": ("member", 2, 0), "b": ("member", 1, 0), "c": ("resync", 0, 1)}
+    assert (members["a"]["bytes_up"], members["b"]["bytes_up"]) == (10, None)  # only its own bytes are known
+    assert d["rounds"][0]["members"] == 3 and d["rounds"][0]["contributors"] == 2
+
+
+def test_the_http_answers() -> None:
+    routes = page_routes(lambda since: {"since": since})
+    ok = _respond(routes, "GET /status.json?since=4 HTTP/1.1")
+    head, body = ok.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"application/json" in head and json.loads(body) == {"since": 4}
+    assert b"default-src 'none'" in head and b"Cache-Control: no-store" in head
+    assert json.loads(_respond(routes, "GET /status.json?since=x HTTP/1.1").split(b"\r\n\r\n", 1)[1]) == {"since": None}
+    page = _respond(routes, "GET / HTTP/1.1")
+    assert b'src="dashboard.js"' in page and b"http" not in page.split(b"\r\n\r\n", 1)[1].replace(b"http-equiv", b"")
+    assert _respond(routes, "HEAD / HTTP/1.1").endswith(b"\r\n\r\n")
+    assert _respond(routes, "GET /nope HTTP/1.1").startswith(b"HTTP/1.1 404")
+    assert _respond(routes, "POST / HTTP/1.1").startswith(b"HTTP/1.1 405")
+    assert _respond(routes, "garbage").startswith(b"HTTP/1.1 400")
+    script = _respond(routes, "GET /dashboard.js HTTP/1.1")
+    assert b"innerHTML" not in script and b"https://" not in script  # text only; nothing from elsewhere
+
+
+def test_status_prints_tables() -> None:
+    view = DhtView("a", total_rounds=0, window_s=5.0)
+    view.entered(0)
+    view.frozen(0, ["a"], {"a": Announcement("a", 0.0, "d", loss=1.5)}, "d")
+    view.exchanged(0, contributors=["a"], slice_owners=["a"], aborted=False, bytes_up=1500, bytes_down=2_500_000)
+    view.record.refused("x", 3, "invalid", "bad payload")
+    text = format_status(view.document())
+    assert "DHT peer a: round 1, training" in text and "slices" in text
+    assert "2.5 MB" in text and "invalid" in text and "bad payload" in text
+    idle = status_document(Rounds(cfg=RoundConfig(), now=0.0), Metrics(), now=0.0, param_digest="", total_rounds=0)
+    empty = format_status(idle)
+    assert "members: none" in empty and "recent refusals: none" in empty
+
+
+def test_the_docs_describe_every_field() -> None:
+    text = DOCS.read_text()
+    for fields in (dashboard_schema.RUN, dashboard_schema.ROUND, dashboard_schema.MEMBER, dashboard_schema.REFUSAL):
+        missing = [f for f in fields if f"`{f}`" not in text]
+        assert not missing, f"docs/dashboard.md does not describe {missing}"
