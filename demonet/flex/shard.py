@@ -29,11 +29,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from demonet.config import Config
-from demonet.optim import Compressed, DeMo, Payload, aggregate, chunk_shape, matrix_shape
+from demonet.optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
 from demonet.optim.payload import num_chunks
 from demonet.train.data import Batches, load_corpus, split
 from demonet.train.model import GPT
-from demonet.train.trainer import StepOptions, autocast, clip_grads, settle
+from demonet.train.trainer import DeMoSteps, StepOptions, autocast, settle
 from demonet.transport import RoundResult
 from demonet.wire.digest import param_digest
 
@@ -120,7 +120,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class FlexTrainer:
+class FlexTrainer(DeMoSteps):
     """One rank's share of a node: its shard of the FSDP2 model, its DeMo and its data stream.
 
     Args:
@@ -167,27 +167,6 @@ class FlexTrainer:
         assert loss is not None
         loss.backward()
         return float(loss.detach())
-
-    def compress(self) -> Payload:
-        """Clip the node's gradient norm (over the shards' DTensors), then compress this rank's shard."""
-        clip_grads(self.model.parameters(), self.options.max_grad_norm)
-        payload = self.opt.compress()
-        self.opt.zero_grad(set_to_none=True)
-        return payload
-
-    def train_step(self) -> tuple[float, Payload]:
-        """`forward_backward`, then `compress`. Returns (this rank's loss, its payload)."""
-        return self.forward_backward(), self.compress()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def hold(self) -> None:
-        self.opt.hold()
-
-    def lookahead(self, payload: Payload, round: int) -> None:
-        """Apply this rank's rows of the node's own update at once (`DeMo.lookahead`, no collective)."""
-        self.opt.lookahead(aggregate([payload]), lr=self.options.lr_at(round))
 
     def canonical_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The whole parameters the open round started from (a held lookahead's, else the live ones)."""

@@ -22,7 +22,7 @@ from demonet.wire.digest import param_digest
 
 from .task import build_task
 
-__all__ = ["StepOptions", "Trainer", "autocast", "clip_grads", "settle", "to_device"]
+__all__ = ["DeMoSteps", "StepOptions", "Trainer", "autocast", "clip_grads", "settle", "to_device"]
 
 Loss = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -102,7 +102,44 @@ def settle(opt: DeMo, payload: Payload, result: RoundResult, contributed: bool,
     opt.apply(applied, lr=lr)
 
 
-class Trainer:
+class DeMoSteps:
+    """The replica steps that need only its model, its DeMo and its `StepOptions`: a `Trainer`'s and a
+    FlexDeMo rank's alike (`demonet.train.loop.Overlapping`). The class supplies `forward_backward`."""
+
+    model: torch.nn.Module
+    opt: DeMo
+    options: StepOptions
+
+    def forward_backward(self) -> float:
+        raise NotImplementedError
+
+    def compress(self) -> Payload:
+        """Clip the gradient's norm (DTensors too), fold it into the momentum and take the round's payload;
+        zero the gradients."""
+        clip_grads(self.model.parameters(), self.options.max_grad_norm)
+        payload = self.opt.compress()
+        self.opt.zero_grad(set_to_none=True)
+        return payload
+
+    def train_step(self) -> tuple[float, Payload]:
+        """`forward_backward`, then `compress`. Returns (loss, payload)."""
+        return self.forward_backward(), self.compress()
+
+    def zero_grad(self) -> None:
+        """Drop gradients that will not be compressed (computed from parameters a catch-up replaced)."""
+        self.opt.zero_grad(set_to_none=True)
+
+    def hold(self) -> None:
+        """Keep the parameters as they are for `canonical_parameters` (`DeMo.hold`), before a `lookahead`."""
+        self.opt.hold()
+
+    def lookahead(self, payload: Payload, round: int) -> None:
+        """Apply this replica's own payload of `round` at once (`DeMo.lookahead`; a FlexDeMo rank's rows,
+        no collective); the round's real aggregate, or the restore of a lost round, replaces it."""
+        self.opt.lookahead(aggregate([payload]), lr=self.options.lr_at(round))
+
+
+class Trainer(DeMoSteps):
     """A single-process replica.
 
     Args:
@@ -175,30 +212,6 @@ class Trainer:
             (loss / self.accumulate).backward()
             total += float(loss.detach())
         return total / self.accumulate
-
-    def compress(self) -> Payload:
-        """Clip the gradient's norm, fold it into the momentum and take the round's payload; zero the gradients."""
-        clip_grads(self.model.parameters(), self.options.max_grad_norm)
-        payload = self.opt.compress()
-        self.opt.zero_grad(set_to_none=True)
-        return payload
-
-    def train_step(self) -> tuple[float, Payload]:
-        """`forward_backward`, then `compress`. Returns (mean loss, payload)."""
-        return self.forward_backward(), self.compress()
-
-    def zero_grad(self) -> None:
-        """Drop gradients that will not be compressed (computed from parameters a catch-up replaced)."""
-        self.opt.zero_grad(set_to_none=True)
-
-    def hold(self) -> None:
-        """Keep the parameters as they are for `canonical_parameters` (`DeMo.hold`), before a `lookahead`."""
-        self.opt.hold()
-
-    def lookahead(self, payload: Payload, round: int) -> None:
-        """Apply this peer's own payload of `round` at once (`DeMo.lookahead`); the round's real aggregate,
-        or the restore of a lost round, replaces it."""
-        self.opt.lookahead(aggregate([payload]), lr=self.options.lr_at(round))
 
     def restore(self, payload: Payload) -> None:
         """The payload reached no aggregate: give it back to the momentum (and undo a held lookahead)."""
