@@ -202,8 +202,9 @@ def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
         argv += ["--task", args.task]
     if args.round_timeout_s:
         argv += ["--round-timeout-s", str(args.round_timeout_s)]
-    # peer-0 starts the DHT at a multiaddr known in advance (its identity and port chosen here), so
-    # all peers start at once; the others retry until peer-0 answers.
+    # peer-0 starts the DHT at a multiaddr known in advance (its identity and port chosen here); the others
+    # start once it listens, so that their first start of the DHT finds it (a start that found no initial
+    # peer is retried, and a retried DHT process was seen to hang until its start's time bound).
     from hivemind.p2p import P2P, PeerID
 
     identity = out / "peer-0.identity"
@@ -216,6 +217,12 @@ def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
     peers = [_spawn("peer-0", [*argv, "--peer-id", "peer-0", "--identity", str(identity), "--host-maddr",
                                f"/ip4/127.0.0.1/tcp/{port}", *_dashboard_argv(args)], logs, env)]
     logger.info("peer-0 starts the DHT at %s; logs in %s", maddr, logs)
+    try:
+        _wait_line(peers[0], logs / "peer-0.log", "dht listening on ", LISTEN_TIMEOUT_S)
+    except RuntimeError as e:
+        print(f"demonet up: {e}", file=sys.stderr)
+        _stop(peers, STOP_GRACE_S)
+        return _finish_run(out, [], peers, False)
     for i in range(1, args.peers):
         peers.append(_spawn(f"peer-{i}", [*argv, "--peer-id", f"peer-{i}", "--initial-peers", maddr, "--host-maddr",
                                           "/ip4/127.0.0.1/tcp/0"], logs, env))

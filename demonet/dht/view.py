@@ -52,7 +52,6 @@ class DhtView:
         for p in members:
             stats = self.record.member(p)
             stats.last_loss = finite(announced[p].loss)
-            stats.slices = 0
             self._states[p] = "member" if announced[p].digest == good else "resync"
             if self._states[p] == "resync":
                 self.record.count("resyncs", p)
@@ -64,6 +63,8 @@ class DhtView:
                   bytes_up: int, bytes_down: int) -> None:
         """The round's exchange ended: count it, with this peer's bytes and the slices each member owned."""
         now = time.monotonic()
+        for p in self._states:  # counted once the round's exchange ended: a reader never sees a half-counted round
+            self.record.member(p).slices = 0
         for p in slice_owners:
             if p in self.record.members:
                 stats = self.record.members[p]

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -138,8 +139,12 @@ def _dashboard_of_peer_0(proc: subprocess.Popen[bytes], stderr: Path) -> dict[st
         url = url or next((ln.removeprefix("dashboard: ") for ln in stderr.read_text().splitlines()
                            if ln.startswith("dashboard: ")), "")
         if url:
-            with urllib.request.urlopen(url + "status.json", timeout=10) as reply:
-                doc = json.loads(reply.read())
+            try:
+                with urllib.request.urlopen(url + "status.json", timeout=10) as reply:
+                    doc = json.loads(reply.read())
+            except urllib.error.URLError:  # peer-0 stopped (the run failed): the message below says why
+                time.sleep(0.5)
+                continue
             if doc["run"]["rounds_closed"] >= 2 and len(doc["members"]) == 3:
                 return doc
         time.sleep(0.1)
