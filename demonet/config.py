@@ -155,6 +155,13 @@ class NetConfig:
     """With overlap = 1, train round r+1 from the parameters after this peer's own round-r update,
     which the real aggregate replaces when it arrives; False trains it from round r's parameters
     (a plain one-round delay)."""
+    admission: str = "token"
+    """Who may join (docs/security.md): "token", any key that presents the run token (each key speaks
+    only for itself); "allowlist", only the keys listed in `allowlist` (reloaded on SIGHUP; a removed key
+    is dropped); "open", any key, without the token."""
+    allowlist: str = ""
+    """With admission = "allowlist": a file of ``ed25519:<hex> [peer_id]`` lines (`demonet keygen` prints a
+    key's line)."""
 
     def __post_init__(self) -> None:
         _check(self.round_timeout_s > 0, "round_timeout_s should be > 0")
@@ -167,6 +174,10 @@ class NetConfig:
         _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")
         _check(self.max_payload_norm >= 0, "max_payload_norm should be >= 0")
         _check(self.overlap in (0, 1), f"overlap should be 0 or 1, got {self.overlap!r}")
+        _check(self.admission in ("token", "allowlist", "open"),
+               f"admission should be token, allowlist or open, got {self.admission!r}")
+        _check((self.admission == "allowlist") == bool(self.allowlist),
+               "allowlist (a file of keys) goes with admission = \"allowlist\", and only with it")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -303,12 +303,15 @@ class JoinedRun:
 
 
 async def _coordinator(address: str, token: str, peer_id: str, root_cert: bytes | None,
-                       reconnect_timeout_s: float) -> _Transport:
+                       reconnect_timeout_s: float, key: Path | None) -> _Transport:
     from demonet.transport.coordinated import CoordinatorMembership
     from demonet.transport.grpc import GrpcClient
+    from demonet.wire.identity import Identity
 
+    identity = Identity.load_or_create(key) if key is not None else None
     membership = CoordinatorMembership(GrpcClient(address, token=token, peer_id=peer_id, root_cert=root_cert,
-                                                  reconnect_timeout_s=reconnect_timeout_s), address)
+                                                  reconnect_timeout_s=reconnect_timeout_s, identity=identity),
+                                       address)
     try:
         info = await membership.join()
     except BaseException:
@@ -353,7 +356,7 @@ def join(coordinator: str | None = None, *, token: str | None = None, peer_id: s
          out: str | Path | None = None, checkpoint_every: int = 10, root_cert: bytes | None = None,
          reconnect_timeout_s: float = 120.0, dht_initial_peers: Sequence[str] | None = None, run: str = "demonet",
          config: str | Path | Config | None = None, steps: int | None = None,
-         dht_options: Mapping[str, Any] | None = None) -> JoinedRun:
+         dht_options: Mapping[str, Any] | None = None, key: str | Path | None = None) -> JoinedRun:
     """Join a run from your own training loop (docs/own-loop.md).
 
     Args:
@@ -370,6 +373,8 @@ def join(coordinator: str | None = None, *, token: str | None = None, peer_id: s
             the defaults with the DEMONET_* environment variables.
         steps: DHT mode: rounds in the run (default: train.steps).
         dht_options: DHT mode: more `demonet.dht.gatherer.DhtOptions` fields (host_maddrs, client_mode, ...).
+        key: coordinator mode: this peer's Ed25519 key file (`demonet keygen`), made if missing; its peer id is
+            bound to it. Default: ``<out>/peer-<peer_id>.key``, or with no `out` a key for this process alone.
 
     Raises:
         ValueError: neither or both of `coordinator` and `dht_initial_peers`, or no token.
@@ -382,8 +387,9 @@ def join(coordinator: str | None = None, *, token: str | None = None, peer_id: s
     folder = Path(out) if out is not None else None
     if coordinator is not None:
         address = coordinator
+        key_file = Path(key) if key is not None else folder / f"peer-{peer_id}.key" if folder is not None else None
         return JoinedRun(peer_id, out=folder, checkpoint_every=checkpoint_every)._open(
-            lambda: _coordinator(address, token, peer_id, root_cert, reconnect_timeout_s))
+            lambda: _coordinator(address, token, peer_id, root_cert, reconnect_timeout_s, key_file))
     cfg = config if isinstance(config, Config) else load_config(config, os.environ)
     if cfg.optim.base == "adamw":
         raise ValueError("DHT mode supports optim.base sign or sgd; adamw joiners would not get the Adam moments")

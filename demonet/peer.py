@@ -25,6 +25,7 @@ from demonet.train.task import first_difference, param_specs
 from demonet.train.trainer import Trainer
 from demonet.transport.coordinated import CoordinatorMembership
 from demonet.transport.grpc import GrpcClient
+from demonet.wire.identity import Identity, KeyFileError
 
 __all__ = ["add_arguments", "main", "run", "run_peer"]
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, device: str = "cpu",
                    threads: int | None = None, accumulate: int = 1, checkpoint_every: int = 10,
                    root_cert: bytes | None = None, reconnect_timeout_s: float = 120.0,
-                   task: str | None = None, stop: asyncio.Event | None = None) -> int:
+                   task: str | None = None, key: Path | None = None, stop: asyncio.Event | None = None) -> int:
     """Train as one peer of a coordinator's run until its last round, SIGTERM or `stop`.
 
     Args:
@@ -50,6 +51,8 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
         reconnect_timeout_s: how long calls keep retrying while the coordinator is unreachable.
         task: MODULE:FUNCTION of this peer's task, instead of the run's `[train] task` (the same task
             under another import name); the run's `[task]` table is its arguments either way.
+        key: this peer's Ed25519 key file (`demonet keygen`), made there if missing; None:
+            ``<out>/peer-<peer_id>.key``, so a restart keeps the identity the peer id is bound to.
         stop: set it to stop as SIGTERM does (tests); SIGTERM and SIGINT are handled either way.
 
     Returns:
@@ -61,8 +64,14 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
     if threads:
         torch.set_num_threads(threads)
     stop = stop or asyncio.Event()
+    try:
+        identity = Identity.load_or_create(key or out / f"peer-{peer_id}.key")
+    except (OSError, KeyFileError) as e:
+        logger.error("[%s] %s", peer_id, e)
+        return 2
     membership = CoordinatorMembership(GrpcClient(coordinator, token=token, peer_id=peer_id, root_cert=root_cert,
-                                                  reconnect_timeout_s=reconnect_timeout_s), coordinator)
+                                                  reconnect_timeout_s=reconnect_timeout_s, identity=identity),
+                                       coordinator)
     with stop_on_signals(stop):
         try:
             await asyncio.to_thread(warm_up)
@@ -82,9 +91,9 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
             loop = RoundLoop(trainer, membership, membership.client, peer_id, out / f"metrics-{peer_id}.jsonl",
                              checkpoint_every, stop, overlap=cfg.net.overlap, lookahead=cfg.net.lookahead)
             # kernels that differ between peers are what makes them resync
-            loop.log.info("joined %s: %d parameters, %d rounds in the run; CPU kernels %s, %d threads", coordinator,
-                          trainer.num_params(), info.total_rounds, torch.backends.cpu.get_cpu_capability(),
-                          torch.get_num_threads())
+            loop.log.info("joined %s as key %s: %d parameters, %d rounds in the run; CPU kernels %s, %d threads",
+                          coordinator, identity.fingerprint, trainer.num_params(), info.total_rounds,
+                          torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
             return await loop.run(info)
         except PeerUnavailable as e:
             logger.error("[%s] %s", peer_id, e)
@@ -103,6 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-id", default=f"{socket.gethostname()}-{os.getpid()}",
                         help="this peer's id; the same id resumes its checkpoint (default: HOST-PID)")
     parser.add_argument("--out", default="runs/peer", help="folder for metrics and the checkpoint (runs/peer)")
+    parser.add_argument("--key", help="this peer's Ed25519 key file (demonet keygen), made if missing; its peer id "
+                                      "is bound to it (default: OUT/peer-PEER_ID.key; coordinator mode)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cpu)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per round (1)")
@@ -135,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             coordinator=args.coordinator, token=token, peer_id=args.peer_id, out=Path(args.out),
             device=args.device, threads=args.threads, accumulate=args.accumulate,
             checkpoint_every=args.checkpoint_every, root_cert=root_cert,
-            reconnect_timeout_s=args.reconnect_timeout_s, task=args.task))
+            reconnect_timeout_s=args.reconnect_timeout_s, task=args.task, key=Path(args.key) if args.key else None))
     except PermissionError as e:
         print(f"demonet peer: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ RUN = {"round": int, "phase": str, "seconds_left": OPT_NUMBER, "members": int, "
        "late": OPT_INT, "clipped": OPT_INT, "resyncs": int, "unauthorized": OPT_INT, "round_timeout_s": NUMBER}
 ROUND = {"round": int, "time": NUMBER, "aborted": bool, "loss": OPT_NUMBER, "round_s": OPT_NUMBER,
          "close_s": OPT_NUMBER, "members": int, "contributors": int, "bytes_up": int, "bytes_down": int}
-MEMBER = {"id": str, "state": str, "last_seen_s": NUMBER, "contributed": int, "missed": int, "resyncs": int,
+MEMBER = {"id": str, "key": (str, type(None)), "state": str, "last_seen_s": NUMBER, "contributed": int, "missed": int, "resyncs": int,
           "last_loss": OPT_NUMBER, "bytes_up": OPT_INT, "bytes_down": OPT_INT, "link_bps": OPT_NUMBER,
           "slices": OPT_INT}
 REFUSAL = {"time": NUMBER, "peer": str, "round": OPT_INT, "kind": str, "reason": str}

@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rdemonet.proto\x12\ndemonet.v1\"\xeb\x01\n\x0cSparseTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0f\n\x07\x63hunk_h\x18\x03 \x01(\r\x12\x0f\n\x07\x63hunk_w\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12-\n\x0cindex_coding\x18\x06 \x01(\x0e\x32\x17.demonet.v1.IndexCoding\x12\x0f\n\x07indices\x18\x07 \x01(\x0c\x12\x31\n\x0evalue_encoding\x18\x08 \x01(\x0e\x32\x19.demonet.v1.ValueEncoding\x12\x0e\n\x06values\x18\t \x01(\x0c\x12\x0e\n\x06scales\x18\n \x01(\x0c\"\x90\x01\n\x07Payload\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.demonet.v1.ValueEncoding\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.demonet.v1.SparseTensor\x12\x0e\n\x06\x64igest\x18\x0f \x01(\x0c\"f\n\x0bPayloadPart\x12\x16\n\x0epayload_digest\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"G\n\x0b\x44\x65nseTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"l\n\nParameters\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.demonet.v1.DenseTensor\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\"-\n\x0bJoinRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05probe\x18\x02 \x01(\x08\"\xb4\x01\n\tJoinReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nrun_config\x18\x03 \x01(\t\x12\x11\n\tdata_seed\x18\x04 \x01(\x04\x12\x17\n\x0fround_timeout_s\x18\x05 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x06 \x01(\x01\x12\x14\n\x0ctotal_rounds\x18\x07 \x01(\x04\x12\x13\n\x0bparam_specs\x18\x08 \x01(\t\"2\n\x10HeartbeatRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"/\n\x0eHeartbeatReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06member\x18\x02 \x01(\x08\"C\n\x11ParametersRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06resync\x18\x03 \x01(\x08\"w\n\nSubmitPart\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x03 \x01(\t\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12%\n\x04part\x18\x05 \x01(\x0b\x32\x17.demonet.v1.PayloadPart\"y\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12$\n\x07refusal\x18\x04 \x01(\x0e\x32\x13.demonet.v1.Refusal\x12\x12\n\nopen_round\x18\x05 \x01(\x04\"2\n\x10\x41ggregateRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"]\n\x0f\x41ggregateHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x08\x12\x14\n\x0c\x63ontributors\x18\x03 \x03(\t\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\"p\n\x0e\x41ggregateChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.demonet.v1.AggregateHeaderH\x00\x12\'\n\x04part\x18\x02 \x01(\x0b\x32\x17.demonet.v1.PayloadPartH\x00\x42\x06\n\x04kind\"\x1f\n\rStatusRequest\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\x08\"\x9b\x02\n\x0bStatusReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x11\n\tsubmitted\x18\x04 \x01(\r\x12\x14\n\x0cseconds_left\x18\x05 \x01(\x01\x12\x14\n\x0cparam_digest\x18\x06 \x01(\t\x12\x10\n\x08\x62ytes_up\x18\x07 \x01(\x04\x12\x12\n\nbytes_down\x18\x08 \x01(\x04\x12\x11\n\tlast_loss\x18\t \x01(\x01\x12\x15\n\rrounds_closed\x18\n \x01(\x04\x12\x16\n\x0erounds_aborted\x18\x0b \x01(\x04\x12\x10\n\x08rejected\x18\x0c \x01(\x04\x12\x0f\n\x07resyncs\x18\r \x01(\x04\x12\x13\n\x0b\x64\x65tail_json\x18\x0e \x01(\t\"\x98\x02\n\nDhtMessage\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06sender\x18\x03 \x01(\t\x12!\n\x04kind\x18\x04 \x01(\x0e\x32\x13.demonet.v1.DhtKind\x12\r\n\x05slice\x18\x05 \x01(\r\x12\x12\n\nnum_slices\x18\x06 \x01(\r\x12\x16\n\x0emembers_digest\x18\x07 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x08 \x03(\t\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0f\n\x07sent_at\x18\x0c \x01(\x01\x12%\n\x04part\x18\r \x01(\x0b\x32\x17.demonet.v1.PayloadPart\x12\x0b\n\x03mac\x18\x0f \x01(\x0cJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bR\x04\x64\x61taR\x04last*z\n\x0bIndexCoding\x12\x1c\n\x18INDEX_CODING_UNSPECIFIED\x10\x00\x12\x17\n\x13INDEX_CODING_PACKED\x10\x01\x12\x1b\n\x17INDEX_CODING_ELIAS_FANO\x10\x02\x12\x17\n\x13INDEX_CODING_BITMAP\x10\x03*\xac\x01\n\rValueEncoding\x12\x1e\n\x1aVALUE_ENCODING_UNSPECIFIED\x10\x00\x12\x17\n\x13VALUE_ENCODING_FP32\x10\x01\x12\x17\n\x13VALUE_ENCODING_BF16\x10\x02\x12\x17\n\x13VALUE_ENCODING_FP16\x10\x03\x12\x17\n\x13VALUE_ENCODING_INT8\x10\x04\x12\x17\n\x13VALUE_ENCODING_SIGN\x10\x05*\x9a\x01\n\x07Refusal\x12\x10\n\x0cREFUSAL_NONE\x10\x00\x12\x11\n\rREFUSAL_STALE\x10\x01\x12\x12\n\x0eREFUSAL_FUTURE\x10\x02\x12\x16\n\x12REFUSAL_NOT_MEMBER\x10\x03\x12\x15\n\x11REFUSAL_DUPLICATE\x10\x04\x12\x13\n\x0fREFUSAL_INVALID\x10\x05\x12\x12\n\x0eREFUSAL_RESYNC\x10\x06*\x86\x01\n\x07\x44htKind\x12\x18\n\x14\x44HT_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rDHT_KIND_PART\x10\x01\x12\x12\n\x0e\x44HT_KIND_FETCH\x10\x02\x12\x13\n\x0f\x44HT_KIND_PARAMS\x10\x03\x12\x12\n\x0e\x44HT_KIND_REPLY\x10\x04\x12\x11\n\rDHT_KIND_PING\x10\x05\x32\x9e\x03\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.demonet.v1.JoinRequest\x1a\x15.demonet.v1.JoinReply\x12\x45\n\tHeartbeat\x12\x1c.demonet.v1.HeartbeatRequest\x1a\x1a.demonet.v1.HeartbeatReply\x12I\n\rGetParameters\x12\x1d.demonet.v1.ParametersRequest\x1a\x17.demonet.v1.PayloadPart0\x01\x12;\n\x06Submit\x12\x16.demonet.v1.SubmitPart\x1a\x17.demonet.v1.SubmitReply(\x01\x12J\n\x0cGetAggregate\x12\x1c.demonet.v1.AggregateRequest\x1a\x1a.demonet.v1.AggregateChunk0\x01\x12<\n\x06Status\x12\x19.demonet.v1.StatusRequest\x1a\x17.demonet.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rdemonet.proto\x12\ndemonet.v1\"\xeb\x01\n\x0cSparseTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\x0f\n\x07\x63hunk_h\x18\x03 \x01(\r\x12\x0f\n\x07\x63hunk_w\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12-\n\x0cindex_coding\x18\x06 \x01(\x0e\x32\x17.demonet.v1.IndexCoding\x12\x0f\n\x07indices\x18\x07 \x01(\x0c\x12\x31\n\x0evalue_encoding\x18\x08 \x01(\x0e\x32\x19.demonet.v1.ValueEncoding\x12\x0e\n\x06values\x18\t \x01(\x0c\x12\x0e\n\x06scales\x18\n \x01(\x0c\"\x90\x01\n\x07Payload\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12+\n\x08\x65ncoding\x18\x03 \x01(\x0e\x32\x19.demonet.v1.ValueEncoding\x12)\n\x07tensors\x18\x04 \x03(\x0b\x32\x18.demonet.v1.SparseTensor\x12\x0e\n\x06\x64igest\x18\x0f \x01(\x0c\"f\n\x0bPayloadPart\x12\x16\n\x0epayload_digest\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"G\n\x0b\x44\x65nseTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"l\n\nParameters\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x04\x12(\n\x07tensors\x18\x03 \x03(\x0b\x32\x17.demonet.v1.DenseTensor\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\"7\n\x10\x43hallengeRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x12\n\npublic_key\x18\x02 \x01(\x0c\"\x1f\n\x0e\x43hallengeReply\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"c\n\x0bJoinRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05probe\x18\x02 \x01(\x08\x12\x12\n\npublic_key\x18\x03 \x01(\x0c\x12\r\n\x05nonce\x18\x04 \x01(\x0c\x12\x11\n\tsignature\x18\x05 \x01(\x0c\"\xc5\x01\n\tJoinReply\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x12\n\nrun_config\x18\x03 \x01(\t\x12\x11\n\tdata_seed\x18\x04 \x01(\x04\x12\x17\n\x0fround_timeout_s\x18\x05 \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x06 \x01(\x01\x12\x14\n\x0ctotal_rounds\x18\x07 \x01(\x04\x12\x13\n\x0bparam_specs\x18\x08 \x01(\t\x12\x0f\n\x07session\x18\t \x01(\x0c\"E\n\x10HeartbeatRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x11\n\tsignature\x18\x03 \x01(\x0c\"/\n\x0eHeartbeatReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0e\n\x06member\x18\x02 \x01(\x08\"V\n\x11ParametersRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12\x11\n\tsignature\x18\x04 \x01(\x0c\"\x8a\x01\n\nSubmitPart\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0cparam_digest\x18\x03 \x01(\t\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12%\n\x04part\x18\x05 \x01(\x0b\x32\x17.demonet.v1.PayloadPart\x12\x11\n\tsignature\x18\x06 \x01(\x0c\"y\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12$\n\x07refusal\x18\x04 \x01(\x0e\x32\x13.demonet.v1.Refusal\x12\x12\n\nopen_round\x18\x05 \x01(\x04\"2\n\x10\x41ggregateRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\"]\n\x0f\x41ggregateHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x62orted\x18\x02 \x01(\x08\x12\x14\n\x0c\x63ontributors\x18\x03 \x03(\t\x12\x14\n\x0cparam_digest\x18\x04 \x01(\t\"p\n\x0e\x41ggregateChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.demonet.v1.AggregateHeaderH\x00\x12\'\n\x04part\x18\x02 \x01(\x0b\x32\x17.demonet.v1.PayloadPartH\x00\x42\x06\n\x04kind\"\x1f\n\rStatusRequest\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\x08\"\x9b\x02\n\x0bStatusReply\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05phase\x18\x02 \x01(\t\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x11\n\tsubmitted\x18\x04 \x01(\r\x12\x14\n\x0cseconds_left\x18\x05 \x01(\x01\x12\x14\n\x0cparam_digest\x18\x06 \x01(\t\x12\x10\n\x08\x62ytes_up\x18\x07 \x01(\x04\x12\x12\n\nbytes_down\x18\x08 \x01(\x04\x12\x11\n\tlast_loss\x18\t \x01(\x01\x12\x15\n\rrounds_closed\x18\n \x01(\x04\x12\x16\n\x0erounds_aborted\x18\x0b \x01(\x04\x12\x10\n\x08rejected\x18\x0c \x01(\x04\x12\x0f\n\x07resyncs\x18\r \x01(\x04\x12\x13\n\x0b\x64\x65tail_json\x18\x0e \x01(\t\"\x98\x02\n\nDhtMessage\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x0e\n\x06sender\x18\x03 \x01(\t\x12!\n\x04kind\x18\x04 \x01(\x0e\x32\x13.demonet.v1.DhtKind\x12\r\n\x05slice\x18\x05 \x01(\r\x12\x12\n\nnum_slices\x18\x06 \x01(\r\x12\x16\n\x0emembers_digest\x18\x07 \x01(\t\x12\x14\n\x0c\x63ontributors\x18\x08 \x03(\t\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x0f\n\x07sent_at\x18\x0c \x01(\x01\x12%\n\x04part\x18\r \x01(\x0b\x32\x17.demonet.v1.PayloadPart\x12\x0b\n\x03mac\x18\x0f \x01(\x0cJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0bR\x04\x64\x61taR\x04last*z\n\x0bIndexCoding\x12\x1c\n\x18INDEX_CODING_UNSPECIFIED\x10\x00\x12\x17\n\x13INDEX_CODING_PACKED\x10\x01\x12\x1b\n\x17INDEX_CODING_ELIAS_FANO\x10\x02\x12\x17\n\x13INDEX_CODING_BITMAP\x10\x03*\xac\x01\n\rValueEncoding\x12\x1e\n\x1aVALUE_ENCODING_UNSPECIFIED\x10\x00\x12\x17\n\x13VALUE_ENCODING_FP32\x10\x01\x12\x17\n\x13VALUE_ENCODING_BF16\x10\x02\x12\x17\n\x13VALUE_ENCODING_FP16\x10\x03\x12\x17\n\x13VALUE_ENCODING_INT8\x10\x04\x12\x17\n\x13VALUE_ENCODING_SIGN\x10\x05*\x9a\x01\n\x07Refusal\x12\x10\n\x0cREFUSAL_NONE\x10\x00\x12\x11\n\rREFUSAL_STALE\x10\x01\x12\x12\n\x0eREFUSAL_FUTURE\x10\x02\x12\x16\n\x12REFUSAL_NOT_MEMBER\x10\x03\x12\x15\n\x11REFUSAL_DUPLICATE\x10\x04\x12\x13\n\x0fREFUSAL_INVALID\x10\x05\x12\x12\n\x0eREFUSAL_RESYNC\x10\x06*\x86\x01\n\x07\x44htKind\x12\x18\n\x14\x44HT_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rDHT_KIND_PART\x10\x01\x12\x12\n\x0e\x44HT_KIND_FETCH\x10\x02\x12\x13\n\x0f\x44HT_KIND_PARAMS\x10\x03\x12\x12\n\x0e\x44HT_KIND_REPLY\x10\x04\x12\x11\n\rDHT_KIND_PING\x10\x05\x32\xe5\x03\n\x0b\x43oordinator\x12\x45\n\tChallenge\x12\x1c.demonet.v1.ChallengeRequest\x1a\x1a.demonet.v1.ChallengeReply\x12\x36\n\x04Join\x12\x17.demonet.v1.JoinRequest\x1a\x15.demonet.v1.JoinReply\x12\x45\n\tHeartbeat\x12\x1c.demonet.v1.HeartbeatRequest\x1a\x1a.demonet.v1.HeartbeatReply\x12I\n\rGetParameters\x12\x1d.demonet.v1.ParametersRequest\x1a\x17.demonet.v1.PayloadPart0\x01\x12;\n\x06Submit\x12\x16.demonet.v1.SubmitPart\x1a\x17.demonet.v1.SubmitReply(\x01\x12J\n\x0cGetAggregate\x12\x1c.demonet.v1.AggregateRequest\x1a\x1a.demonet.v1.AggregateChunk0\x01\x12<\n\x06Status\x12\x19.demonet.v1.StatusRequest\x1a\x17.demonet.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'demonet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INDEXCODING']._serialized_start=2208
-  _globals['_INDEXCODING']._serialized_end=2330
-  _globals['_VALUEENCODING']._serialized_start=2333
-  _globals['_VALUEENCODING']._serialized_end=2505
-  _globals['_REFUSAL']._serialized_start=2508
-  _globals['_REFUSAL']._serialized_end=2662
-  _globals['_DHTKIND']._serialized_start=2665
-  _globals['_DHTKIND']._serialized_end=2799
+  _globals['_INDEXCODING']._serialized_start=2427
+  _globals['_INDEXCODING']._serialized_end=2549
+  _globals['_VALUEENCODING']._serialized_start=2552
+  _globals['_VALUEENCODING']._serialized_end=2724
+  _globals['_REFUSAL']._serialized_start=2727
+  _globals['_REFUSAL']._serialized_end=2881
+  _globals['_DHTKIND']._serialized_start=2884
+  _globals['_DHTKIND']._serialized_end=3018
   _globals['_SPARSETENSOR']._serialized_start=30
   _globals['_SPARSETENSOR']._serialized_end=265
   _globals['_PAYLOAD']._serialized_start=268
@@ -49,32 +49,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DENSETENSOR']._serialized_end=589
   _globals['_PARAMETERS']._serialized_start=591
   _globals['_PARAMETERS']._serialized_end=699
-  _globals['_JOINREQUEST']._serialized_start=701
-  _globals['_JOINREQUEST']._serialized_end=746
-  _globals['_JOINREPLY']._serialized_start=749
-  _globals['_JOINREPLY']._serialized_end=929
-  _globals['_HEARTBEATREQUEST']._serialized_start=931
-  _globals['_HEARTBEATREQUEST']._serialized_end=981
-  _globals['_HEARTBEATREPLY']._serialized_start=983
-  _globals['_HEARTBEATREPLY']._serialized_end=1030
-  _globals['_PARAMETERSREQUEST']._serialized_start=1032
-  _globals['_PARAMETERSREQUEST']._serialized_end=1099
-  _globals['_SUBMITPART']._serialized_start=1101
-  _globals['_SUBMITPART']._serialized_end=1220
-  _globals['_SUBMITREPLY']._serialized_start=1222
-  _globals['_SUBMITREPLY']._serialized_end=1343
-  _globals['_AGGREGATEREQUEST']._serialized_start=1345
-  _globals['_AGGREGATEREQUEST']._serialized_end=1395
-  _globals['_AGGREGATEHEADER']._serialized_start=1397
-  _globals['_AGGREGATEHEADER']._serialized_end=1490
-  _globals['_AGGREGATECHUNK']._serialized_start=1492
-  _globals['_AGGREGATECHUNK']._serialized_end=1604
-  _globals['_STATUSREQUEST']._serialized_start=1606
-  _globals['_STATUSREQUEST']._serialized_end=1637
-  _globals['_STATUSREPLY']._serialized_start=1640
-  _globals['_STATUSREPLY']._serialized_end=1923
-  _globals['_DHTMESSAGE']._serialized_start=1926
-  _globals['_DHTMESSAGE']._serialized_end=2206
-  _globals['_COORDINATOR']._serialized_start=2802
-  _globals['_COORDINATOR']._serialized_end=3216
+  _globals['_CHALLENGEREQUEST']._serialized_start=701
+  _globals['_CHALLENGEREQUEST']._serialized_end=756
+  _globals['_CHALLENGEREPLY']._serialized_start=758
+  _globals['_CHALLENGEREPLY']._serialized_end=789
+  _globals['_JOINREQUEST']._serialized_start=791
+  _globals['_JOINREQUEST']._serialized_end=890
+  _globals['_JOINREPLY']._serialized_start=893
+  _globals['_JOINREPLY']._serialized_end=1090
+  _globals['_HEARTBEATREQUEST']._serialized_start=1092
+  _globals['_HEARTBEATREQUEST']._serialized_end=1161
+  _globals['_HEARTBEATREPLY']._serialized_start=1163
+  _globals['_HEARTBEATREPLY']._serialized_end=1210
+  _globals['_PARAMETERSREQUEST']._serialized_start=1212
+  _globals['_PARAMETERSREQUEST']._serialized_end=1298
+  _globals['_SUBMITPART']._serialized_start=1301
+  _globals['_SUBMITPART']._serialized_end=1439
+  _globals['_SUBMITREPLY']._serialized_start=1441
+  _globals['_SUBMITREPLY']._serialized_end=1562
+  _globals['_AGGREGATEREQUEST']._serialized_start=1564
+  _globals['_AGGREGATEREQUEST']._serialized_end=1614
+  _globals['_AGGREGATEHEADER']._serialized_start=1616
+  _globals['_AGGREGATEHEADER']._serialized_end=1709
+  _globals['_AGGREGATECHUNK']._serialized_start=1711
+  _globals['_AGGREGATECHUNK']._serialized_end=1823
+  _globals['_STATUSREQUEST']._serialized_start=1825
+  _globals['_STATUSREQUEST']._serialized_end=1856
+  _globals['_STATUSREPLY']._serialized_start=1859
+  _globals['_STATUSREPLY']._serialized_end=2142
+  _globals['_DHTMESSAGE']._serialized_start=2145
+  _globals['_DHTMESSAGE']._serialized_end=2425
+  _globals['_COORDINATOR']._serialized_start=3021
+  _globals['_COORDINATOR']._serialized_end=3506
 # @@protoc_insertion_point(module_scope)

@@ -140,16 +140,36 @@ class Parameters(_message.Message):
     param_digest: str
     def __init__(self, version: _Optional[int] = ..., round: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[DenseTensor, _Mapping]]] = ..., param_digest: _Optional[str] = ...) -> None: ...
 
+class ChallengeRequest(_message.Message):
+    __slots__ = ("peer_id", "public_key")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    public_key: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., public_key: _Optional[bytes] = ...) -> None: ...
+
+class ChallengeReply(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
 class JoinRequest(_message.Message):
-    __slots__ = ("peer_id", "probe")
+    __slots__ = ("peer_id", "probe", "public_key", "nonce", "signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     probe: bool
-    def __init__(self, peer_id: _Optional[str] = ..., probe: bool = ...) -> None: ...
+    public_key: bytes
+    nonce: bytes
+    signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., probe: bool = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds", "param_specs")
+    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds", "param_specs", "session")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +178,7 @@ class JoinReply(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PARAM_SPECS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     run_config: str
@@ -166,15 +187,18 @@ class JoinReply(_message.Message):
     heartbeat_interval_s: float
     total_rounds: int
     param_specs: str
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ...) -> None: ...
+    session: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("peer_id", "round")
+    __slots__ = ("peer_id", "round", "signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("round", "member")
@@ -185,28 +209,32 @@ class HeartbeatReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., member: bool = ...) -> None: ...
 
 class ParametersRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "resync")
+    __slots__ = ("peer_id", "round", "resync", "signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     resync: bool
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ...) -> None: ...
+    signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SubmitPart(_message.Message):
-    __slots__ = ("peer_id", "round", "param_digest", "loss", "part")
+    __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     param_digest: str
     loss: float
     part: PayloadPart
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted", "reason", "resync", "refusal", "open_round")

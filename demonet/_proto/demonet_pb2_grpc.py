@@ -34,6 +34,11 @@ class CoordinatorStub(object):
         Args:
             channel: A grpc.Channel.
         """
+        self.Challenge = channel.unary_unary(
+                '/demonet.v1.Coordinator/Challenge',
+                request_serializer=demonet__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=demonet__pb2.ChallengeReply.FromString,
+                _registered_method=True)
         self.Join = channel.unary_unary(
                 '/demonet.v1.Coordinator/Join',
                 request_serializer=demonet__pb2.JoinRequest.SerializeToString,
@@ -68,6 +73,12 @@ class CoordinatorStub(object):
 
 class CoordinatorServicer(object):
     """Missing associated documentation comment in .proto file."""
+
+    def Challenge(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Join(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -108,6 +119,11 @@ class CoordinatorServicer(object):
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=demonet__pb2.ChallengeRequest.FromString,
+                    response_serializer=demonet__pb2.ChallengeReply.SerializeToString,
+            ),
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
                     request_deserializer=demonet__pb2.JoinRequest.FromString,
@@ -148,6 +164,33 @@ def add_CoordinatorServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Coordinator(object):
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/demonet.v1.Coordinator/Challenge',
+            demonet__pb2.ChallengeRequest.SerializeToString,
+            demonet__pb2.ChallengeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Join(request,

@@ -21,7 +21,7 @@ from demonet.dht import peer as peer_dht
 from demonet.log import setup_logging
 from demonet.train.tokens import TokenFile
 
-from . import data, export, status, up
+from . import data, export, keygen, status, up
 
 __all__ = ["main"]
 
@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
         "export", help="write a coordinator's saved parameters as a safetensors file",
         description="Read DIR/coordinator-state.pt (a coordinator's --state-dir) and write its canonical "
                     "parameters, by name, as a safetensors file (needs the extra: pip install 'demonet[hf]')."))
+    keygen.add_arguments(sub.add_parser(
+        "keygen", help="write a peer's Ed25519 key file and print its allowlist line",
+        description="Write a new Ed25519 key (a peer's identity in coordinator mode; `demonet peer --key`) and print "
+                    "its public key as the line an allowlist file takes (docs/security.md)."))
     up = sub.add_parser("up", help="a coordinator and N peers on this machine, as processes",
                         description="Start a coordinator and N peers on localhost, show the progress, then "
                                     "write metrics.jsonl, loss.png and summary.json into the run folder.")
@@ -113,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return health.run(args)
     if args.command == "up":
         return up.run(args)
+    if args.command == "keygen":
+        return keygen.run(args)
     if args.command == "export":
         return export.run(args)
     if args.command == "data":

@@ -122,10 +122,11 @@ def format_status(doc: dict[str, Any], *, rounds: int = 5, refusals: int = 10) -
     lines += ["", "members" if doc["members"] else "members: none"]
     if doc["members"]:
         lines += _table(
-            ["id", "state", "last seen", "contributed", "missed", "resyncs", "last loss", "in", "out", "link",
+            ["id", "key", "state", "last seen", "contributed", "missed", "resyncs", "last loss", "in", "out", "link",
              *(["slices"] if dht else [])],
-            [[m["id"], m["state"], f"{m['last_seen_s']:.1f} s ago", str(m["contributed"]), str(m["missed"]),
-              str(m["resyncs"]), _v(m["last_loss"], 4), _bytes(m["bytes_up"]), _bytes(m["bytes_down"]),
+            [[m["id"], m["key"] or "-", m["state"], f"{m['last_seen_s']:.1f} s ago", str(m["contributed"]),
+              str(m["missed"]), str(m["resyncs"]), _v(m["last_loss"], 4), _bytes(m["bytes_up"]),
+              _bytes(m["bytes_down"]),
               "-" if m["link_bps"] is None else _bytes(m["link_bps"] * 8).replace("B", "bit") + "/s",
               *([_v(m["slices"])] if dht else [])] for m in doc["members"]])
     shown = doc["refusals"][-refusals:]

@@ -110,6 +110,14 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def reload() -> None:  # SIGHUP: read the allowlist again
+        task = loop.create_task(servicer.reload_allowlist())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     # The canonical apply runs on these kernels; peers whose kernels round differently resync.
     logger.info("[coordinator] listening on %s:%d; CPU kernels %s, %d threads", host, port,
                 torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())

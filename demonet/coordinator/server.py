@@ -28,9 +28,11 @@ from demonet.errors import InvalidPayload
 from demonet.optim import Payload
 from demonet.train.data import data_seed
 from demonet.train.task import param_specs
+from demonet.wire.identity import heartbeat_statement, parameters_statement, submit_statement
 from demonet.wire.merge import decode_contribution
 
 from . import weights
+from .identities import Identities, NotJoined, Refused, read_allowlist
 from .metrics import Metrics
 from .persist import Persister, Snapshot
 from .rounds import ClosedRound, RoundConfig, Rounds, SubmitRejected
@@ -90,6 +92,9 @@ def _parser(cls: Any) -> Any:
 def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
     """Register the servicer as the generated code does, with request parsers that never raise."""
     handlers = {
+        "Challenge": grpc.unary_unary_rpc_method_handler(
+            servicer.Challenge, request_deserializer=_parser(pb.ChallengeRequest),
+            response_serializer=pb.ChallengeReply.SerializeToString),
         "Join": grpc.unary_unary_rpc_method_handler(
             servicer.Join, request_deserializer=_parser(pb.JoinRequest),
             response_serializer=pb.JoinReply.SerializeToString),
@@ -134,9 +139,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.cond = asyncio.Condition()
         self.finished = asyncio.Event()
         self._param_specs = json.dumps(param_specs(self.state.params))
+        net = cfg.net
+        self.identities = Identities(net.admission, read_allowlist(Path(net.allowlist)) if net.allowlist else None)
+        self.accepted_digests: dict[str, bytes] = {}
+        """Peer -> the digest of its payload in the open round (a retry of it is a duplicate, another one is not)."""
         saved = self.state.load(opts.state_dir) if opts.state_dir is not None else None
         if saved is not None:
             self.rounds = Rounds.from_state(round_cfg, saved["rounds"], now=_now())
+            self.identities.load_state(saved.get("identities", {}))
             for item in saved.get("aggregates", []):
                 self.aggregates[item.round] = item
             self.metrics.restore(saved.get("counters", {}))
@@ -168,6 +178,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
 
     async def _authorize(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        if not self.identities.needs_token:
+            return
         given = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not hmac.compare_digest(str(given).encode(), f"Bearer {self.opts.token}".encode()):
             self.metrics.add("unauthorized")
@@ -191,6 +203,41 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"timed out waiting for {what}")
 
+    async def _signed(self, peer_id: str, signature: bytes, message: bytes,
+                      context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Refuse (PERMISSION_DENIED) a request that `peer_id`'s key did not sign.
+
+        Raises:
+            NotJoined: no key joined as `peer_id` (the caller answers so that the peer joins).
+        """
+        try:
+            self.identities.check(peer_id, signature, message)
+        except NotJoined:
+            raise
+        except Refused as e:
+            self.metrics.add("unauthorized")
+            self.metrics.refused(peer_id, None, "signature", str(e))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+
+    async def reload_allowlist(self) -> None:
+        """Read the allowlist file again (SIGHUP); a peer whose key left it is dropped from the membership now
+        (the round it is in closes without it unless its payload is in) and refused from then on."""
+        if self.cfg.net.admission != "allowlist":
+            logger.info("[coordinator] SIGHUP: admission is %r, no allowlist to reload", self.cfg.net.admission)
+            return
+        try:
+            allowed = read_allowlist(Path(self.cfg.net.allowlist))
+        except (OSError, ValueError) as e:
+            logger.error("[coordinator] SIGHUP: the allowlist was not reloaded, the old one stays: %s", e)
+            return
+        async with self.cond:
+            removed = self.identities.reload(allowed)
+            for peer_id in removed:
+                self.rounds.withdraw(peer_id, _now(), drop=True)
+            self.cond.notify_all()
+        logger.info("[coordinator] allowlist reloaded: %d keys%s", len(allowed),
+                    f"; dropped {', '.join(removed)}" if removed else "")
+
     @property
     def _wait_s(self) -> float:
         """How long a GetParameters or GetAggregate call may wait: two round timeouts and a margin."""
@@ -198,9 +245,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------------
 
+    async def Challenge(self, request: pb.ChallengeRequest,
+                        context: grpc.aio.ServicerContext[Any, Any]) -> pb.ChallengeReply:
+        await self._admit(request, context)
+        peer_id = await self._peer_id(request.peer_id, context)
+        try:
+            nonce = self.identities.challenge(peer_id, request.public_key, _now())
+        except Refused as e:
+            self.metrics.refused(peer_id, None, "join", str(e))
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+        return pb.ChallengeReply(nonce=nonce)
+
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.JoinReply:
         await self._admit(request, context)
         peer_id = await self._peer_id(request.peer_id, context)
+        session = b""
+        if not request.probe:  # a probe admits nobody: no key needed to read the run's config
+            try:
+                session = self.identities.join(peer_id, request.public_key, request.nonce, request.signature,
+                                               _now()).session
+            except Refused as e:
+                self.metrics.refused(peer_id, None, "join", str(e))
+                logger.warning("[coordinator round=%d] refused a join as %s: %s", self.rounds.round, peer_id, e)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         async with self.cond:
             if request.probe:  # a peer about to build its model: it joins once the model fits the run
                 first = self.rounds.round
@@ -214,11 +281,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                             data_seed=data_seed(self.cfg.train.seed, peer_id),
                             round_timeout_s=self.cfg.net.round_timeout_s,
                             heartbeat_interval_s=self.cfg.net.heartbeat_interval_s,
-                            total_rounds=self.opts.total_rounds, param_specs=self._param_specs)
+                            total_rounds=self.opts.total_rounds, param_specs=self._param_specs, session=session)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest,
                         context: grpc.aio.ServicerContext[Any, Any]) -> pb.HeartbeatReply:
         await self._admit(request, context)
+        session = self.identities.session(request.peer_id)
+        if session is None:  # no key joined under this id (or it left the allowlist): join
+            return pb.HeartbeatReply(round=self.rounds.round, member=False)
+        await self._signed(request.peer_id, request.signature,
+                           heartbeat_statement(session, request.peer_id, request.round), context)
         async with self.cond:
             member = self.rounds.heartbeat(request.peer_id, _now())
             return pb.HeartbeatReply(round=self.rounds.round, member=member)
@@ -226,6 +298,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def GetParameters(self, request: pb.ParametersRequest,
                             context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.PayloadPart]:
         await self._admit(request, context)
+        peer_id = await self._peer_id(request.peer_id, context)
+        try:
+            await self._signed(peer_id, request.signature, parameters_statement(
+                self.identities.session(peer_id) or b"", peer_id, request.round, request.resync), context)
+        except NotJoined as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}: join the run first")
         if request.resync:
             self._resynced(await self._peer_id(request.peer_id, context), request.round,
                            f"its digest after applying round {request.round - 1} differed from the canonical one")
@@ -252,10 +330,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if head is None:
                     head = part
                     await self._peer_id(part.peer_id, context)
+                    try:
+                        await self._signed(head.peer_id, head.signature, submit_statement(
+                            self.identities.session(head.peer_id) or b"", head.peer_id, head.round,
+                            head.part.payload_digest, head.param_digest, head.loss), context)
+                    except NotJoined as e:
+                        return self._refused(SubmitRejected(f"{e}: join the run first", "not_member"),
+                                             head.peer_id, head.round, b"")
                     try:  # refuse before reading (and decoding) the rest of the stream
                         self.rounds.check_submit(head.peer_id, head.round)
                     except SubmitRejected as e:
-                        return self._refused(e, head.peer_id, head.round)
+                        return self._refused(e, head.peer_id, head.round, head.part.payload_digest)
                 elif (part.peer_id, part.round) != (head.peer_id, head.round):
                     raise InvalidPayload("parts of one submission name different peers or rounds")
                 data = reassembler.add(part.part)
@@ -285,8 +370,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             try:
                 self.rounds.submit(head.peer_id, head.round, _now())
             except SubmitRejected as e:
-                return self._refused(e, head.peer_id, head.round)
+                return self._refused(e, head.peer_id, head.round, head.part.payload_digest)
             self.payloads[head.peer_id] = payload
+            self.accepted_digests[head.peer_id] = head.part.payload_digest
             self.losses[head.peer_id] = head.loss
             self.metrics.uploaded(head.peer_id, len(data), stream_s, head.loss)
             self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
@@ -306,7 +392,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                        "the whole parameters", self.rounds.round, peer_id, round, self.metrics.totals["resyncs"],
                        why)
 
-    def _refused(self, e: SubmitRejected, peer_id: str, round: int) -> pb.SubmitReply:
+    def _refused(self, e: SubmitRejected, peer_id: str, round: int, digest: bytes) -> pb.SubmitReply:
+        if e.kind == "duplicate" and self.accepted_digests.get(peer_id) != digest:
+            reason = f"another payload from {peer_id} for round {round} is already in"
+            self.metrics.refused(peer_id, round, "conflict", reason)
+            return pb.SubmitReply(accepted=False, reason=reason, refusal=pb.REFUSAL_INVALID,
+                                  open_round=self.rounds.round)
         if e.stale:
             self.metrics.add("late")
         self.metrics.refused(peer_id, round, e.kind, e.reason)
@@ -356,7 +447,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def status_document(self, since: int | None = None) -> dict[str, Any]:
         """The dashboard's document (docs/dashboard.md): `/status.json` and `Status` with `detail`."""
         return status_document(self.rounds, self.metrics, now=_now(), param_digest=self.state.digest,
-                               total_rounds=self.opts.total_rounds, since=since)
+                               total_rounds=self.opts.total_rounds, since=since,
+                               keys={p: b.fingerprint for p, b in self.identities.bindings.items()})
 
     # -- the clock -----------------------------------------------------------------------------------
 
@@ -399,7 +491,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         while len(self.aggregates) > _KEEP_AGGREGATES:
             self.aggregates.popitem(last=False)
         losses = [self.losses[p] for p in contributors if p in self.losses]
-        self.payloads, self.losses = {}, {}
+        self.payloads, self.losses, self.accepted_digests = {}, {}, {}
         close_s = _now() - started  # the critical path: from here on, nothing waits
         self.metrics.closed(closed.aborted, close_s, sum(losses) / len(losses) if losses else None,
                             round=closed.round, members=members, contributors=contributors, round_s=_now() - opened_at)
@@ -416,7 +508,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.cond.notify_all()
         if self.persister is not None and body is not None:
             self.persister.submit(Snapshot(r.round, {**body, "rounds": r.state_dict(), "aggregates": [closed],
-                                                     "counters": self.metrics.counters()}))
+                                                     "counters": self.metrics.counters(),
+                                                     "identities": self.identities.state_dict()}))
 
     def _apply(self, outcome: ClosedRound, payloads: list[Payload]) -> tuple[ClosedAggregate, dict[str, Any] | None]:
         """`CanonicalState.close`, then (when persisting) the snapshot of its result, in one worker thread."""

@@ -6,6 +6,7 @@ grpc: the servicer's Status RPC and the dashboard's HTTP server both call `statu
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from demonet.dashboard.record import finite
@@ -17,7 +18,7 @@ __all__ = ["status_document"]
 
 
 def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_digest: str, total_rounds: int,
-                    since: int | None = None) -> dict[str, Any]:
+                    since: int | None = None, keys: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The document of docs/dashboard.md for a coordinator.
 
     Args:
@@ -27,6 +28,7 @@ def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_diges
         param_digest: the canonical digest at the start of the open round.
         total_rounds: the run's rounds (0: no end).
         since: only the rounds after this one.
+        keys: peer -> its key's fingerprint.
     """
     t = metrics.totals
     phase = "closing" if metrics.phase.value else "open" if rounds.started else "waiting"
@@ -40,4 +42,4 @@ def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_diges
     submitted = set(rounds.submitted)
     live = {p: ("submitted" if p in submitted else "member", now - seen) for p, seen in rounds.members.items()}
     live.update({p: ("joining", now - seen) for p, seen in rounds.joiners.items()})
-    return metrics.record.document("coordinator", "coordinator", run, live, since=since)
+    return metrics.record.document("coordinator", "coordinator", run, live, since=since, keys=keys)

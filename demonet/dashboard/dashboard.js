@@ -126,9 +126,9 @@ function renderMembers(doc) {
   for (const m of doc.members) {
     const tr = el("tr", null, m.state === "left" ? "left" : "");
     tr.setAttribute("data-peer", m.id);
-    const cells = [m.id, m.state, ago(m.last_seen_s), m.contributed, m.missed, m.resyncs, num(m.last_loss, 4),
+    const cells = [m.id, m.key || "—", m.state, ago(m.last_seen_s), m.contributed, m.missed, m.resyncs, num(m.last_loss, 4),
       bytes(m.bytes_up), bytes(m.bytes_down), rate(m.link_bps)];
-    cells.forEach((v, i) => tr.appendChild(el("td", v, i === 1 ? "state-" + m.state : "")));
+    cells.forEach((v, i) => tr.appendChild(el("td", v, i === 2 ? "state-" + m.state : "")));
     const slices = el("td", m.slices === null ? "—" : m.slices, "dht");
     slices.classList.toggle("hidden", !dht);
     tr.appendChild(slices);

@@ -124,7 +124,7 @@ class RunRecord:
     # -- the document --------------------------------------------------------------------------------------
 
     def document(self, mode: str, source: str, run: Mapping[str, Any], live: Mapping[str, tuple[str, float]], *,
-                 since: int | None = None) -> dict[str, Any]:
+                 since: int | None = None, keys: Mapping[str, str] | None = None) -> dict[str, Any]:
         """The `/status.json` document (docs/dashboard.md).
 
         Args:
@@ -134,6 +134,7 @@ class RunRecord:
             live: peer -> (state, seconds since last heard) for the peers in the run now; the other
                 peers this record knows are listed as "left".
             since: only the rounds after this one (a page that already holds the older ones).
+            keys: peer -> the fingerprint of the key it joined with (coordinator mode).
         """
         now = time.monotonic()
         rows = [dict(r) for r in self.rounds if since is None or r["round"] > since]
@@ -141,7 +142,8 @@ class RunRecord:
         for p in sorted(live) + [p for p in reversed(self.members) if p not in live]:
             stats = self.members.get(p) or MemberStats(seen_at=now)
             state, ago = live.get(p, ("left", now - stats.seen_at))
-            members.append({"id": p, "state": state, "last_seen_s": max(0.0, ago), "contributed": stats.contributed,
+            members.append({"id": p, "key": (keys or {}).get(p), "state": state, "last_seen_s": max(0.0, ago),
+                            "contributed": stats.contributed,
                             "missed": stats.missed, "resyncs": stats.resyncs, "last_loss": stats.last_loss,
                             "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down, "link_bps": stats.link_bps,
                             "slices": stats.slices})

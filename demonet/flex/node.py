@@ -20,6 +20,7 @@ from demonet.errors import PeerUnavailable
 from demonet.train.loop import RoundLoop, stop_on_signals
 from demonet.transport.coordinated import CoordinatorMembership
 from demonet.transport.grpc import GrpcClient
+from demonet.wire.identity import Identity
 
 from .link import NodeLink
 from .shard import FlexTrainer
@@ -47,6 +48,8 @@ class NodeOptions:
     """PEM root certificate(s) of a TLS coordinator; None for plaintext."""
     reconnect_timeout_s: float = 120.0
     """How long rank 0's calls keep retrying while the coordinator is unreachable."""
+    key: Path | None = None
+    """The node's Ed25519 key file, made if missing (None: ``<out>/node-<peer_id>.key``); rank 0 uses it."""
 
 
 async def run_node(mesh: DeviceMesh, opts: NodeOptions, *, device: torch.device) -> int:
@@ -61,9 +64,10 @@ async def run_node(mesh: DeviceMesh, opts: NodeOptions, *, device: torch.device)
         0 after the run's last round or a graceful stop; 1 if the coordinator stayed unreachable.
     """
     rank = mesh.get_local_rank()
-    inner = (CoordinatorMembership(GrpcClient(opts.coordinator, token=opts.token, peer_id=opts.peer_id,
-                                              root_cert=opts.root_cert,
-                                              reconnect_timeout_s=opts.reconnect_timeout_s), opts.coordinator)
+    inner = (CoordinatorMembership(GrpcClient(
+        opts.coordinator, token=opts.token, peer_id=opts.peer_id, root_cert=opts.root_cert,
+        reconnect_timeout_s=opts.reconnect_timeout_s,
+        identity=Identity.load_or_create(opts.key or opts.out / f"node-{opts.peer_id}.key")), opts.coordinator)
              if rank == 0 else None)
     link: NodeLink | None = None
     stop = asyncio.Event()

@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -26,6 +26,8 @@ from demonet._proto import demonet_pb2_grpc
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Payload
 from demonet.wire import params as wire_params
+from demonet.wire.identity import Identity
+from demonet.wire.signed import heartbeat_request, join_request, parameters_request, submit_parts
 
 from . import JoinInfo, NotMember, Rejected, Resync, RoundResult, StaleRound
 
@@ -106,10 +108,14 @@ class GrpcClient:
             a plaintext channel.
         reconnect_timeout_s: how long one call keeps retrying while the coordinator is unreachable.
         call_timeout_s: the deadline of one unary call.
+        identity: this peer's key (it joins with it and signs every later call); None: a key made for this
+            client alone, so the peer id is this process's for the run (a restarted process with a new key
+            is refused under it): peers that restart pass the key they keep (`Identity.load_or_create`).
     """
 
     def __init__(self, address: str, *, token: str, peer_id: str = "", root_cert: bytes | None = None,
-                 reconnect_timeout_s: float = 120.0, call_timeout_s: float = 10.0) -> None:
+                 reconnect_timeout_s: float = 120.0, call_timeout_s: float = 10.0,
+                 identity: Identity | None = None) -> None:
         if not token:
             raise ValueError("token should be non-empty")
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -133,6 +139,15 @@ class GrpcClient:
         self.call_timeout_s = call_timeout_s
         self.round_timeout_s = 30.0
         """Set from the JoinReply; the stream deadlines derive from it."""
+        self._identity = identity
+        self._session = b""
+        """From the JoinReply: what this key's signatures cover."""
+
+    @property
+    def identity(self) -> Identity:
+        if self._identity is None:
+            self._identity = Identity.generate()
+        return self._identity
 
     @property
     def wait_timeout_s(self) -> float:
@@ -188,7 +203,7 @@ class GrpcClient:
                     result = await attempt()
         except grpc.aio.AioRpcError as e:
             if e.code() in _AUTH_CODES:
-                raise PermissionError(f"{what}: the coordinator at {self.address} refused the token "
+                raise PermissionError(f"{what}: the coordinator at {self.address} refused this peer "
                                       f"({e.code().name}: {e.details()})") from None
             raise
         if give_up_at:
@@ -200,9 +215,18 @@ class GrpcClient:
     async def join(self, *, probe: bool = False) -> JoinInfo:
         """Join the run (again: a reconnect returns the round to resume at); `probe`: only learn its config
         and parameters, without being admitted (to build and check a model first)."""
-        request = pb.JoinRequest(peer_id=self.peer_id, probe=probe)
-        reply = await self._call("Join", lambda: self._stub.Join(request, metadata=self._metadata,
-                                                                 timeout=self.call_timeout_s))
+        async def attempt() -> Any:
+            request = pb.JoinRequest(peer_id=self.peer_id, probe=True)
+            if not probe:  # answer a fresh challenge with this key (a retry asks for a new one)
+                public = self.identity.public
+                challenge = await self._stub.Challenge(pb.ChallengeRequest(peer_id=self.peer_id, public_key=public),
+                                                       metadata=self._metadata, timeout=self.call_timeout_s)
+                request = join_request(self.identity, self.peer_id, challenge.nonce)
+            return await self._stub.Join(request, metadata=self._metadata, timeout=self.call_timeout_s)
+
+        reply = await self._call("Join", attempt)
+        if not probe:
+            self._session = reply.session
         try:
             run_config = json.loads(reply.run_config)
         except json.JSONDecodeError as e:
@@ -226,7 +250,7 @@ class GrpcClient:
         Returns:
             (the coordinator's open round, whether this peer is still a member or an admitted joiner).
         """
-        request = pb.HeartbeatRequest(peer_id=self.peer_id, round=round)
+        request = heartbeat_request(self.identity, self._session, self.peer_id, round)
         reply = await self._call("Heartbeat", lambda: self._stub.Heartbeat(request, metadata=self._metadata,
                                                                            timeout=self.call_timeout_s))
         return int(reply.round), bool(reply.member)
@@ -275,7 +299,7 @@ class GrpcClient:
             StaleRound, NotMember: the coordinator no longer serves that round.
             InvalidPayload: the parameters do not fit the model or fail their digest.
         """
-        request = pb.ParametersRequest(peer_id=self.peer_id, round=round, resync=resync)
+        request = parameters_request(self.identity, self._session, self.peer_id, round, resync=resync)
 
         async def attempt() -> bytes:
             parts = wire.Reassembler(max_bytes=wire_params.MAX_PARAMETER_BYTES)
@@ -338,15 +362,11 @@ class GrpcClient:
         return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
 
     async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: str) -> None:
-        parts = wire.split(data)
-
-        def requests() -> Iterator[Any]:
-            for part in parts:
-                yield pb.SubmitPart(peer_id=self.peer_id, round=round, param_digest=param_digest, loss=loss,
-                                    part=part)
+        parts = submit_parts(self.identity, self._session, self.peer_id, round, data, param_digest=param_digest,
+                             loss=loss)
 
         reply = await self._call(f"Submit({round})", lambda: self._stub.Submit(
-            requests(), metadata=self._metadata, timeout=self.submit_timeout_s))
+            iter(parts), metadata=self._metadata, timeout=self.submit_timeout_s))
         if reply.accepted:
             return
         if reply.refusal == pb.REFUSAL_RESYNC or reply.resync:

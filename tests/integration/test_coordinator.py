@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -29,6 +28,8 @@ from demonet.train.model import GPT
 from demonet.transport.grpc import GrpcClient
 from demonet.wire import params as wire_params
 from demonet.wire.digest import param_digest
+from demonet.wire.identity import Identity
+from demonet.wire.signed import join_request, parameters_request, submit_parts
 from tests.integration.common import tiny_config
 from tests.procs import Reaper, free_port
 
@@ -84,14 +85,21 @@ def coordinator(tmp_path: Path, reap_children: Reaper) -> Coordinator:
 class Peer:
     """A minimal honest peer, written against the protocol (demonet.peer is the real one)."""
 
-    def __init__(self, address: str, peer_id: str) -> None:
+    def __init__(self, address: str, peer_id: str, identity: Identity | None = None) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pbg.CoordinatorStub(self.channel)  # type: ignore[no-untyped-call]
         self.peer_id = peer_id
         self.md = (("authorization", f"Bearer {TOKEN}"),)
+        self.identity = identity or Identity.generate()
+        self.session = b""
 
     async def join(self) -> int:
-        reply = await self.stub.Join(pb.JoinRequest(peer_id=self.peer_id), metadata=self.md, timeout=10)
+        challenge = await self.stub.Challenge(pb.ChallengeRequest(peer_id=self.peer_id,
+                                                                  public_key=self.identity.public),
+                                              metadata=self.md, timeout=10)
+        reply = await self.stub.Join(join_request(self.identity, self.peer_id, challenge.nonce), metadata=self.md,
+                                     timeout=10)
+        self.session = reply.session
         cfg = Config.from_dict(json.loads(reply.run_config))
         self.model = GPT(cfg.model)
         self.opt = DeMo(self.model.named_parameters(), lr=cfg.optim.lr)
@@ -103,8 +111,8 @@ class Peer:
     async def load_parameters(self, round_: int) -> int:
         parts = wire.Reassembler()
         data = None
-        async for part in self.stub.GetParameters(pb.ParametersRequest(peer_id=self.peer_id, round=round_),
-                                                  metadata=self.md, timeout=30):
+        request = parameters_request(self.identity, self.session, self.peer_id, round_)
+        async for part in self.stub.GetParameters(request, metadata=self.md, timeout=30):
             data = parts.add(part)
         expected = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
         assert data is not None
@@ -118,12 +126,9 @@ class Peer:
         return param_digest(self.model.named_parameters())
 
     async def submit_bytes(self, round_: int, data: bytes, digest: str | None = None) -> pb.SubmitReply:
-        async def parts() -> AsyncIterator[pb.SubmitPart]:
-            for part in wire.split(data):
-                yield pb.SubmitPart(peer_id=self.peer_id, round=round_, param_digest=digest or self.digest(),
-                                    loss=1.0, part=part)
-
-        return await self.stub.Submit(parts(), metadata=self.md, timeout=30)
+        parts = submit_parts(self.identity, self.session, self.peer_id, round_, data,
+                             param_digest=digest or self.digest(), loss=1.0)
+        return await self.stub.Submit(iter(parts), metadata=self.md, timeout=30)
 
     async def step(self, round_: int) -> tuple[pb.SubmitReply, pb.AggregateHeader]:
         x, y = next(self.batches)
@@ -235,7 +240,8 @@ async def test_a_member_with_other_parameters_resyncs_and_each_resync_is_counted
     (_, header), _ = await asyncio.gather(a.step(1), b.step(1))
     assert sorted(header.contributors) == ["a", "b"]
     # b's digest after applying round 1 differs (so it says): it downloads round 2's parameters.
-    client = GrpcClient(coordinator.address, token=TOKEN, peer_id="b")
+    client = GrpcClient(coordinator.address, token=TOKEN, peer_id="b", identity=b.identity)
+    await client.join()  # b again, with its key: a member's join changes nothing
     expected = {n: (tuple(p.shape), p.dtype) for n, p in b.model.named_parameters()}
     for _ in range(2):  # a retried call is the same resync
         got, tensors, _ = await client.get_parameters(2, expected, resync=True)
@@ -297,7 +303,11 @@ async def test_coordinator_killed_and_restarted_resumes(coordinator: Coordinator
     digest = peer.digest()
     coordinator.wait_saved(3)  # the kill at a moment a crash loses rounds: tests/integration/test_persist.py
     coordinator.kill()  # SIGKILL: nothing is flushed on the way out
-    peer = Peer(coordinator.start(), "p")
+    address = coordinator.start()
+    with pytest.raises(grpc.aio.AioRpcError) as refused:  # the id is still bound to p's key after the restart
+        await Peer(address, "p").join()
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "belongs to another key" in str(refused.value)
+    peer = Peer(address, "p", identity=peer.identity)
     assert await peer.join() == 3  # a member reconnecting resumes the open round
     status = await peer.status()
     assert status.round == 3 and status.param_digest == digest and status.rounds_closed == 3

@@ -362,7 +362,7 @@ async def test_gives_up_after_reconnect_timeout_and_a_refused_token_at_once(monk
     async def refused() -> None:
         raise _rpc_error(codes.pop(0), "bad token")
 
-    with pytest.raises(PermissionError, match="refused the token"):
+    with pytest.raises(PermissionError, match="refused this peer"):
         await client._call("Join", refused)
     assert codes == []
     await client.close()

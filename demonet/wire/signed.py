@@ -1,0 +1,40 @@
+"""The signed requests of coordinator mode, built in one place: the client, tests and benchmarks send these.
+
+Wire layer: protobuf messages and `demonet.wire.identity`; no grpc. The coordinator checks the same
+statements (`demonet.coordinator.identities`).
+"""
+
+from __future__ import annotations
+
+from demonet._proto import demonet_pb2 as pb
+
+from .identity import Identity, heartbeat_statement, join_statement, parameters_statement, submit_statement
+from .parts import split
+
+__all__ = ["heartbeat_request", "join_request", "parameters_request", "submit_parts"]
+
+
+def join_request(identity: Identity, peer_id: str, nonce: bytes) -> pb.JoinRequest:
+    """The Join that answers the Challenge which gave `nonce`."""
+    return pb.JoinRequest(peer_id=peer_id, public_key=identity.public, nonce=nonce,
+                          signature=identity.sign(join_statement(nonce, peer_id, identity.public)))
+
+
+def heartbeat_request(identity: Identity, session: bytes, peer_id: str, round: int) -> pb.HeartbeatRequest:
+    return pb.HeartbeatRequest(peer_id=peer_id, round=round,
+                               signature=identity.sign(heartbeat_statement(session, peer_id, round)))
+
+
+def parameters_request(identity: Identity, session: bytes, peer_id: str, round: int, *,
+                       resync: bool = False) -> pb.ParametersRequest:
+    return pb.ParametersRequest(peer_id=peer_id, round=round, resync=resync,
+                                signature=identity.sign(parameters_statement(session, peer_id, round, resync)))
+
+
+def submit_parts(identity: Identity, session: bytes, peer_id: str, round: int, data: bytes, *, param_digest: str,
+                 loss: float) -> list[pb.SubmitPart]:
+    """A serialized payload as the SubmitPart messages of one Submit stream; the first one carries the signature."""
+    parts = split(data)
+    signature = identity.sign(submit_statement(session, peer_id, round, parts[0].payload_digest, param_digest, loss))
+    return [pb.SubmitPart(peer_id=peer_id, round=round, param_digest=param_digest, loss=loss, part=part,
+                          signature=signature if i == 0 else b"") for i, part in enumerate(parts)]
