@@ -217,6 +217,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except Refused as e:
             self.metrics.add("unauthorized")
             self.metrics.refused(peer_id, None, "signature", str(e))
+            logger.warning("[coordinator round=%d] refused a request as %s: %s", self.rounds.round, peer_id, e)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
 
     async def reload_allowlist(self) -> None:
@@ -253,6 +254,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             nonce = self.identities.challenge(peer_id, request.public_key, _now())
         except Refused as e:
             self.metrics.refused(peer_id, None, "join", str(e))
+            logger.warning("[coordinator round=%d] refused a challenge for %s: %s", self.rounds.round, peer_id, e)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         return pb.ChallengeReply(nonce=nonce)
 
