@@ -135,6 +135,11 @@ class NetConfig:
     """How often a peer tells the coordinator it is alive."""
     heartbeat_timeout_s: float = 15.0
     """A peer not heard from for this long is dropped from the membership."""
+    max_idle_rounds: int = 3
+    """A member whose payload is missing from this many consecutive rounds is idle: it stays a member
+    (its heartbeats keep it), but rounds no longer wait for it until a payload of it is accepted again.
+    0: rounds wait for every member until the deadline (one member that never submits then holds every
+    round to round_timeout_s)."""
     aggregate_topk: int = 0
     """Merged coefficients kept per chunk in the aggregate (0: the peers' compression_topk), so a
     peer's download does not grow with the number of peers; peers restore what was dropped."""
@@ -170,6 +175,7 @@ class NetConfig:
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s should be > 0")
         _check(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                "heartbeat_timeout_s should be > heartbeat_interval_s")
+        _check(self.max_idle_rounds >= 0, f"max_idle_rounds should be >= 0 (0: off), got {self.max_idle_rounds}")
         _check(self.aggregate_topk >= 0, "aggregate_topk should be >= 0")
         _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")
         _check(self.max_payload_norm >= 0, "max_payload_norm should be >= 0")

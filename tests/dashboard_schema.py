@@ -11,19 +11,21 @@ OPT_INT = (int, type(None))
 
 TOP = {"schema": int, "mode": str, "source": str, "time": NUMBER, "uptime_s": NUMBER, "run": dict, "rounds": list,
        "members": list, "refusals": list}
-RUN = {"round": int, "phase": str, "seconds_left": OPT_NUMBER, "members": int, "joiners": OPT_INT,
+RUN = {"round": int, "phase": str, "seconds_left": OPT_NUMBER, "members": int, "idle": OPT_INT, "joiners": OPT_INT,
        "submitted": OPT_INT, "rounds_closed": int, "rounds_aborted": int, "total_rounds": int,
        "last_loss": OPT_NUMBER, "param_digest": str, "bytes_up": int, "bytes_down": int, "rejected": int,
        "late": OPT_INT, "clipped": OPT_INT, "resyncs": int, "unauthorized": OPT_INT, "round_timeout_s": NUMBER}
 ROUND = {"round": int, "time": NUMBER, "aborted": bool, "loss": OPT_NUMBER, "round_s": OPT_NUMBER,
          "close_s": OPT_NUMBER, "members": int, "contributors": int, "bytes_up": int, "bytes_down": int}
-MEMBER = {"id": str, "key": (str, type(None)), "state": str, "last_seen_s": NUMBER, "contributed": int, "missed": int, "resyncs": int,
+MEMBER = {"id": str, "key": (str, type(None)), "state": str, "last_seen_s": NUMBER, "contributed": int, "missed": int,
+          "resyncs": int,
           "last_loss": OPT_NUMBER, "bytes_up": OPT_INT, "bytes_down": OPT_INT, "link_bps": OPT_NUMBER,
           "slices": OPT_INT}
 REFUSAL = {"time": NUMBER, "peer": str, "round": OPT_INT, "kind": str, "reason": str}
 # In coordinator mode these are always numbers (DHT mode has no such things, and says null).
-COORDINATOR_RUN_NUMBERS = ("joiners", "submitted", "late", "clipped", "unauthorized")
-STATES = {"coordinator": {"member", "submitted", "joining", "left"}, "dht": {"member", "missed", "resync", "left"}}
+COORDINATOR_RUN_NUMBERS = ("idle", "joiners", "submitted", "late", "clipped", "unauthorized")
+STATES = {"coordinator": {"member", "submitted", "idle", "joining", "left"},
+          "dht": {"member", "missed", "resync", "left"}}
 
 
 def _typed(obj: dict[str, Any], fields: dict[str, Any], where: str) -> None:

@@ -108,7 +108,8 @@ def format_status(doc: dict[str, Any], *, rounds: int = 5, refusals: int = 10) -
     total = f" of {run['total_rounds']}" if run["total_rounds"] else ""
     left = f", {run['seconds_left']:.1f} s left" if run["seconds_left"] is not None else ""
     lines = [f"{who}: round {run['round']}{total}, {run['phase']}{left}; {run['rounds_closed']} rounds closed, "
-             f"{run['rounds_aborted']} aborted; {run['members']} members",
+             f"{run['rounds_aborted']} aborted; {run['members']} members"
+             + (f" ({run['idle']} idle)" if run.get("idle") else ""),
              f"last loss {_v(run['last_loss'], 4)}; {_bytes(run['bytes_up'])} in, {_bytes(run['bytes_down'])} out; "
              f"{run['resyncs']} resyncs, {_v(run['rejected'])} rejected; digest {run['param_digest'][:12] or '-'}"]
     recent = doc["rounds"][-rounds:] if rounds > 0 else []

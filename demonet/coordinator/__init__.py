@@ -162,6 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens (30)")
     parser.add_argument("--min-peers", type=int, help="payloads needed to apply a round at its deadline (1)")
     parser.add_argument("--start-peers", type=int, help="the first round opens once this many peers joined (1)")
+    parser.add_argument("--max-idle-rounds", type=int, help="rounds stop waiting for a member whose payload is "
+                        "missing from this many rounds in a row, until it submits again (3; 0: off)")
     parser.add_argument("--seed", type=int, help="seed of the initial parameters and the peers' data (0)")
     parser.add_argument("--task", metavar="MODULE:FUNCTION",
                         help="the run's model, data and loss, a demonet.Task (default: the built-in GPT); the "
@@ -195,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, os.environ, {
             "train": {"seed": args.seed, "task": args.task},
             "net": {"round_timeout_s": args.round_timeout_s, "min_peers": args.min_peers,
-                    "start_peers": args.start_peers},
+                    "start_peers": args.start_peers, "max_idle_rounds": args.max_idle_rounds},
         })
         cfg = pin_tokenizer(cfg)  # the peers' token files must come from the tokenizer of this one
         if cfg.optim.base == "adamw":

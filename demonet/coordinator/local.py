@@ -80,7 +80,8 @@ class LocalCoordinator:
         self.state = CanonicalState(cfg)
         self.rounds = Rounds(cfg=RoundConfig(round_timeout_s=cfg.net.round_timeout_s, min_peers=cfg.net.min_peers,
                                              heartbeat_timeout_s=cfg.net.heartbeat_timeout_s,
-                                             start_peers=cfg.net.start_peers), now=_now())
+                                             start_peers=cfg.net.start_peers,
+                                             max_idle_rounds=cfg.net.max_idle_rounds), now=_now())
         self.payloads: dict[str, Payload] = {}
         self.aggregates: OrderedDict[int, ClosedAggregate] = OrderedDict()
         self.cond = asyncio.Condition()

@@ -27,6 +27,9 @@ class RoundConfig:
     """A member or joiner not heard from for this long is dropped."""
     start_peers: int = 1
     """The first round opens once this many peers have joined (all of them are its members)."""
+    max_idle_rounds: int = 3
+    """A member whose payload is missing from this many consecutive closed rounds is idle: rounds no
+    longer wait for it (it stays a member, and is waited on again once it submits). 0: never idle."""
 
     def __post_init__(self) -> None:
         if self.start_peers < 1:
@@ -37,6 +40,8 @@ class RoundConfig:
             raise ValueError("min_peers should be >= 1")
         if self.heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s should be > 0")
+        if self.max_idle_rounds < 0:
+            raise ValueError("max_idle_rounds should be >= 0 (0: off)")
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,14 @@ class SubmitRejected(Exception):
 class Rounds:
     """The state machine. Round `round` is always open; `close` opens the next one.
 
-    A member submits once per round. The round closes when every member has submitted, or at its
-    deadline: applied if at least `min_peers` payloads are in, aborted otherwise. Joiners become
+    A member submits once per round. The round closes when every active member has submitted, or at
+    its deadline: applied if at least `min_peers` payloads are in, aborted otherwise. Joiners become
     members when the next round opens; the very first peer of an idle run is admitted at once.
+
+    Membership is by work: a member missing from `max_idle_rounds` consecutive closed rounds (counted
+    from its first round as a member) is idle. Its heartbeats still keep it a member, but rounds no
+    longer wait for it; a payload of it accepted for the open round makes it active again. Otherwise one
+    peer that heartbeats and never submits would hold every round to its deadline.
     """
 
     cfg: RoundConfig
@@ -81,6 +91,8 @@ class Rounds:
     submitted: list[str] = field(default_factory=list)  # in arrival order
     opened_at: float = 0.0
     started: bool = False  # the first round has opened
+    missed: dict[str, int] = field(default_factory=dict)  # member -> consecutive closed rounds without its payload
+    idle: set[str] = field(default_factory=set)  # members the round does not wait for (see the class docstring)
 
     def __post_init__(self) -> None:
         self.opened_at = self.now
@@ -91,6 +103,11 @@ class Rounds:
 
     def seconds_left(self, now: float) -> float:
         return max(0.0, self.deadline - now)
+
+    @property
+    def active(self) -> list[str]:
+        """The members the open round waits for: those not idle."""
+        return [p for p in self.members if p not in self.idle]
 
     def join(self, peer_id: str, now: float) -> int:
         """Add a peer; returns the first round it is a member of (a member rejoining: the open one)."""
@@ -121,6 +138,7 @@ class Rounds:
         member again from the next round (with `drop`: not at all; it must join again)."""
         if self.members.pop(peer_id, None) is not None and not drop:
             self.joiners[peer_id] = now
+        self._forget(peer_id)  # as a joiner it counts again from its next round as a member
 
     def submit(self, peer_id: str, round: int, now: float) -> None:
         """Count a member's payload for the open round.
@@ -131,6 +149,10 @@ class Rounds:
         self.check_submit(peer_id, round)
         self.members[peer_id] = now
         self.submitted.append(peer_id)
+        if peer_id in self.idle:
+            self.idle.discard(peer_id)
+            logger.info("[coordinator round=%d] %s is active again: its payload is in, rounds wait for it", self.round,
+                        peer_id)
 
     def check_submit(self, peer_id: str, round: int) -> None:
         """What `submit` would reject, without changing anything (to refuse before reading a payload)."""
@@ -148,7 +170,8 @@ class Rounds:
         self._drop_silent(now)
         if not self.started:
             return False
-        if self.members and all(p in self.submitted for p in self.members):
+        active = self.active  # a submission makes its sender active: none active means none submitted
+        if active and all(p in self.submitted for p in active):
             return True
         if now < self.deadline:
             return False
@@ -167,7 +190,8 @@ class Rounds:
         closed = self.outcome()
         late = sorted(set(self.members) - set(self.submitted))
         if late:
-            logger.info("[coordinator round=%d] closed without %s", self.round, ", ".join(late))
+            logger.info("[coordinator round=%d] closed without %s", self.round, _names(late))
+        self._count_missed(late)
         self.round += 1
         self.submitted = []
         self.members.update(self.joiners)
@@ -175,17 +199,39 @@ class Rounds:
         self.opened_at = now
         return closed
 
+    def _count_missed(self, late: list[str]) -> None:
+        """At a close: a member in the round counts one more missed round, or none if its payload is in."""
+        for peer_id in self.submitted:
+            self.missed.pop(peer_id, None)
+        went_idle = []
+        for peer_id in late:
+            self.missed[peer_id] = self.missed.get(peer_id, 0) + 1
+            limit = self.cfg.max_idle_rounds
+            if limit and self.missed[peer_id] >= limit and peer_id not in self.idle:
+                self.idle.add(peer_id)
+                went_idle.append(peer_id)
+        if went_idle:
+            logger.info("[coordinator round=%d] idle (no payload in %d rounds; rounds no longer wait for them "
+                        "until they submit): %s", self.round, self.cfg.max_idle_rounds, _names(went_idle))
+
+    def _forget(self, peer_id: str) -> None:
+        self.missed.pop(peer_id, None)
+        self.idle.discard(peer_id)
+
     def _drop_silent(self, now: float) -> None:
         limit = now - self.cfg.heartbeat_timeout_s
         for table in (self.members, self.joiners):
             for peer_id in [p for p, seen in table.items() if seen < limit and p not in self.submitted]:
                 del table[peer_id]
+                self._forget(peer_id)
                 logger.warning("[coordinator round=%d] dropped %s: silent for over %.1f s", self.round, peer_id,
                                self.cfg.heartbeat_timeout_s)
 
     def state_dict(self) -> dict[str, Any]:
-        """What survives a restart: the open round and the members (their clocks restart)."""
-        return {"round": self.round, "members": sorted(self.members), "joiners": sorted(self.joiners)}
+        """What survives a restart: the open round, the members (their clocks restart) and their missed
+        rounds, from which the idle ones follow (a resumed round does not wait for them either)."""
+        return {"round": self.round, "members": sorted(self.members), "joiners": sorted(self.joiners),
+                "missed": {p: n for p, n in sorted(self.missed.items()) if p in self.members}}
 
     @classmethod
     def from_state(cls, cfg: RoundConfig, state: dict[str, Any], now: float) -> Rounds:
@@ -198,4 +244,15 @@ class Rounds:
         rounds.opened_at = now + max(0.0, cfg.heartbeat_timeout_s - cfg.round_timeout_s)  # deadline: now + grace
         rounds.members = dict.fromkeys(state["members"], now)
         rounds.joiners = dict.fromkeys(state.get("joiners", ()), now)
+        # A state saved before idle members existed has no "missed": every member starts active. A member
+        # is idle when its missed rounds reach the limit (no payload of it is in: the round just opened).
+        rounds.missed = {p: int(n) for p, n in state.get("missed", {}).items() if p in rounds.members}
+        limit = cfg.max_idle_rounds
+        rounds.idle = {p for p, n in rounds.missed.items() if limit and n >= limit}
         return rounds
+
+
+def _names(peers: list[str], most: int = 10) -> str:
+    """Peer ids for a log line: the first `most`, then how many more."""
+    more = f" and {len(peers) - most} more" if len(peers) > most else ""
+    return ", ".join(peers[:most]) + more

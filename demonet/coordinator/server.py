@@ -129,7 +129,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.cfg, self.opts, self.metrics = cfg, opts, metrics
         self.state = CanonicalState(cfg)
         round_cfg = RoundConfig(round_timeout_s=cfg.net.round_timeout_s, min_peers=cfg.net.min_peers,
-                                heartbeat_timeout_s=cfg.net.heartbeat_timeout_s, start_peers=cfg.net.start_peers)
+                                heartbeat_timeout_s=cfg.net.heartbeat_timeout_s, start_peers=cfg.net.start_peers,
+                                max_idle_rounds=cfg.net.max_idle_rounds)
         self.rounds = Rounds(cfg=round_cfg, now=_now())
         self.aggregates: OrderedDict[int, ClosedAggregate] = OrderedDict()
         self.payloads: dict[str, Payload] = {}

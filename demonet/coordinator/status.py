@@ -34,12 +34,14 @@ def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_diges
     phase = "closing" if metrics.phase.value else "open" if rounds.started else "waiting"
     run = {"round": rounds.round, "phase": phase,
            "seconds_left": rounds.seconds_left(now) if rounds.started else None,
-           "members": len(rounds.members), "joiners": len(rounds.joiners), "submitted": len(rounds.submitted),
+           "members": len(rounds.members), "idle": len(rounds.idle), "joiners": len(rounds.joiners),
+           "submitted": len(rounds.submitted),
            "rounds_closed": t["rounds_closed"], "rounds_aborted": t["rounds_aborted"], "total_rounds": total_rounds,
            "last_loss": finite(metrics.last_loss), "param_digest": param_digest, "bytes_up": t["bytes_up"],
            "bytes_down": t["bytes_down"], "rejected": t["rejected"], "late": t["late"], "clipped": t["clipped"],
            "resyncs": t["resyncs"], "unauthorized": t["unauthorized"], "round_timeout_s": rounds.cfg.round_timeout_s}
     submitted = set(rounds.submitted)
-    live = {p: ("submitted" if p in submitted else "member", now - seen) for p, seen in rounds.members.items()}
+    live = {p: ("submitted" if p in submitted else "idle" if p in rounds.idle else "member", now - seen)
+            for p, seen in rounds.members.items()}
     live.update({p: ("joining", now - seen) for p, seen in rounds.joiners.items()})
     return metrics.record.document("coordinator", "coordinator", run, live, since=since, keys=keys)

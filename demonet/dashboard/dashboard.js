@@ -110,7 +110,7 @@ function renderRun(doc) {
   card(box, "seconds left", run.seconds_left === null ? "—" : num(run.seconds_left, 1));
   card(box, "rounds closed", run.rounds_closed);
   card(box, "rounds aborted", run.rounds_aborted);
-  card(box, "members", run.members);
+  card(box, "members", run.members + (run.idle ? " (" + run.idle + " idle)" : ""));
   card(box, "last loss", num(run.last_loss, 4));
   card(box, "bytes in", bytes(run.bytes_up));
   card(box, "bytes out", bytes(run.bytes_down));

@@ -90,7 +90,7 @@ class DhtView:
         """The document of docs/dashboard.md, from this peer's view (null where DHT mode has no such thing)."""
         now = time.monotonic()
         run = {"round": self.round, "phase": self.phase, "seconds_left": None, "members": len(self._states),
-               "joiners": None, "submitted": None, "rounds_closed": self.rounds_closed,
+               "idle": None, "joiners": None, "submitted": None, "rounds_closed": self.rounds_closed,
                "rounds_aborted": self.rounds_aborted, "total_rounds": self.total_rounds,
                "last_loss": self.last_loss, "param_digest": self.digest, "bytes_up": self.bytes_up,
                "bytes_down": self.bytes_down, "rejected": self.refused(), "late": None, "clipped": None,

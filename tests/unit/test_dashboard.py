@@ -142,3 +142,16 @@ def test_the_docs_describe_every_field() -> None:
     for fields in (dashboard_schema.RUN, dashboard_schema.ROUND, dashboard_schema.MEMBER, dashboard_schema.REFUSAL):
         missing = [f for f in fields if f"`{f}`" not in text]
         assert not missing, f"docs/dashboard.md does not describe {missing}"
+
+
+def test_an_idle_member_shows_as_idle() -> None:
+    rounds, metrics = Rounds(cfg=RoundConfig(round_timeout_s=10.0, max_idle_rounds=1), now=0.0), Metrics()
+    rounds.join("a", 0.0)
+    rounds.members["f"] = 0.0
+    rounds.submit("a", 0, 1.0)
+    rounds.close(10.0)  # "f" missed its one round: idle
+    d = status_document(rounds, metrics, now=11.0, param_digest="", total_rounds=0)
+    check_document(d, "coordinator")
+    assert d["run"]["members"] == 2 and d["run"]["idle"] == 1
+    assert {m["id"]: m["state"] for m in d["members"]} == {"a": "member", "f": "idle"}
+    assert "2 members (1 idle)" in format_status(d)

@@ -107,3 +107,115 @@ def test_the_first_round_waits_for_start_peers() -> None:
     assert r.join("c", 101.0) == 0  # the third peer opens round 0 with all three as members
     assert set(r.members) == {"a", "b", "c"} and r.deadline == 111.0
     assert r.join("d", 102.0) == 1  # after the start, joiners wait for the boundary
+
+
+def _round_with(r: Rounds, submitters: str, now: float) -> float:
+    """Submit `submitters` to the open round at `now`; return when it closes (early, or at its deadline)."""
+    for p in submitters:
+        r.submit(p, r.round, now)
+    for p in r.members:
+        r.heartbeat(p, now)
+    if not r.due(now):
+        now = r.deadline
+        for p in r.members:
+            r.heartbeat(p, now)
+        assert r.due(now)
+    r.close(now)
+    return now
+
+
+def _two_members(cfg: RoundConfig) -> Rounds:
+    r = Rounds(cfg=cfg, now=0.0)
+    r.join("a", 0.0)
+    r.members["f"] = 0.0  # "f" heartbeats and never submits
+    return r
+
+
+def test_a_member_that_never_submits_stops_delaying_rounds_after_max_idle_rounds() -> None:
+    r = _two_members(RoundConfig(round_timeout_s=10.0, heartbeat_timeout_s=5.0, max_idle_rounds=3))
+    now, waits = 0.0, []
+    for _ in range(6):
+        opened = r.opened_at
+        now = _round_with(r, "a", now + 1.0)
+        waits.append(now - opened)
+    assert waits == [10.0, 10.0, 10.0, 1.0, 1.0, 1.0]  # three deadlines, then "a" alone closes each round
+    assert r.idle == {"f"} and r.missed["f"] == 6
+    assert "f" in r.members and r.heartbeat("f", now)  # still connected: its heartbeats answer member
+    assert r.active == ["a"]
+
+
+def test_an_idle_member_is_active_again_once_it_submits() -> None:
+    r = _two_members(RoundConfig(round_timeout_s=10.0, heartbeat_timeout_s=5.0, max_idle_rounds=2))
+    now = _round_with(r, "a", 1.0)
+    now = _round_with(r, "a", now + 1.0)
+    assert r.idle == {"f"}
+    r.submit("f", r.round, now + 1.0)  # accepted and counted in the open round
+    assert r.idle == set() and r.submitted == ["f"]
+    assert not r.due(now + 1.0)  # "a" is still out
+    r.submit("a", r.round, now + 2.0)
+    assert r.due(now + 2.0) and r.close(now + 2.0).contributors == ("a", "f")
+    assert "f" not in r.missed
+    opened = r.opened_at
+    now = _round_with(r, "a", opened + 1.0)
+    assert now == opened + 10.0  # active again: the next round waits for it up to its deadline
+
+
+def test_heartbeats_keep_an_idle_member_connected_but_do_not_make_it_active() -> None:
+    r = _two_members(RoundConfig(round_timeout_s=10.0, heartbeat_timeout_s=5.0, max_idle_rounds=1))
+    now = _round_with(r, "a", 1.0)
+    assert r.idle == {"f"}
+    for t in (1.0, 2.0, 3.0):
+        assert r.heartbeat("f", now + t)
+    assert r.idle == {"f"} and r.join("f", now + 3.5) == r.round  # a rejoin does not make it active either
+    r.submit("a", r.round, now + 4.0)
+    assert r.due(now + 4.0)
+    r.close(now + 4.0)
+    assert not r.due(now + 10.0)  # silent for more than the heartbeat timeout: dropped, idle or not
+    assert "f" not in r.members and "f" not in r.idle and "f" not in r.missed
+    assert not r.heartbeat("f", now + 10.0)
+
+
+def test_max_idle_rounds_0_waits_for_every_member_as_before() -> None:
+    r = _two_members(RoundConfig(round_timeout_s=10.0, heartbeat_timeout_s=5.0, max_idle_rounds=0))
+    now = 0.0
+    for _ in range(5):
+        opened = r.opened_at
+        now = _round_with(r, "a", now + 1.0)
+        assert now - opened == 10.0
+    assert r.idle == set() and r.missed["f"] == 5
+
+
+def test_a_joiners_count_starts_at_its_first_round_as_a_member() -> None:
+    r = Rounds(cfg=RoundConfig(round_timeout_s=10.0, heartbeat_timeout_s=5.0, max_idle_rounds=2), now=0.0)
+    r.join("a", 0.0)
+    assert r.join("j", 1.0) == 1  # admitted at round 0, a member from round 1
+    now = _round_with(r, "a", 2.0)  # round 0 closes early: "j" is not a member yet
+    assert now == 2.0 and "j" not in r.missed
+    now = _round_with(r, "a", now + 1.0)  # round 1: its first miss
+    assert r.missed["j"] == 1 and r.idle == set()
+    now = _round_with(r, "a", now + 1.0)  # round 2: its second
+    assert r.idle == {"j"}
+    opened = r.opened_at
+    assert _round_with(r, "a", now + 1.0) == opened + 1.0
+
+
+def test_the_idle_survive_a_restart_and_an_old_state_resumes_all_active() -> None:
+    cfg = RoundConfig(round_timeout_s=10.0, heartbeat_timeout_s=5.0, max_idle_rounds=2)
+    r = _two_members(cfg)
+    now = _round_with(r, "a", 1.0)
+    now = _round_with(r, "a", now + 1.0)
+    state = r.state_dict()
+    assert state["missed"] == {"f": 2}
+    back = Rounds.from_state(cfg, state, now=100.0)
+    assert back.idle == {"f"} and set(back.members) == {"a", "f"}
+    back.submit("a", back.round, 101.0)
+    assert back.due(101.0)  # the resumed round does not wait for the idle member
+    off = Rounds.from_state(RoundConfig(round_timeout_s=10.0, max_idle_rounds=0), state, now=100.0)
+    assert off.idle == set()  # the rule turned off: nobody is idle
+    old = {"round": 4, "members": ["a", "f"], "joiners": []}  # saved before the rule existed
+    back = Rounds.from_state(cfg, old, now=100.0)
+    assert back.round == 4 and back.idle == set() and back.missed == {}
+    back.submit("a", 4, 101.0)
+    assert not back.due(101.0)  # everyone starts active
+    with pytest.raises(ValueError, match="max_idle_rounds"):
+        RoundConfig(max_idle_rounds=-1)
