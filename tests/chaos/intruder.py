@@ -36,6 +36,8 @@ from demonet.config import load_config
 from demonet.errors import InvalidPayload
 from demonet.optim import DeMo
 from demonet.train.model import GPT
+from demonet.wire.identity import Identity, submit_statement
+from demonet.wire.signed import heartbeat_request, join_request, parameters_request
 
 POISONER = """
 import sys
@@ -72,7 +74,8 @@ raise SystemExit(main(sys.argv[1:]))
 CALL_S = 2.0
 """Deadline of every call the intruder makes."""
 METHODS = {  # name -> (kind, reply type)
-    "Join": ("unary", pb.JoinReply), "Heartbeat": ("unary", pb.HeartbeatReply),
+    "Challenge": ("unary", pb.ChallengeReply), "Join": ("unary", pb.JoinReply),
+    "Heartbeat": ("unary", pb.HeartbeatReply),
     "GetParameters": ("stream_out", pb.PayloadPart), "Submit": ("stream_in", pb.SubmitReply),
     "GetAggregate": ("stream_out", pb.AggregateChunk), "Status": ("unary", pb.StatusReply),
 }
@@ -100,6 +103,8 @@ class Intruder:
         self.accepted: Counter[str] = Counter()
         self.codes: Counter[str] = Counter()
         self.peer_id = "intruder"
+        self.key = Identity.generate()  # its own key: the token admits it in its own name
+        self.session = b""
         self._payload: Any = None
         self._specs: Any = None
 
@@ -135,7 +140,8 @@ class Intruder:
     # -- without the token ---------------------------------------------------------------------------
 
     async def tokens(self) -> None:
-        valid = {"Join": pb.JoinRequest(peer_id="thief"), "Heartbeat": pb.HeartbeatRequest(peer_id="thief"),
+        valid = {"Challenge": pb.ChallengeRequest(peer_id="thief", public_key=self.key.public),
+                 "Join": pb.JoinRequest(peer_id="thief"), "Heartbeat": pb.HeartbeatRequest(peer_id="thief"),
                  "GetParameters": pb.ParametersRequest(peer_id="thief"), "Status": pb.StatusRequest(),
                  "GetAggregate": pb.AggregateRequest(peer_id="thief"),
                  "Submit": pb.SubmitPart(peer_id="thief", part=pb.PayloadPart(count=1, total_bytes=1, data=b"x"))}
@@ -157,7 +163,7 @@ class Intruder:
                 request = [self.junk() for _ in range(self.rng.randint(1, 3))] if method == "Submit" else self.junk()
                 code, replies = await self.call(method, request, self.meta())
                 accepted = False
-                if code == "OK" and method == "Join":
+                if code == "OK" and method in ("Join", "Challenge"):
                     accepted = True  # random bytes must never make a member
                 if code == "OK" and method == "Submit":
                     reply = pb.SubmitReply()
@@ -176,10 +182,16 @@ class Intruder:
 
     async def join(self) -> dict[str, Any]:
         """Join, then wait (bounded) until the round this id is a member of opens."""
-        code, replies = await self.call("Join", pb.JoinRequest(peer_id=self.peer_id).SerializeToString(), self.meta())
+        code, replies = await self.call("Challenge", pb.ChallengeRequest(
+            peer_id=self.peer_id, public_key=self.key.public).SerializeToString(), self.meta())
+        assert code == "OK", code
+        nonce = pb.ChallengeReply.FromString(replies[0]).nonce
+        code, replies = await self.call("Join", join_request(self.key, self.peer_id, nonce).SerializeToString(),
+                                        self.meta())
         assert code == "OK", code
         reply = pb.JoinReply()
         reply.ParseFromString(replies[0])
+        self.session = reply.session
         deadline = time.monotonic() + 30
         while (await self.status()).round < reply.round and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -213,8 +225,18 @@ class Intruder:
         return True
 
     def parts(self, data: bytes, round: int, digest: str, peer_id: str | None = None) -> list[bytes]:
-        return [pb.SubmitPart(peer_id=peer_id or self.peer_id, round=round, param_digest=digest, loss=1.0,
-                              part=p).SerializeToString() for p in wire.split(data)]
+        """The parts of a Submit stream, the first signed with this intruder's key (whatever id they name)."""
+        return self.signed([pb.SubmitPart(peer_id=peer_id or self.peer_id, round=round, param_digest=digest, loss=1.0,
+                                          part=p) for p in wire.split(data)])
+
+    def signed(self, parts: list[Any]) -> list[bytes]:
+        """Serialized parts, the first signed with this intruder's key over its own fields, as a member signs,
+        so that a lie in the parts is refused by the checks behind the signature."""
+        if parts:
+            head = parts[0]
+            head.signature = self.key.sign(submit_statement(self.session, head.peer_id, head.round,
+                                                            head.part.payload_digest, head.param_digest, head.loss))
+        return [p.SerializeToString() for p in parts]
 
     async def submit(self, category: str, parts: list[bytes]) -> None:
         code, replies = await self.call("Submit", parts, self.meta())
@@ -292,8 +314,8 @@ class Intruder:
                 continue  # a mutation that is still a well-formed payload (a flipped value bit) is not bad input
             if not data:
                 part = pb.PayloadPart(payload_digest=bytes(32), index=0, count=1, total_bytes=0, data=b"")
-                await self.submit(category, [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
-                                                           part=part).SerializeToString()])
+                await self.submit(category, self.signed([pb.SubmitPart(peer_id=self.peer_id, round=r,
+                                                                       param_digest=digest, part=part)]))
                 continue
             await self.submit(category, self.parts(data, r, digest))
         # Parts that lie: several peers or rounds in one stream, a wrong count, a part twice.
@@ -301,23 +323,23 @@ class Intruder:
         r, digest = st.round, st.param_digest
         good = self.valid_payload(run_config, r)
         small = wire.split(good, part_bytes=max(1, len(good) // 3))
-        mixed = [pb.SubmitPart(peer_id=self.peer_id if i == 0 else "a", round=r, param_digest=digest,
-                               part=p).SerializeToString() for i, p in enumerate(small)]
+        mixed = self.signed([pb.SubmitPart(peer_id=self.peer_id if i == 0 else "a", round=r, param_digest=digest,
+                                           part=p) for i, p in enumerate(small)])
         await self.submit("parts_mixed_peers", mixed)
-        mixed = [pb.SubmitPart(peer_id=self.peer_id, round=r + i, param_digest=digest,
-                               part=p).SerializeToString() for i, p in enumerate(small)]
+        mixed = self.signed([pb.SubmitPart(peer_id=self.peer_id, round=r + i, param_digest=digest, part=p)
+                             for i, p in enumerate(small)])
         await self.submit("parts_mixed_rounds", mixed)
         parts = small
         twice = [parts[0], parts[0], *parts[1:]]
-        await self.submit("parts_duplicate", [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
-                                                            part=p).SerializeToString() for p in twice])
+        await self.submit("parts_duplicate", self.signed([pb.SubmitPart(peer_id=self.peer_id, round=r,
+                                                                        param_digest=digest, part=p) for p in twice]))
         lying = pb.PayloadPart()
         lying.CopyFrom(parts[0])
         lying.total_bytes = 1 << 40
-        await self.submit("parts_huge_size", [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
-                                                            part=lying).SerializeToString()])
-        await self.submit("parts_missing", [pb.SubmitPart(peer_id=self.peer_id, round=r, param_digest=digest,
-                                                          part=parts[0]).SerializeToString()])
+        await self.submit("parts_huge_size", self.signed([pb.SubmitPart(peer_id=self.peer_id, round=r,
+                                                                        param_digest=digest, part=lying)]))
+        await self.submit("parts_missing", self.signed([pb.SubmitPart(peer_id=self.peer_id, round=r,
+                                                                      param_digest=digest, part=parts[0])]))
         await self.submit("wrong_step", self.parts(self.valid_payload(run_config, r + 3), r, digest))
         await self.submit("stale_round", self.parts(self.valid_payload(run_config, max(r - 1, 0)), max(r - 1, 0),
                                                     digest))
@@ -338,23 +360,25 @@ class Intruder:
         while (await self.status()).round == r and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         st = await self.status()
-        await self.submit("replay_next_round", [pb.SubmitPart(
-            peer_id=self.peer_id, round=st.round, param_digest=st.param_digest, loss=1.0,
-            part=pb.SubmitPart.FromString(p).part).SerializeToString() for p in good])
+        replayed = [pb.SubmitPart.FromString(p) for p in good]  # its signature, on another round
+        for part in replayed:
+            part.round, part.param_digest = st.round, st.param_digest
+        await self.submit("replay_next_round", [p.SerializeToString() for p in replayed])
         return control
 
     async def heartbeats(self) -> None:
         while True:
-            await self.call("Heartbeat", pb.HeartbeatRequest(peer_id=self.peer_id).SerializeToString(), self.meta())
+            await self.call("Heartbeat", heartbeat_request(self.key, self.session, self.peer_id, 0).SerializeToString(),
+                            self.meta())
             await asyncio.sleep(0.5)
 
     async def other_rounds(self) -> None:
         """Stale and future rounds where a peer asks for data: answered or refused, never a change."""
         r = (await self.status()).round
         for n in (r + 1000, 2**63, 0):
-            for method, msg in (("GetParameters", pb.ParametersRequest(peer_id=self.peer_id, round=n)),
+            for method, msg in (("GetParameters", parameters_request(self.key, self.session, self.peer_id, n)),
                                 ("GetAggregate", pb.AggregateRequest(peer_id=self.peer_id, round=n)),
-                                ("Heartbeat", pb.HeartbeatRequest(peer_id=self.peer_id, round=n))):
+                                ("Heartbeat", heartbeat_request(self.key, self.session, self.peer_id, n))):
                 code, _ = await self.call(method, msg.SerializeToString(), self.meta())
                 self.record(f"round_{method}", False, code)
         for bad in ("", "x" * 200, "a b", "ünï"):
