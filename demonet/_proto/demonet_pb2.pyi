@@ -31,6 +31,7 @@ class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REFUSAL_DUPLICATE: _ClassVar[Refusal]
     REFUSAL_INVALID: _ClassVar[Refusal]
     REFUSAL_RESYNC: _ClassVar[Refusal]
+    REFUSAL_BUSY: _ClassVar[Refusal]
 
 class DhtKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -57,6 +58,7 @@ REFUSAL_NOT_MEMBER: Refusal
 REFUSAL_DUPLICATE: Refusal
 REFUSAL_INVALID: Refusal
 REFUSAL_RESYNC: Refusal
+REFUSAL_BUSY: Refusal
 DHT_KIND_UNSPECIFIED: DhtKind
 DHT_KIND_PART: DhtKind
 DHT_KIND_FETCH: DhtKind

@@ -33,6 +33,7 @@ from demonet.wire.merge import decode_contribution
 
 from . import weights
 from .identities import Identities, NotJoined, Refused, read_allowlist
+from .limits import DEFAULT_INFLIGHT_FLOOR_BYTES, Busy, Limits, LimitsConfig, RateLimits, submission_bound
 from .metrics import Metrics
 from .persist import Persister, Snapshot
 from .rounds import ClosedRound, RoundConfig, Rounds, SubmitRejected
@@ -61,7 +62,11 @@ class CoordinatorOptions:
     total_rounds: int = 0
     """The run ends after this many rounds (0: no end)."""
     max_payload_bytes: int = 1 << 30
-    """Largest serialized payload a peer may submit."""
+    """Largest serialized payload a peer may submit; the run's own bound (`limits.submission_bound`, a few
+    times a real payload) is used where smaller."""
+    max_inflight_bytes: int = 0
+    """The declared sizes of all open Submit streams together, at most; a stream over it is refused BUSY.
+    0: max(8 submissions at the run's bound, 256 MiB)."""
     init_file: Path | None = None
     """A safetensors file of the initial parameters by name, instead of the seeded init; a state saved in
     `state_dir` wins over it (a resume)."""
@@ -122,6 +127,34 @@ def _now() -> float:
     return time.monotonic()
 
 
+class _StreamEnd:
+    """When one Submit stream ends at the latest (event-loop time); `end_now` when its round closes."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.waiting: asyncio.Timeout | None = None  # the wait for the stream's next part
+
+    def end_now(self) -> None:
+        self.at = asyncio.get_running_loop().time()
+        if self.waiting is not None:
+            self.waiting.reschedule(self.at)
+
+
+async def _until(parts: AsyncIterator[Any], ends: _StreamEnd) -> AsyncIterator[Any]:
+    """The parts of a Submit stream until `ends`: then TimeoutError, and the stream (and its bytes) let go.
+    Each wait is bounded on its own, so that nothing but the wait for a part is ever interrupted."""
+    iterator = aiter(parts)
+    while True:
+        try:
+            async with asyncio.timeout_at(ends.at) as ends.waiting:
+                part = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        finally:
+            ends.waiting = None
+        yield part
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Clock-synchronous rounds over gRPC; see proto/demonet.proto for the protocol."""
 
@@ -144,6 +177,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.identities = Identities(net.admission, read_allowlist(Path(net.allowlist)) if net.allowlist else None)
         self.accepted_digests: dict[str, bytes] = {}
         """Peer -> the digest of its payload in the open round (a retry of it is a duplicate, another one is not)."""
+        bound = submission_bound(self.state.specs, cfg.optim.compression_topk, cap=opts.max_payload_bytes)
+        self.limits = Limits(LimitsConfig(
+            max_submission_bytes=bound, download_every_s=cfg.net.round_timeout_s,
+            max_inflight_bytes=opts.max_inflight_bytes or max(8 * bound, DEFAULT_INFLIGHT_FLOOR_BYTES)))
         saved = self.state.load(opts.state_dir) if opts.state_dir is not None else None
         if saved is not None:
             self.rounds = Rounds.from_state(round_cfg, saved["rounds"], now=_now())
@@ -240,6 +277,42 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         logger.info("[coordinator] allowlist reloaded: %d keys%s", len(allowed),
                     f"; dropped {', '.join(removed)}" if removed else "")
 
+    async def _limit(self, rates: RateLimits, peer_id: str, what: str,
+                     context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """RESOURCE_EXHAUSTED, saying when to try again (also as "retry-after-s"), past `peer_id`'s rate."""
+        wait_s = rates.take(peer_id, _now())
+        if wait_s > 0:
+            self.metrics.refused(peer_id, None, "rate", f"{what} over its rate")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{what}: {peer_id} is over its rate ({rates.burst} at once, then one per "
+                                f"{rates.every_s:g} s); try again in {wait_s:.1f} s",
+                                trailing_metadata=(("retry-after-s", f"{wait_s:.3f}"),))
+
+    async def _may_download(self, peer_id: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Parameters go to members and admitted joiners only (a dropped peer joins again first: FAILED_PRECONDITION
+        sends the client to catch up), at most at `limits.downloads`' rate."""
+        if peer_id not in self.rounds.members and peer_id not in self.rounds.joiners:
+            self.metrics.refused(peer_id, None, "not_member", "GetParameters from a peer that has not joined")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{peer_id!r} is not a member of the run: Join first")
+        await self._limit(self.limits.downloads, peer_id, "GetParameters", context)
+
+    def _open_stream(self, head: pb.SubmitPart, ends: _StreamEnd) -> pb.SubmitReply | None:
+        """At a Submit's first part: refuse a size no valid payload has (INVALID), or a second stream of the
+        peer or one over the bytes in flight (BUSY); else reserve the peer's slot until `ends`."""
+        r = self.rounds
+        invalid = self.limits.check_size(head.part.total_bytes)
+        if invalid is not None:
+            raise InvalidPayload(invalid)
+        try:
+            self.limits.slots.open(head.peer_id, head.round, head.part.total_bytes, ends)
+        except Busy as e:
+            self.metrics.refused(head.peer_id, head.round, "busy", str(e))
+            return pb.SubmitReply(accepted=False, reason=str(e), refusal=pb.REFUSAL_BUSY, open_round=r.round)
+        deadline = self.limits.stream_deadline(r.deadline, r.started, _now(), self.cfg.net.round_timeout_s)
+        ends.at = asyncio.get_running_loop().time() + (deadline - _now())
+        return None
+
     @property
     def _wait_s(self) -> float:
         """How long a GetParameters or GetAggregate call may wait: two round timeouts and a margin."""
@@ -262,6 +335,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.JoinReply:
         await self._admit(request, context)
         peer_id = await self._peer_id(request.peer_id, context)
+        await self._limit(self.limits.joins, peer_id, "Join", context)
         session = b""
         if not request.probe:  # a probe admits nobody: no key needed to read the run's config
             try:
@@ -307,6 +381,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self.identities.session(peer_id) or b"", peer_id, request.round, request.resync), context)
         except NotJoined as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}: join the run first")
+        await self._may_download(peer_id, context)
         if request.resync:
             self._resynced(await self._peer_id(request.peer_id, context), request.round,
                            f"its digest after applying round {request.round - 1} differed from the canonical one")
@@ -324,10 +399,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         await self._authorize(context)
         began = time.perf_counter()  # the stream's start: its bytes over its duration are the sender's link speed
         head: pb.SubmitPart | None = None
-        reassembler = wire.Reassembler(max_bytes=self.opts.max_payload_bytes)
+        reassembler = wire.Reassembler(max_bytes=self.limits.cfg.max_submission_bytes)
         data: bytes | None = None
+        ends = _StreamEnd(asyncio.get_running_loop().time() + self._wait_s)
         try:
-            async for part in request_iterator:
+            async for part in _until(request_iterator, ends):
                 if isinstance(part, Malformed):
                     raise InvalidPayload(str(part))
                 if head is None:
@@ -344,6 +420,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         self.rounds.check_submit(head.peer_id, head.round)
                     except SubmitRejected as e:
                         return self._refused(e, head.peer_id, head.round, head.part.payload_digest)
+                    refused = self._open_stream(head, ends)
+                    if refused is not None:
+                        return refused
                 elif (part.peer_id, part.round) != (head.peer_id, head.round):
                     raise InvalidPayload("parts of one submission name different peers or rounds")
                 data = reassembler.add(part.part)
@@ -361,6 +440,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                            head.peer_id if head else "?", e)
             return pb.SubmitReply(accepted=False, reason=f"invalid payload: {e}", refusal=pb.REFUSAL_INVALID,
                                   open_round=self.rounds.round)
+        except TimeoutError:  # its round closed (or its deadline passed) while the payload was arriving
+            assert head is not None  # the stream's deadline is set at its first part
+            return self._refused(SubmitRejected(f"round {head.round} closed before the payload was complete",
+                                                "stale"), head.peer_id, head.round, b"")
+        finally:
+            if head is not None:
+                self.limits.slots.release(head.peer_id, ends)
         async with self.cond:
             if head.param_digest != self.state.digest and head.round == self.rounds.round:
                 self._resynced(head.peer_id, head.round, f"it submitted with digest {head.param_digest[:12]}, "
@@ -489,6 +575,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         closed, body = await asyncio.to_thread(self._apply, outcome, payloads)
         members, opened_at = tuple(r.members), r.opened_at  # for the dashboard's record, before they change
         decided = r.close(_now())
+        for ends in self.limits.slots.outlived(r.round):
+            ends.end_now()
         assert decided == outcome, "the round changed while it was applied; submissions should wait on `cond`"
         self.aggregates[closed.round] = closed
         while len(self.aggregates) > _KEEP_AGGREGATES:

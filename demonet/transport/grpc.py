@@ -51,6 +51,19 @@ _BACKOFF_FIRST_S = 0.2
 _BACKOFF_CAP_S = 5.0
 _RECONNECT_BACKOFF_MAX_MS = 1000
 _MAX_MESSAGE_BYTES = 64 << 20  # parts are 2 MiB; room for a coordinator that cuts larger ones
+_BUSY_FIRST_S = 0.1
+"""The first wait before a Submit refused BUSY is sent again; each next one doubles, up to 1 s."""
+
+
+def _retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
+    """The wait a RESOURCE_EXHAUSTED refusal advertises ("retry-after-s"), or None if it names none."""
+    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    for key, value in e.trailing_metadata() or ():
+        if key == "retry-after-s":
+            with contextlib.suppress(ValueError):
+                return max(0.0, float(value))
+    return None
 
 
 def _transient(e: BaseException) -> bool:
@@ -168,8 +181,27 @@ class GrpcClient:
 
         A failure with one of `_RETRY_CODES` is tried again after a capped exponential backoff, until
         reconnect_timeout_s has passed since the first failure: then `PeerUnavailable`. A refused token
-        raises PermissionError at once; any other error propagates.
+        raises PermissionError at once. A call over its rate (RESOURCE_EXHAUSTED with "retry-after-s") is
+        tried again after the advertised wait while the waits stay within reconnect_timeout_s in all, then
+        `PeerUnavailable`; any other error propagates.
         """
+        waited_s = 0.0
+        while True:
+            try:
+                return await self._call_once(what, attempt)
+            except grpc.aio.AioRpcError as e:
+                wait_s = _retry_after_s(e)
+                if wait_s is None:
+                    raise
+                if waited_s + wait_s > self.reconnect_timeout_s:
+                    raise PeerUnavailable(f"{what}: the coordinator at {self.address} limits this peer's calls "
+                                          f"({e.details()}); waited {waited_s:.0f} s already") from None
+                logger.warning("[%s] %s: %s; waiting %.1f s", self.peer_id or "-", what, e.details(), wait_s)
+                waited_s += wait_s
+                await asyncio.sleep(wait_s)
+
+    async def _call_once(self, what: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """`_call` without the waits of a call over its rate."""
         give_up_at: list[float] = []  # set at the first failure: the outage is timed from there, not from the call
 
         def failed(state: tenacity.RetryCallState) -> None:
@@ -365,8 +397,19 @@ class GrpcClient:
         parts = submit_parts(self.identity, self._session, self.peer_id, round, data, param_digest=param_digest,
                              loss=loss)
 
-        reply = await self._call(f"Submit({round})", lambda: self._stub.Submit(
-            iter(parts), metadata=self._metadata, timeout=self.submit_timeout_s))
+        give_up_at, busy_s = time.monotonic() + self.submit_timeout_s, _BUSY_FIRST_S
+        while True:
+            reply = await self._call(f"Submit({round})", lambda: self._stub.Submit(
+                iter(parts), metadata=self._metadata, timeout=self.submit_timeout_s))
+            # BUSY: this peer's previous attempt (a connection that dropped) is still being torn down on the
+            # coordinator, or its bytes in flight are spent: both pass soon.
+            if reply.refusal != pb.REFUSAL_BUSY or time.monotonic() + busy_s > give_up_at:
+                break
+            logger.info("[%s] Submit(%d): %s; trying again in %.1f s", self.peer_id, round, reply.reason, busy_s)
+            await asyncio.sleep(busy_s)
+            busy_s = min(2 * busy_s, 1.0)
+        if reply.refusal == pb.REFUSAL_BUSY:  # past the round's deadline by now: the round is over for it
+            raise StaleRound(f"round {round}: {reply.reason}", open_round=int(reply.open_round))
         if reply.accepted:
             return
         if reply.refusal == pb.REFUSAL_RESYNC or reply.resync:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from demonet._proto import demonet_pb2 as pb
 
 from .identity import Identity, heartbeat_statement, join_statement, parameters_statement, submit_statement
-from .parts import split
+from .parts import DEFAULT_PART_BYTES, split
 
 __all__ = ["heartbeat_request", "join_request", "parameters_request", "submit_parts"]
 
@@ -32,9 +32,9 @@ def parameters_request(identity: Identity, session: bytes, peer_id: str, round: 
 
 
 def submit_parts(identity: Identity, session: bytes, peer_id: str, round: int, data: bytes, *, param_digest: str,
-                 loss: float) -> list[pb.SubmitPart]:
+                 loss: float, part_bytes: int = DEFAULT_PART_BYTES) -> list[pb.SubmitPart]:
     """A serialized payload as the SubmitPart messages of one Submit stream; the first one carries the signature."""
-    parts = split(data)
+    parts = split(data, part_bytes=part_bytes)
     signature = identity.sign(submit_statement(session, peer_id, round, parts[0].payload_digest, param_digest, loss))
     return [pb.SubmitPart(peer_id=peer_id, round=round, param_digest=param_digest, loss=loss, part=part,
                           signature=signature if i == 0 else b"") for i, part in enumerate(parts)]

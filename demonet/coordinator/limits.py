@@ -1,0 +1,172 @@
+"""What the coordinator lets one caller cost it: submission sizes, open Submit streams, bytes in flight, and
+the rate of parameter downloads and joins. Pure logic.
+
+No network and no asyncio: the caller passes the time (`now`, seconds) into every call, so tests drive it
+with a fake clock. The servicer (`demonet.coordinator.server`) holds one `Limits` and asks it before it
+reads a payload or streams the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from demonet.optim.payload import num_chunks
+
+__all__ = ["DEFAULT_INFLIGHT_FLOOR_BYTES", "Busy", "Limits", "LimitsConfig", "RateLimits", "SubmitSlots",
+           "submission_bound"]
+
+DEFAULT_INFLIGHT_FLOOR_BYTES = 256 << 20
+"""`max_inflight_bytes` is at least this much by default (and 8 submissions' worth where those are larger)."""
+_TENSOR_HEADER_BYTES = 96
+"""A `SparseTensor`'s fields besides its data (tags, lengths, chunk, k, codings); its name and shape come on top."""
+_MARGIN_BYTES = 4096
+"""The `Payload` header and digest trailer, and room to spare."""
+_MAX_KEYS = 4096
+"""Rate buckets kept; past this, the full ones (callers that have been quiet) are forgotten."""
+
+
+def submission_bound(specs: Mapping[str, tuple[tuple[int, ...], tuple[int, int]]], topk: int,
+                     cap: int | None = None) -> int:
+    """The largest serialized payload a valid submission for this run can be (`demonet.wire.encode`'s layout).
+
+    Per tensor: its C chunks keep k = min(topk, h*w) coefficients each, at most 32-bit values and 32-bit
+    indices (no coding is wider: packed indices take ceil(log2(h*w)) <= 20 bits, Elias-Fano and bitmaps
+    are chosen only where smaller), a 32-bit scale per chunk, and its header; plus a margin.
+
+    Args:
+        specs: name -> (shape, chunk) of the run's parameters (`DeMo.param_specs`).
+        topk: the run's `compression_topk`.
+        cap: the operator's cap (`CoordinatorOptions.max_payload_bytes`); the bound never exceeds it.
+    """
+    total = _MARGIN_BYTES
+    for name, (shape, chunk) in specs.items():
+        chunks, k = num_chunks(shape, chunk), min(topk, chunk[0] * chunk[1])
+        total += chunks * k * 8 + chunks * 4 + _TENSOR_HEADER_BYTES + len(name.encode()) + 11 * len(shape)
+    return total if cap is None else min(total, cap)
+
+
+class Busy(Exception):
+    """A Submit stream that may not start now: the peer has one open, or the bytes in flight are spent."""
+
+
+@dataclass
+class _Stream:
+    round: int
+    declared: int
+    handle: Any  # the servicer's: what ends the stream when its round closes
+
+
+@dataclass
+class SubmitSlots:
+    """One open Submit stream per peer, and a budget of the bytes all open streams declared.
+
+    A stream holds its peer's slot from its first part to its end (any end: `release` in a `finally`).
+    Per peer, one slot times the per-submission bound is the peer's budget.
+    """
+
+    max_inflight_bytes: int
+    streams: dict[str, _Stream] = field(default_factory=dict)
+    inflight_bytes: int = 0
+
+    def open(self, peer_id: str, round: int, declared: int, handle: Any = None) -> None:
+        """Reserve `peer_id`'s slot for a stream of `declared` bytes.
+
+        Raises:
+            Busy: the peer has a stream open, or this one would take the bytes in flight over the budget.
+        """
+        if peer_id in self.streams:
+            raise Busy(f"{peer_id} has a Submit stream open (round {self.streams[peer_id].round}): one at a time")
+        if self.inflight_bytes + declared > self.max_inflight_bytes:
+            raise Busy(f"the coordinator has {self.inflight_bytes} bytes of submissions in flight; {declared} more "
+                       f"would exceed its budget of {self.max_inflight_bytes}")
+        self.streams[peer_id] = _Stream(round, declared, handle)
+        self.inflight_bytes += declared
+
+    def release(self, peer_id: str, handle: Any = None) -> None:
+        """End `peer_id`'s stream (the one opened with `handle`; a refused stream holds none)."""
+        stream = self.streams.get(peer_id)
+        if stream is not None and stream.handle is handle:
+            del self.streams[peer_id]
+            self.inflight_bytes -= stream.declared
+
+    def outlived(self, open_round: int) -> list[Any]:
+        """The handles of the streams for rounds before `open_round`: their round has closed."""
+        return [s.handle for s in self.streams.values() if s.round < open_round]
+
+
+@dataclass
+class RateLimits:
+    """A token bucket per caller: `burst` calls at once, then one every `every_s`."""
+
+    burst: int
+    every_s: float
+    buckets: dict[str, tuple[float, float]] = field(default_factory=dict)  # key -> (tokens, at)
+
+    def take(self, key: str, now: float) -> float:
+        """Spend one call of `key`'s; returns 0.0 if it may go ahead, else the seconds until it may."""
+        tokens, at = self.buckets.get(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - at) / self.every_s)
+        if tokens < 1.0:
+            self.buckets[key] = (tokens, now)
+            return (1.0 - tokens) * self.every_s
+        self.buckets[key] = (tokens - 1.0, now)
+        if len(self.buckets) > _MAX_KEYS:
+            self._forget_full(now)
+        return 0.0
+
+    def _forget_full(self, now: float) -> None:
+        for key in [k for k, (t, at) in self.buckets.items() if t + (now - at) / self.every_s >= self.burst]:
+            del self.buckets[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LimitsConfig:
+    """The coordinator's limits (docs/coordinator.md, Limits)."""
+
+    max_submission_bytes: int
+    """Declared size of one Submit stream's payload, at most: `submission_bound` of the run."""
+    max_inflight_bytes: int
+    """The declared sizes of all open Submit streams together, at most."""
+    download_every_s: float
+    """A member's parameter downloads refill at one per this long (the round timeout)."""
+    download_burst: int = 4
+    """Parameter downloads a member may make at once: its join, a resync, a catch-up and a retry."""
+    join_burst: int = 5
+    """Join calls one peer id may make at once (a probe and a join, retries, a rejoin)."""
+    join_every_s: float = 1.0
+    """Joins refill at one per this long."""
+    stream_grace_s: float = 1.0
+    """A Submit stream for round r is ended this long after r's deadline (or at once when r closes)."""
+
+    def __post_init__(self) -> None:
+        if self.max_submission_bytes < 1 or self.max_inflight_bytes < self.max_submission_bytes:
+            raise ValueError("max_inflight_bytes should be >= max_submission_bytes >= 1")
+        if self.download_every_s <= 0 or self.join_every_s <= 0 or self.stream_grace_s < 0:
+            raise ValueError("download_every_s and join_every_s should be > 0, stream_grace_s >= 0")
+        if self.download_burst < 1 or self.join_burst < 1:
+            raise ValueError("download_burst and join_burst should be >= 1")
+
+
+class Limits:
+    """The coordinator's limits, in one place: Submit slots and budget, download and join rates."""
+
+    def __init__(self, cfg: LimitsConfig) -> None:
+        self.cfg = cfg
+        self.slots = SubmitSlots(cfg.max_inflight_bytes)
+        self.downloads = RateLimits(cfg.download_burst, cfg.download_every_s)
+        self.joins = RateLimits(cfg.join_burst, cfg.join_every_s)
+
+    def check_size(self, declared: int) -> str | None:
+        """Why a submission declaring `declared` bytes cannot be valid for this run, or None."""
+        if declared > self.cfg.max_submission_bytes:
+            return (f"it declares {declared} bytes; no valid payload of this run is over "
+                    f"{self.cfg.max_submission_bytes} bytes")
+        return None
+
+    def stream_deadline(self, round_deadline: float, started: bool, now: float, round_timeout_s: float) -> float:
+        """When a Submit stream starting at `now` ends at the latest: its round's deadline plus the grace (a
+        round not yet started has no deadline: a round timeout from now)."""
+        end = round_deadline if started else now + round_timeout_s
+        return max(end, now) + self.cfg.stream_grace_s
