@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,8 @@ from demonet.coordinator.rounds import RoundConfig, Rounds  # noqa: E402
 from demonet.coordinator.status import status_document  # noqa: E402
 from demonet.optim import DeMo, Payload  # noqa: E402
 from demonet.train.model import BENCH_MODEL, GPT  # noqa: E402
+from demonet.wire.identity import Identity  # noqa: E402
+from demonet.wire.signed import join_request, submit_parts  # noqa: E402
 
 TOKEN = "bench"
 MD = (("authorization", f"Bearer {TOKEN}"),)
@@ -78,6 +79,19 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
+KEYS: dict[str, Identity] = {}
+SESSIONS: dict[str, bytes] = {}
+
+
+async def _join(stub: pbg.CoordinatorStub, name: str) -> int:
+    """Join as `name` with a key of its own (a challenge, then the signed join); returns its first round."""
+    key = KEYS.setdefault(name, Identity.generate())
+    challenge = await stub.Challenge(pb.ChallengeRequest(peer_id=name, public_key=key.public), metadata=MD)
+    reply = await stub.Join(join_request(key, name, challenge.nonce), metadata=MD)
+    SESSIONS[name] = reply.session
+    return int(reply.round)
+
+
 async def _client(stub: pbg.CoordinatorStub, name: str, payload: Payload, rounds: int, first: int,
                   start: asyncio.Barrier, log: dict[int, list[float]], flag: Path | None = None) -> tuple[int, int]:
     """One client's rounds; with `flag`, the file exists during odd rounds (the viewer polls then)."""
@@ -90,12 +104,9 @@ async def _client(stub: pbg.CoordinatorStub, name: str, payload: Payload, rounds
         elif flag is not None:
             flag.unlink(missing_ok=True)
 
-        async def parts(data: bytes = data, r: int = r, digest: str = digest) -> AsyncIterator[pb.SubmitPart]:
-            for part in wire.split(data):
-                yield pb.SubmitPart(peer_id=name, round=r, param_digest=digest, loss=1.0, part=part)
-
+        parts = submit_parts(KEYS[name], SESSIONS[name], name, r, data, param_digest=digest, loss=1.0)
         await start.wait()
-        reply = await stub.Submit(parts(), metadata=MD, timeout=300)
+        reply = await stub.Submit(iter(parts), metadata=MD, timeout=300)
         assert reply.accepted, reply.reason
         log.setdefault(r, []).append(time.perf_counter())
         up += len(data)
@@ -149,8 +160,7 @@ async def _run(clients: int, rounds: int, payloads: list[Payload], workdir: Path
                                       stdout=subprocess.PIPE, text=True)
         async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 2**25)]) as ch:
             stub = pbg.CoordinatorStub(ch)  # type: ignore[no-untyped-call]
-            firsts = [int((await stub.Join(pb.JoinRequest(peer_id=f"c{i}"), metadata=MD)).round)
-                      for i in range(clients)]
+            firsts = [await _join(stub, f"c{i}") for i in range(clients)]
             assert len(set(firsts[1:])) <= 1
             first = max(firsts)
             if first > 0:  # the first client opened round 0 alone: let it close that round by itself
