@@ -7,7 +7,10 @@ heartbeats. Scenarios, one after the other in one run:
 - none: no attack (the baseline);
 - params: GetParameters back to back, ignoring the advertised wait;
 - streams: 3 concurrent Submit streams declaring 1 GiB each, sending 2 MiB parts as fast as it can;
-- drip: one Submit stream for the open round declaring 8 KiB, 1 KiB every 3 s, reopened when it ends.
+- drip: one Submit stream for the open round declaring 8 KiB, 1 KiB every 3 s, reopened when it ends;
+- impersonate: p1's id on Submit streams (the attacker's own key and session) as soon as each round opens;
+- joins: a flood of challenges with a new key each, under `admission = "allowlist"` (p0's and p1's keys
+  listed; the attacker does not join).
 It prints p0's median round time (p0's round_time_s, round 0 left out), the coordinator's CPU% (utime +
 stime over the wall time, /proc/PID/stat) and peak RSS (VmHWM), the attacker's counts, and the ratios to
 the baseline. Goals: p0's rounds within 1.2x and peak RSS within 1.5x of the baseline in every attack.
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 TOKEN = "bench-attacks"
-SCENARIOS = ("none", "params", "streams", "drip")
+SCENARIOS = ("none", "params", "streams", "drip", "impersonate", "joins")
 GOAL_ROUND, GOAL_RSS = 1.2, 1.5
 CONFIG = """[model]
 d_model = 32
@@ -48,6 +51,7 @@ batch_size = 2
 round_timeout_s = {round_timeout_s}
 start_peers = 2
 heartbeat_interval_s = 0.5
+{admission}
 """
 
 
@@ -63,7 +67,14 @@ def run_scenario(attack: str, steps: int, round_timeout_s: float, tmp: Path) -> 
     """One coordinator, two peers, and the attacker (if any) until the run's last round."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "DEMONET_TOKEN": TOKEN, "PYTHONPATH": str(root)}
-    (tmp / "run.toml").write_text(CONFIG.format(round_timeout_s=round_timeout_s))
+    admission = ""
+    if attack == "joins":
+        from demonet.wire.identity import Identity, public_text
+
+        keys = [Identity.load_or_create(tmp / "out" / f"peer-{p}.key") for p in ("p0", "p1")]
+        (tmp / "allow.txt").write_text("".join(public_text(k.public) + "\n" for k in keys))
+        admission = f'admission = "allowlist"\nallowlist = "{tmp / "allow.txt"}"'
+    (tmp / "run.toml").write_text(CONFIG.format(round_timeout_s=round_timeout_s, admission=admission))
     coord = subprocess.Popen([sys.executable, "-m", "demonet.coordinator", "--listen", "127.0.0.1:0", "--config",
                               str(tmp / "run.toml"), "--steps", str(steps), "--no-dashboard"],
                              stdout=subprocess.PIPE, stderr=open(tmp / "coordinator.log", "w"), text=True, env=env)
@@ -152,6 +163,17 @@ async def attack(kind: str, address: str, peer_id: str = "mallory") -> dict[str,
 
     while len((await stub.Status(pb.StatusRequest(), metadata=md, timeout=10)).members) < 2:
         await asyncio.sleep(0.05)  # the run has started
+    if kind == "joins":
+        async def challenge() -> None:
+            try:
+                await stub.Challenge(pb.ChallengeRequest(peer_id=f"sybil-{sum(counts.values())}",
+                                                         public_key=Identity.generate().public), metadata=md,
+                                     timeout=10)
+                count("challenged")
+            except grpc.aio.AioRpcError as e:
+                count(e.code().name)
+        await loop(challenge)
+        return counts
     key = Identity.generate()
     nonce = (await stub.Challenge(pb.ChallengeRequest(peer_id=peer_id, public_key=key.public), metadata=md)).nonce
     joined = await stub.Join(join_request(key, peer_id, nonce), metadata=md, timeout=10)
@@ -179,6 +201,21 @@ async def attack(kind: str, address: str, peer_id: str = "mallory") -> dict[str,
         async def one() -> None:
             await submit(await open_round(), 1 << 30, 2 << 20, 0.0)
         await asyncio.gather(*(loop(one) for _ in range(3)))
+    elif kind == "impersonate":
+        async def as_p1() -> None:
+            round_ = await open_round()
+            digest = hashlib.sha256(bytes(1024)).digest()
+            part = pb.SubmitPart(peer_id="p1", round=round_, loss=1.0, part=pb.PayloadPart(
+                payload_digest=digest, index=0, count=1, total_bytes=1024, data=bytes(1024)),
+                signature=key.sign(submit_statement(session, "p1", round_, digest, "", 1.0)))
+            try:
+                reply = await stub.Submit(iter([part]), metadata=md, timeout=30)
+                count(pb.Refusal.Name(reply.refusal))
+            except grpc.aio.AioRpcError as e:
+                count(e.code().name)
+            while await open_round() == round_:
+                await asyncio.sleep(0.005)
+        await loop(as_p1)
     else:
         async def drip() -> None:
             await submit(await open_round(), 8 << 10, 1 << 10, 3.0)  # under the run's bound (about 12 KiB)

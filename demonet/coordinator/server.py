@@ -335,9 +335,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.JoinReply:
         await self._admit(request, context)
         peer_id = await self._peer_id(request.peer_id, context)
-        await self._limit(self.limits.joins, peer_id, "Join", context)
         session = b""
-        if not request.probe:  # a probe admits nobody: no key needed to read the run's config
+        if request.probe:  # a probe admits nobody: no key needed to read the run's config
+            await self._limit(self.limits.joins, f"probe/{peer_id}", "Join", context)
+        else:
             try:
                 session = self.identities.join(peer_id, request.public_key, request.nonce, request.signature,
                                                _now()).session
@@ -345,6 +346,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 self.metrics.refused(peer_id, None, "join", str(e))
                 logger.warning("[coordinator round=%d] refused a join as %s: %s", self.rounds.round, peer_id, e)
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            # Per key: only the holder of the key `peer_id` is bound to spends its joins.
+            await self._limit(self.limits.joins, peer_id, "Join", context)
         async with self.cond:
             if request.probe:  # a peer about to build its model: it joins once the model fits the run
                 first = self.rounds.round

@@ -170,6 +170,12 @@ async def test_a_replayed_or_second_signed_submit_is_refused(tmp_path: Path, rea
     assert reply.accepted and list(header.contributors) == ["a", "b"]
     stale = await stub.Submit(iter(mine), metadata=md)  # the stream again once its round has closed
     assert not stale.accepted and stale.refusal == pb.REFUSAL_STALE
+    for _ in range(8):  # joins as a with b's key: refused, and they do not spend a's own joins
+        nonce = (await b.stub.Challenge(pb.ChallengeRequest(peer_id="b", public_key=b.identity.public),
+                                        metadata=md)).nonce
+        assert await _refused(b.stub.Join(join_request(b.identity, "a", nonce), metadata=md)) \
+            == grpc.StatusCode.PERMISSION_DENIED
+    assert await a.join() == 1  # a member joining again resumes the open round
 
 
 async def test_the_allowlist_admits_its_keys_refuses_a_flood_and_drops_a_removed_key(
