@@ -5,7 +5,8 @@
 It tries, with a deadline on every call: each RPC without a token, with a wrong one; random bytes
 as each RPC's request; then, as a member that joined with the right token, payloads with NaN, Inf,
 huge norms, wrong shapes and names, bit flips (with and without a fixed digest), truncations, lying
-and mixed parts, stale and future rounds, replays; and stale or future rounds in the other RPCs.
+and mixed parts, stale and future rounds, replays; speaking for an honest member (`--victim`) with its
+own key and session; and stale or future rounds in the other RPCs.
 It writes per category how many were tried and how many were accepted (a Submit the coordinator
 took, a Join it admitted, a call a wrong token got through): every one of those must stay 0.
 
@@ -372,6 +373,26 @@ class Intruder:
                             self.meta())
             await asyncio.sleep(0.5)
 
+    async def impersonation(self, victim: str, run_config: dict[str, Any]) -> None:
+        """Speak for `victim` (an honest member) with this intruder's own key and session: a challenge for
+        its id, a join with this key's nonce, a heartbeat, a download and a payload, each refused."""
+        r, digest = (await self.status()).round, (await self.status()).param_digest
+        code, _ = await self.call("Challenge", pb.ChallengeRequest(peer_id=victim, public_key=self.key.public)
+                                  .SerializeToString(), self.meta())
+        self.record("impersonate_Challenge", code == "OK", code)
+        code, replies = await self.call("Challenge", pb.ChallengeRequest(
+            peer_id=self.peer_id, public_key=self.key.public).SerializeToString(), self.meta())
+        if code == "OK":
+            nonce = pb.ChallengeReply.FromString(replies[0]).nonce
+            code, _ = await self.call("Join", join_request(self.key, victim, nonce).SerializeToString(), self.meta())
+            self.record("impersonate_Join", code == "OK", code)
+        for method, msg in (("Heartbeat", heartbeat_request(self.key, self.session, victim, r)),
+                            ("GetParameters", parameters_request(self.key, self.session, victim, r))):
+            code, _ = await self.call(method, msg.SerializeToString(), self.meta())
+            self.record(f"impersonate_{method}", code == "OK", code)
+        await self.submit("impersonate_Submit", self.parts(self.valid_payload(run_config, r), r, digest,
+                                                           peer_id=victim))
+
     async def other_rounds(self) -> None:
         """Stale and future rounds where a peer asks for data: answered or refused, never a change."""
         r = (await self.status()).round
@@ -397,6 +418,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         await it.join()  # again (a member's join is idempotent; a dropped one is admitted again)
         await it.payloads(run_config)
         control = await it.replays(run_config)
+        await it.impersonation(args.victim, run_config)
     finally:
         beats.cancel()
     await it.other_rounds()
@@ -407,6 +429,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos.intruder")
     parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--victim", default="a", help="an honest member's id to speak for")
     parser.add_argument("--token", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
