@@ -9,6 +9,7 @@ wire layer's `statement`; must not import asyncio, hivemind or any other demonet
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 
 from demonet.wire.identity import KEY_BYTES, statement
@@ -41,9 +42,10 @@ def record_statement(key_id: bytes, subkey_bytes: bytes, value: bytes, expiratio
 
 
 def message_statement(body: bytes) -> bytes:
-    """What a stream message's sender signs: the message serialized with `mac` and `signature` empty
-    (its run, round, sender, kind, send time and part are all in it)."""
-    return statement("dht-message", body)
+    """What a stream message's sender signs: the SHA-256 of the message serialized with `mac` and
+    `signature` empty (its run, round, sender, kind, send time and part are all in it). Signed over the
+    digest, not the bytes: Ed25519 hashes its message twice with SHA-512 to sign, and parts are 1 MiB."""
+    return statement("dht-message", hashlib.sha256(body).digest())
 
 
 class KeyBook:
