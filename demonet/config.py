@@ -163,7 +163,9 @@ class NetConfig:
     admission: str = "token"
     """Who may join (docs/security.md): "token", any key that presents the run token (each key speaks
     only for itself); "allowlist", only the keys listed in `allowlist` (reloaded on SIGHUP; a removed key
-    is dropped); "open", any key, without the token."""
+    is dropped); "open", any key, without the token. DHT mode: the token's HMAC gates the DHT in every
+    policy ("open" is "token" there), and each peer checks the others' records and messages against
+    the allowlist, read at start."""
     allowlist: str = ""
     """With admission = "allowlist": a file of ``ed25519:<hex> [peer_id]`` lines (`demonet keygen` prints a
     key's line)."""

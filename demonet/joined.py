@@ -325,15 +325,18 @@ async def _coordinator(address: str, token: str, peer_id: str, root_cert: bytes 
 
 
 async def _dht(cfg: Config, token: str, peer_id: str, run: str, initial_peers: Sequence[str], total_rounds: int,
-               options: Mapping[str, Any]) -> _Transport:
+               options: Mapping[str, Any], key: Path | None) -> _Transport:
     from demonet.dht.gatherer import DhtGatherer, DhtOptions
     from demonet.dht.membership import DhtMembership
+    from demonet.dht.peer import allowed_keys
+    from demonet.wire.identity import Identity
     from demonet.wire.merge import MergeRules
 
     opts = DhtOptions(**{"run": run, "token": token, "initial_peers": tuple(initial_peers),
                          "window_s": cfg.net.round_timeout_s, "start_peers": cfg.net.start_peers,
-                         "rules": MergeRules.from_config(cfg), **options})
-    gatherer = await DhtGatherer.create(opts, peer_id, {})
+                         "rules": MergeRules.from_config(cfg), "allowed": allowed_keys(cfg), **options})
+    identity = Identity.load_or_create(key) if key is not None else None
+    gatherer = await DhtGatherer.create(opts, peer_id, {}, identity=identity)
     membership = DhtMembership(gatherer, JoinInfo(
         peer_id=peer_id, round=0, run_config=cfg.to_dict(), data_seed=data_seed(cfg.train.seed, peer_id),
         round_timeout_s=opts.window_s, heartbeat_interval_s=0.0, total_rounds=total_rounds))
@@ -373,8 +376,9 @@ def join(coordinator: str | None = None, *, token: str | None = None, peer_id: s
             the defaults with the DEMONET_* environment variables.
         steps: DHT mode: rounds in the run (default: train.steps).
         dht_options: DHT mode: more `demonet.dht.gatherer.DhtOptions` fields (host_maddrs, client_mode, ...).
-        key: coordinator mode: this peer's Ed25519 key file (`demonet keygen`), made if missing; its peer id is
-            bound to it. Default: ``<out>/peer-<peer_id>.key``, or with no `out` a key for this process alone.
+        key: this peer's Ed25519 key file (`demonet keygen`), made if missing; its peer id is bound to it (in
+            DHT mode it signs the peer's records and messages). Default: ``<out>/peer-<peer_id>.key``, or with
+            no `out` a key for this process alone.
 
     Raises:
         ValueError: neither or both of `coordinator` and `dht_initial_peers`, or no token.
@@ -385,9 +389,9 @@ def join(coordinator: str | None = None, *, token: str | None = None, peer_id: s
     token = token if token is not None else load_token(None, os.environ)
     peer_id = peer_id or f"{socket.gethostname()}-{os.getpid()}"
     folder = Path(out) if out is not None else None
+    key_file = Path(key) if key is not None else folder / f"peer-{peer_id}.key" if folder is not None else None
     if coordinator is not None:
         address = coordinator
-        key_file = Path(key) if key is not None else folder / f"peer-{peer_id}.key" if folder is not None else None
         return JoinedRun(peer_id, out=folder, checkpoint_every=checkpoint_every)._open(
             lambda: _coordinator(address, token, peer_id, root_cert, reconnect_timeout_s, key_file))
     cfg = config if isinstance(config, Config) else load_config(config, os.environ)
@@ -398,4 +402,4 @@ def join(coordinator: str | None = None, *, token: str | None = None, peer_id: s
         raise ValueError("steps should be >= 1")
     initial = tuple(dht_initial_peers or ())
     return JoinedRun(peer_id, out=folder, checkpoint_every=checkpoint_every)._open(
-        lambda: _dht(cfg, token, peer_id, run, initial, total, dht_options or {}))
+        lambda: _dht(cfg, token, peer_id, run, initial, total, dht_options or {}, key_file))

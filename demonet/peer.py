@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this peer's id; the same id resumes its checkpoint (default: HOST-PID)")
     parser.add_argument("--out", default="runs/peer", help="folder for metrics and the checkpoint (runs/peer)")
     parser.add_argument("--key", help="this peer's Ed25519 key file (demonet keygen), made if missing; its peer id "
-                                      "is bound to it (default: OUT/peer-PEER_ID.key; coordinator mode)")
+                                      "is bound to it; with --dht it signs the peer's records and messages (default: "
+                                      "OUT/peer-PEER_ID.key)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cpu)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per round (1)")

@@ -22,10 +22,9 @@ import logging
 import secrets
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from demonet.wire.identity import KEY_BYTES, fingerprint, join_statement, parse_public, verify
+from demonet.wire.identity import KEY_BYTES, fingerprint, join_statement, read_allowlist, verify
 
 __all__ = ["ADMISSIONS", "Binding", "Identities", "NotJoined", "Refused", "read_allowlist"]
 
@@ -65,28 +64,6 @@ class _Challenge:
     peer_id: str
     public: bytes
     expires_at: float
-
-
-def read_allowlist(path: Path) -> dict[bytes, str | None]:
-    """The keys an allowlist file admits: one ``ed25519:<hex>`` per line, optionally followed by the one
-    peer id that key may use; ``#`` starts a comment.
-
-    Raises:
-        OSError: the file cannot be read.
-        ValueError: a line that is not a key (with its line number).
-    """
-    keys: dict[bytes, str | None] = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        if len(words) > 2:
-            raise ValueError(f"{path}:{n}: expected 'ed25519:<hex> [peer_id]', got {line.strip()!r}")
-        try:
-            keys[parse_public(words[0])] = words[1] if len(words) == 2 else None
-        except ValueError as e:
-            raise ValueError(f"{path}:{n}: {e}") from None
-    return keys
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 
 from demonet.optim import Payload
 from demonet.transport import NotMember, Resync, RoundResult
+from demonet.wire.identity import Identity
 
 from . import rules
 from .board import RoundBoard
@@ -48,8 +49,12 @@ class DhtGatherer:
         """This peer's view of the run for its dashboard, fed each round; None: no dashboard."""
 
     @classmethod
-    async def create(cls, opts: DhtOptions, peer_id: str, specs: rules.Specs) -> DhtGatherer:
+    async def create(cls, opts: DhtOptions, peer_id: str, specs: rules.Specs, *,
+                     identity: Identity | None = None) -> DhtGatherer:
         """Start this peer's DHT node (a p2pd daemon) and serve the streams of its parts.
+
+        `identity` (this peer's Ed25519 key) signs its records and stream messages; None: a new key for
+        this process alone (a restart is then another key, which the other peers do not take for this id).
 
         The initial peers may not be up yet (they start at the same time, or restart): the node is
         started again every few seconds for up to ``bootstrap_timeout_s``.
@@ -57,7 +62,7 @@ class DhtGatherer:
         Raises:
             PeerUnavailable: no initial peer could be reached in that time.
         """
-        node = await DhtNode.start(opts, peer_id)
+        node = await DhtNode.start(opts, peer_id, identity)
         try:
             self = cls(node, specs)  # its parts register their stream handlers before any request can come
             await node.streams.open()
@@ -68,7 +73,7 @@ class DhtGatherer:
 
     @property
     def refused(self) -> int:
-        """Stream messages refused (bad MAC, another run, replayed)."""
+        """Stream messages refused (bad MAC, another run, replayed, unknown sender, bad signature)."""
         return self._node.streams.refused
 
     def visible_maddrs(self) -> list[str]:

@@ -23,8 +23,10 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import PeerUnavailable
+from demonet.wire.identity import Identity, fingerprint
 
-from .streams import DhtOptions, HmacValidator, Streams, now
+from . import keys
+from .streams import DhtOptions, HmacValidator, KeyValidator, Streams, now
 
 __all__ = ["DhtNode"]
 
@@ -97,20 +99,30 @@ class DhtNode:
     """This peer's DHT process and libp2p endpoint (`streams`); stores and reads the run's signed records.
 
     Create it with `DhtNode.start`. Records are JSON objects stored under ``demonet/<run>/<what>[/<round>]``
-    with this peer's id as the subkey, signed by `HmacValidator`.
+    with the subkey ``<peer id>@<hex key>``, signed by this peer's key (`KeyValidator`) and the run
+    token (`HmacValidator`). `book` says which key counts for each peer id; `get` reads only its records.
     """
 
-    def __init__(self, opts: DhtOptions, peer_id: str, dht: Any, p2p: Any) -> None:
-        self.opts, self.peer_id = opts, peer_id
+    def __init__(self, opts: DhtOptions, peer_id: str, dht: Any, p2p: Any, identity: Identity) -> None:
+        self.opts, self.peer_id, self.identity = opts, peer_id, identity
         self.dht: Any = dht
         self.p2p: Any = p2p
         self.address = str(p2p.peer_id)
         """This peer's libp2p peer id, which other peers dial."""
-        self.streams = Streams(opts, peer_id, p2p)
+        self.book = keys.KeyBook((peer_id, identity.public), opts.allowed)
+        self.streams = Streams(opts, peer_id, p2p, identity, self.book, self.resolve_key)
+        self._ignored: set[tuple[str, bytes]] = set()  # (peer id, key) whose records were logged as ignored
+        self._resolving: dict[tuple[str, int], asyncio.Task[bytes | None]] = {}  # one search per (peer id, round)
+        if not self.book.admits(peer_id, identity.public):
+            logger.warning("[%s] this peer's key %s is not on the allowlist (as %s): the others ignore it", peer_id,
+                           identity.fingerprint, peer_id)
 
     @classmethod
-    async def start(cls, opts: DhtOptions, peer_id: str) -> DhtNode:
+    async def start(cls, opts: DhtOptions, peer_id: str, identity: Identity | None = None) -> DhtNode:
         """Start this peer's DHT node (a p2pd daemon); `streams.open()` then serves the handlers given to it.
+
+        `identity`: this peer's Ed25519 key, which signs its records and messages (None: a new key,
+        for this process alone).
 
         The initial peers may not be up yet (they start at the same time, or restart): the node is
         started again every few seconds for up to ``bootstrap_timeout_s``.
@@ -118,6 +130,8 @@ class DhtNode:
         Raises:
             PeerUnavailable: no initial peer could be reached in that time.
         """
+        identity = identity or Identity.generate()
+        validators = [KeyValidator(identity), HmacValidator(opts.token.encode())]
         give_up_at = time.monotonic() + opts.bootstrap_timeout_s
         while True:
             try:
@@ -126,7 +140,7 @@ class DhtNode:
                                               host_maddrs=list(opts.host_maddrs),
                                               announce_maddrs=list(opts.announce_maddrs) or None,
                                               client_mode=opts.client_mode, identity_path=opts.identity_path,
-                                              record_validators=[HmacValidator(opts.token.encode())])
+                                              record_validators=validators)
                 break
             except (P2PDaemonError, RuntimeError) as e:
                 # P2PDaemonError: no connection to the bootstrap peers; RuntimeError("DHTNode bootstrap
@@ -140,7 +154,7 @@ class DhtNode:
                 logger.info("[%s] the initial peers are not reachable yet (%s); trying again", peer_id,
                             str(e).strip().splitlines()[-1][-120:])
                 await asyncio.sleep(2.0)
-        return cls(opts, peer_id, dht, await dht.replicate_p2p())
+        return cls(opts, peer_id, dht, await dht.replicate_p2p(), identity)
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -196,7 +210,7 @@ class DhtNode:
         try:
             async with asyncio.timeout(self.opts.exchange_timeout_s):
                 ok = await self.dht.store(key, json.dumps(value), expiration_time=now() + self.ttl_s,
-                                          subkey=self.peer_id, return_future=True)
+                                          subkey=keys.subkey(self.peer_id, self.identity.public), return_future=True)
         except TimeoutError:
             logger.warning("[%s] the DHT did not confirm storing %s within %s s (a node does not answer)",
                            self.peer_id, key, self.opts.exchange_timeout_s)
@@ -205,7 +219,11 @@ class DhtNode:
             logger.debug("[%s] a DHT node did not store %s", self.peer_id, key)
 
     async def get(self, key: str) -> dict[str, dict[str, Any]]:
-        """The valid records under `key` by subkey; nothing if the DHT does not answer within exchange_timeout_s."""
+        """The valid records under `key` by peer id; nothing if the DHT does not answer within exchange_timeout_s.
+
+        A record counts only under the key `book` holds for its peer id (the first one read, or the
+        allowlist's); the records of other keys are ignored (logged once per peer id and key).
+        """
         try:
             async with asyncio.timeout(self.opts.exchange_timeout_s):
                 found = await self.dht.get(key, latest=True, return_future=True)
@@ -214,10 +232,42 @@ class DhtNode:
             return {}
         if found is None or not isinstance(found.value, dict):
             return {}
-        out = {}
+        claims: dict[str, dict[bytes, dict[str, Any]]] = {}  # peer id -> key -> its record
         for subkey, item in found.value.items():
+            claim = keys.parse_subkey(subkey) if isinstance(subkey, str) else None
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 value = json.loads(item.value)
-                if isinstance(subkey, str) and isinstance(value, dict):
-                    out[subkey] = value
+                if claim is not None and isinstance(value, dict):
+                    claims.setdefault(claim[0], {})[claim[1]] = value
+        out = {}
+        for peer_id, by_key in claims.items():
+            chosen = self.book.choose(peer_id, by_key)
+            if chosen is not None:
+                out[peer_id] = by_key[chosen]
+            for public in by_key.keys() - {chosen}:
+                if (peer_id, public) not in self._ignored:
+                    self._ignored.add((peer_id, public))
+                    logger.warning("[%s] ignored the records of key %s as %s (%s)", self.peer_id, fingerprint(public),
+                                   peer_id, "not on the allowlist" if not self.book.admits(peer_id, public)
+                                   else "another key holds this id" if self.book.key_of(peer_id) is not None
+                                   else "several keys claim this id")
         return out
+
+    async def resolve_key(self, peer_id: str, round: int) -> bytes | None:
+        """The key of `peer_id`, read from its records of `round` (an announcement, a registration or a
+        state) if none is known yet; one search per peer id and round."""
+        if (known := self.book.key_of(peer_id)) is not None:
+            return known
+        task = self._resolving.get((peer_id, round))
+        if task is None:
+            if len(self._resolving) > 4096:
+                self._resolving = {k: t for k, t in self._resolving.items() if not t.done()}
+            task = self._resolving[peer_id, round] = asyncio.create_task(self._search_key(peer_id, round))
+        return await asyncio.shield(task)
+
+    async def _search_key(self, peer_id: str, round: int) -> bytes | None:
+        for what in ("members", "join", "state"):
+            await self.get(self.key(what, round))
+            if (known := self.book.key_of(peer_id)) is not None:
+                return known
+        return None

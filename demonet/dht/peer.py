@@ -25,6 +25,7 @@ from demonet.train.data import data_seed
 from demonet.train.loop import RoundLoop, stop_on_signals, warm_up
 from demonet.train.trainer import Trainer
 from demonet.transport import JoinInfo
+from demonet.wire.identity import Identity, KeyFileError, read_allowlist
 from demonet.wire.merge import MergeRules
 
 from .membership import DhtMembership
@@ -33,7 +34,7 @@ from .view import DhtView
 if TYPE_CHECKING:
     from .gatherer import DhtOptions
 
-__all__ = ["add_arguments", "run", "run_dht_peer"]
+__all__ = ["add_arguments", "allowed_keys", "run", "run_dht_peer"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,22 @@ async def _serve_view(view: DhtView, host: str, port: int, on_dashboard: Callabl
     return site
 
 
+def allowed_keys(cfg: Config) -> dict[bytes, str | None] | None:
+    """The keys whose DHT records and messages count under `[net] admission = "allowlist"` (key -> the
+    one peer id it may use); None under "token" and "open" (in DHT mode both need the run token, and
+    each peer id counts the first key seen for it).
+
+    Raises:
+        OSError, ValueError: the allowlist file cannot be read or parsed.
+    """
+    return read_allowlist(Path(cfg.net.allowlist)) if cfg.net.admission == "allowlist" else None
+
+
 async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path, total_rounds: int,
                        device: str = "cpu", threads: int | None = None, accumulate: int = 1,
                        checkpoint_every: int = 10, stop: asyncio.Event | None = None,
                        on_ready: Callable[[list[str]], None] | None = None, dashboard_port: int | None = None,
-                       on_dashboard: Callable[[str], None] | None = None) -> int:
+                       on_dashboard: Callable[[str], None] | None = None, key: Path | None = None) -> int:
     """Train as one peer of a DHT run until its last round, SIGTERM or `stop`.
 
     Args:
@@ -74,6 +86,8 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
         dashboard_port: serve this peer's view of the run (docs/dashboard.md) on this port (0: any free
             one), on the interface of its first host multiaddr; None: no dashboard.
         on_dashboard: called with the dashboard's URL.
+        key: this peer's Ed25519 key file (`demonet keygen`), made there if missing; None:
+            ``<out>/peer-<peer_id>.key``. It signs the peer's DHT records and stream messages.
 
     Returns:
         0 after the last round or a graceful stop; 1 if the run could not be reached or joined.
@@ -83,6 +97,11 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
     if threads:
         torch.set_num_threads(threads)
     stop = stop or asyncio.Event()
+    try:
+        identity = Identity.load_or_create(key or out / f"peer-{peer_id}.key")
+    except (OSError, KeyFileError) as e:
+        logger.error("[%s] %s", peer_id, e)
+        return 2
     membership: DhtMembership | None = None
     view, site = DhtView(peer_id, total_rounds=total_rounds, window_s=opts.window_s), None
     with stop_on_signals(stop):
@@ -90,7 +109,7 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
             if dashboard_port is not None:
                 site = await _serve_view(view, _dashboard_host(opts.host_maddrs), dashboard_port, on_dashboard)
             await asyncio.to_thread(warm_up)
-            gatherer = await DhtGatherer.create(opts, peer_id, {})
+            gatherer = await DhtGatherer.create(opts, peer_id, {}, identity=identity)
             if site is not None:
                 gatherer.view, view.refused = view, lambda: gatherer.refused
             membership = DhtMembership(gatherer, JoinInfo(
@@ -178,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
                           identity_path=args.identity,
                           window_s=cfg.net.round_timeout_s, exchange_timeout_s=args.exchange_timeout_s,
                           settle_s=args.settle_s, start_peers=cfg.net.start_peers,
-                          rules=MergeRules.from_config(cfg))
+                          rules=MergeRules.from_config(cfg), allowed=allowed_keys(cfg))
     except (ValueError, OSError) as e:
         print(f"demonet peer: {e}", file=sys.stderr)
         return 2
@@ -193,5 +212,6 @@ def run(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(peer_id=args.peer_id, out=Path(args.out), total_rounds=steps, device=args.device,
                                   threads=args.threads, accumulate=args.accumulate,
                                   checkpoint_every=args.checkpoint_every, on_ready=announce,
-                                  dashboard_port=args.dashboard_port, on_dashboard=announce_dashboard)
+                                  dashboard_port=args.dashboard_port, on_dashboard=announce_dashboard,
+                                  key=Path(args.key) if args.key else None)
     return asyncio.run(run_dht_peer(cfg, opts, **kwargs))

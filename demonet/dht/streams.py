@@ -1,36 +1,37 @@
 """The DHT-mode transport's libp2p side: options, record signing, and the signed stream messages.
 
-Net layer, used by demonet.dht.node and the round components (board, exchange, donor): the HMAC
-validator of DHT records, `DhtOptions`, and `Streams`, which sends signed requests over hivemind's
-P2P and serves the requests other peers send to the handlers registered with it. Must not import
-grpc, demonet.transport.grpc or the round components.
+Net layer, used by demonet.dht.node and the round components (board, exchange, donor): the validators
+of DHT records (the run token's HMAC, the peer's Ed25519 signature), `DhtOptions`, and `Streams`, which
+sends signed requests over hivemind's P2P and serves the requests other peers send to the handlers
+registered with it. Must not import grpc, demonet.transport.grpc or the round components.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.wire import identity as ids
 from demonet.wire import params as wire_params
 from demonet.wire.merge import MergeRules
 
-from . import rules
+from . import keys, rules
 
-__all__ = ["HANDLER", "DhtOptions", "HmacValidator", "Reply", "Streams", "now", "retry"]
+__all__ = ["HANDLER", "DhtOptions", "HmacValidator", "KeyValidator", "Reply", "Streams", "now", "retry"]
 
 logger = logging.getLogger(__name__)
 
-HANDLER = "demonet.dht.v2"  # v2: payloads travel as PayloadPart messages (v1 had DhtMessage.data and last)
+HANDLER = "demonet.dht.v3"  # v3: messages signed by the sender's key; v2: payloads as PayloadPart messages
 _PART_BYTES = 1 << 20
 _MAC_BYTES = 32
 _REPLAY_S = 600.0  # messages sent longer ago than this (by the sender's clock) are refused
@@ -70,6 +71,45 @@ class HmacValidator(RecordValidatorBase):  # type: ignore[misc]
         return bytes(record.value)[:-_MAC_BYTES]
 
 
+class KeyValidator(RecordValidatorBase):  # type: ignore[misc]
+    """Signs this node's records with its peer's Ed25519 key and refuses records whose signature does not
+    verify against the key named in their subkey (``<peer id>@<hex key>``, `keys.subkey`).
+
+    Applied inside the run token's HMAC (a lower priority signs first and validates last), so a node
+    without the token is refused before any signature is checked. Which key counts for a peer id is
+    the reader's decision (`keys.KeyBook`), not the store's: a valid record of another key under an
+    honest peer's id is stored beside the honest one, never over it, and its readers ignore it.
+    """
+
+    def __init__(self, identity: ids.Identity) -> None:
+        self._identity = identity
+
+    @property
+    def priority(self) -> int:
+        return -1
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        value = bytes(record.value)
+        return value + self._identity.sign(keys.record_statement(record.key, record.subkey, value,
+                                                                 record.expiration_time))
+
+    def validate(self, record: DHTRecord) -> bool:
+        value = bytes(record.value)
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:  # msgpack raises several types for bytes that are not one of its values
+            return False
+        claim = keys.parse_subkey(subkey) if isinstance(subkey, str) else None
+        if claim is None or len(value) <= ids.SIGNATURE_BYTES:
+            return False
+        body, signature = value[:-ids.SIGNATURE_BYTES], value[-ids.SIGNATURE_BYTES:]
+        return ids.verify(claim[1], signature, keys.record_statement(record.key, record.subkey, body,
+                                                                     record.expiration_time))
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return bytes(record.value)[:-ids.SIGNATURE_BYTES]
+
+
 @dataclass(frozen=True, kw_only=True)
 class DhtOptions:
     """How a peer joins the DHT and runs rounds on it."""
@@ -101,6 +141,10 @@ class DhtOptions:
     """The first round freezes once this many peers announced."""
     rules: MergeRules = field(default_factory=lambda: MergeRules(topk=32))
     """How a slice owner merges: the coordinator's rules (top-k, encoding, median-norm clipping, norm bound)."""
+    allowed: Mapping[bytes, str | None] | None = None
+    """With admission "allowlist": the keys whose records and messages count (key -> the one peer id it
+    may use; None: any), read from `[net] allowlist` at start. None: any key that holds the token, each
+    peer id pinned to the first key seen for it (docs/security.md)."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -146,18 +190,29 @@ async def retry(attempt: Callable[[float], Awaitable[Any]], deadline: float) -> 
         delay_s = min(2 * delay_s, 0.5)
 
 
+Resolve = Callable[[str, int], Awaitable[bytes | None]]
+"""(a peer id, a round) -> its key, read from its DHT records of that round (None: none found)."""
+
+
 class Streams:
     """Signed messages over one peer's libp2p endpoint: calls to other peers, and the handler that serves them.
 
-    Requests are dispatched by kind to the handlers given to `serve`; a ping is answered here.
+    Every message carries its sender's Ed25519 signature and, on top, the run token's HMAC. A message
+    counts only if its signature verifies against the key `book` holds for its sender (read from the
+    sender's DHT records; `resolve` reads them for a sender not seen yet); a ping, which changes
+    nothing, is answered to a sender not known yet. Requests are dispatched by kind to the handlers
+    given to `serve`; a ping is answered here.
     """
 
-    def __init__(self, opts: DhtOptions, peer_id: str, p2p: Any) -> None:
+    def __init__(self, opts: DhtOptions, peer_id: str, p2p: Any, identity: ids.Identity, book: keys.KeyBook,
+                 resolve: Resolve | None = None) -> None:
         self.opts, self.peer_id, self.p2p = opts, peer_id, p2p
+        self.identity, self.book, self.resolve = identity, book, resolve
         self._token = opts.token.encode()
         self._handlers: dict[int, Handler] = {pb.DHT_KIND_PING: self._ping}
+        self._logged: set[tuple[str, int]] = set()  # (sender, round) whose signature refusal was logged
         self.refused = 0
-        """Messages refused (bad MAC, another run, replayed)."""
+        """Messages refused (bad MAC, another run, replayed, unknown sender, bad signature)."""
 
     def serve(self, kind: int, handler: Handler) -> None:
         """Answer requests of `kind` (a `pb.DhtKind`) with `handler`."""
@@ -178,6 +233,7 @@ class Streams:
 
     def _message(self, kind: int, round: int, **fields: Any) -> pb.DhtMessage:
         msg = pb.DhtMessage(run=self.opts.run, round=round, sender=self.peer_id, kind=kind, sent_at=now(), **fields)
+        msg.signature = self.identity.sign(keys.message_statement(msg.SerializeToString()))
         msg.mac = rules.sign(self._token, msg.SerializeToString())
         return msg
 
@@ -201,6 +257,36 @@ class Streams:
             return "sent too long ago"
         return ""
 
+    async def _check_sender(self, msg: pb.DhtMessage, *, unknown_ok: bool) -> str:
+        """Why a message whose MAC is good is refused for its signature ('' if it is good).
+
+        `unknown_ok`: a sender with no key known here (none in its DHT records either) passes unchecked.
+        """
+        public = self.book.key_of(msg.sender)
+        if public is None and self.resolve is not None:
+            public = await self.resolve(msg.sender, msg.round)
+        if public is None:
+            return "" if unknown_ok else f"unknown sender {msg.sender!r} (no DHT record of its key)"
+        mac, signature = msg.mac, msg.signature
+        msg.mac, msg.signature = b"", b""
+        body = msg.SerializeToString()
+        msg.mac, msg.signature = mac, signature
+        if not ids.verify(public, signature, keys.message_statement(body)):
+            return f"bad signature: not {msg.sender!r}'s key"
+        return ""
+
+    def _refuse(self, sender: str, round: int, remote: object, why: str) -> None:
+        """Count a refused message and log it (a signature's refusal once per sender and round)."""
+        self.refused += 1
+        if why.startswith(("unknown sender", "bad signature")):
+            if (sender, round) in self._logged:
+                return
+            if len(self._logged) > 4096:
+                self._logged.clear()
+            self._logged.add((sender, round))
+        logger.warning("[%s] refused a message from %s (as %r, round %d): %s", self.peer_id, remote, sender, round,
+                       why)
+
     async def call(self, address: str, kind: int, round: int, *, timeout_s: float, data: bytes | None = None,
                    **fields: Any) -> tuple[pb.DhtMessage, bytes]:
         """One request stream to a peer and its reply stream; returns (the first reply, the reply's data:
@@ -220,7 +306,7 @@ class Streams:
                 stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(address), HANDLER, send(),
                                                                  pb.DhtMessage)
                 async for msg in stream:
-                    why = self._check(msg)
+                    why = self._check(msg) or await self._check_sender(msg, unknown_ok=kind == pb.DHT_KIND_PING)
                     if why:
                         raise PeerUnavailable(f"refused a reply: {why}")
                     first = first or msg
@@ -250,15 +336,14 @@ class Streams:
         parts = wire.Reassembler()  # only a PART request carries parts: a payload slice
         data: bytes | None = None
         async for msg in requests:
-            why = self._check(msg)
+            why = self._check(msg) or await self._check_sender(msg, unknown_ok=msg.kind == pb.DHT_KIND_PING)
             if not why and msg.HasField("part"):
                 try:
                     data = parts.add(msg.part)  # None until whole; a part after that raises
                 except InvalidPayload as e:
                     why = f"bad part: {e}"
             if why:
-                self.refused += 1
-                logger.warning("[%s] refused a message from %s: %s", self.peer_id, context.remote_id, why)
+                self._refuse(msg.sender, msg.round, context.remote_id, why)
                 # Read what the caller still sends (a bounded number of messages) before answering: a
                 # stream closed early breaks the caller's pipe, and the refusal would never reach it.
                 drained = 0

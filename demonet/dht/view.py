@@ -32,7 +32,7 @@ class DhtView:
         self.peer_id, self.total_rounds, self.window_s = peer_id, total_rounds, window_s
         self.record = RunRecord()
         self.refused: Callable[[], int] = lambda: 0
-        """Stream messages refused so far (bad MAC, another run); set by the peer once its node runs."""
+        """Stream messages refused so far (bad MAC, another run, bad signature); set by the peer once its node runs."""
         self.round, self.phase = 0, "waiting"
         self.rounds_closed = self.rounds_aborted = self.resyncs = self.bytes_up = self.bytes_down = 0
         self.last_loss: float | None = None

@@ -22,8 +22,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 __all__ = ["KEY_BYTES", "SIGNATURE_BYTES", "Identity", "KeyFileError", "fingerprint", "heartbeat_statement",
-           "join_statement", "parameters_statement", "parse_public", "public_text", "statement",
-           "submit_statement", "verify"]
+           "join_statement", "parameters_statement", "parse_public", "public_text", "read_allowlist",
+           "statement", "submit_statement", "verify"]
 
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -83,6 +83,28 @@ def parse_public(text: str) -> bytes:
     if len(raw) != KEY_BYTES:
         raise ValueError(f"{text!r} is not an Ed25519 public key: {len(raw)} bytes, expected {KEY_BYTES}")
     return raw
+
+
+def read_allowlist(path: Path) -> dict[bytes, str | None]:
+    """The keys an allowlist file admits: one ``ed25519:<hex>`` per line, optionally followed by the one
+    peer id that key may use; ``#`` starts a comment.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: a line that is not a key (with its line number).
+    """
+    keys: dict[bytes, str | None] = {}
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2:
+            raise ValueError(f"{path}:{n}: expected 'ed25519:<hex> [peer_id]', got {line.strip()!r}")
+        try:
+            keys[parse_public(words[0])] = words[1] if len(words) == 2 else None
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
+    return keys
 
 
 def verify(public: bytes, signature: bytes, message: bytes) -> bool:

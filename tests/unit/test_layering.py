@@ -98,7 +98,8 @@ def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
     # What it and a DHT peer record is pure bookkeeping: no I/O loop, no network.
     (("demonet.dashboard.record", "demonet.dht.view"), NETWORK + ("asyncio",), ()),
     # The pure rules: no asyncio, no network, no torch.distributed.
-    (("demonet.coordinator.rounds", "demonet.dht.rules"), NETWORK + ("asyncio", "torch.distributed") + SERVICES, ()),
+    (("demonet.coordinator.rounds", "demonet.dht.rules", "demonet.dht.keys"),
+     NETWORK + ("asyncio", "torch.distributed") + SERVICES, ()),
 ])
 def test_imports_go_one_way(layer: tuple[str, ...], forbidden: tuple[str, ...], allowed: tuple[str, ...]) -> None:
     assert not _violations(layer, forbidden, allowed)
