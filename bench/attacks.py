@@ -36,18 +36,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from demonet.lab.tiny import TINY_MODEL  # noqa: E402
+
 TOKEN = "bench-attacks"
 SCENARIOS = ("none", "params", "streams", "drip", "impersonate", "joins")
 GOAL_ROUND, GOAL_RSS = 1.2, 1.5
-CONFIG = """[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-seq_len = 32
-[train]
-seq_len = 32
-batch_size = 2
-[net]
+CONFIG = TINY_MODEL + """[net]
 round_timeout_s = {round_timeout_s}
 start_peers = 2
 heartbeat_interval_s = 0.5

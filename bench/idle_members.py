@@ -35,20 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from demonet._proto import demonet_pb2 as pb  # noqa: E402
 from demonet._proto import demonet_pb2_grpc as pbg  # noqa: E402
 from demonet.config import NetConfig  # noqa: E402
+from demonet.lab.tiny import TINY_MODEL  # noqa: E402
 from demonet.wire.identity import Identity  # noqa: E402
 from demonet.wire.signed import heartbeat_request, join_request  # noqa: E402
 
 TOKEN = "bench"
-CONFIG = """
-[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-seq_len = 32
-[train]
-seq_len = 32
-batch_size = 2
-[net]
+CONFIG = TINY_MODEL + """[net]
 round_timeout_s = {timeout_s}
 heartbeat_interval_s = 0.5
 heartbeat_timeout_s = 10.0

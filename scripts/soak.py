@@ -25,17 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from demonet.lab import netlab
+from demonet.lab.tiny import TINY_MODEL
 
 PORT, PROXY_PORT, TOKEN = 7450, 7000, "soak-token"
-CONFIG = """[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-seq_len = 32
-[train]
-seq_len = 32
-batch_size = 2
-[net]
+CONFIG = TINY_MODEL + """[net]
 round_timeout_s = 2.0
 heartbeat_interval_s = 0.5
 heartbeat_timeout_s = 4.0
