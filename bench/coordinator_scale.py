@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import statistics
@@ -39,7 +40,7 @@ from demonet.coordinator.rounds import RoundConfig, Rounds  # noqa: E402
 from demonet.coordinator.status import status_document  # noqa: E402
 from demonet.optim import DeMo, Payload  # noqa: E402
 from demonet.train.model import BENCH_MODEL, GPT  # noqa: E402
-from demonet.wire.identity import Identity  # noqa: E402
+from demonet.wire.identity import Identity, submit_statement, verify  # noqa: E402
 from demonet.wire.signed import join_request, submit_parts  # noqa: E402
 
 TOKEN = "bench"
@@ -288,6 +289,33 @@ def _dashboard_cost(counts: list[int], rounds: int, repeat: int, poll_s: float, 
                   f"{document_us / 1e3:.2f} ms")
 
 
+def _signing_cost(clients: int, row: dict[str, float], repeat: int = 2000) -> None:
+    """What the keys cost in the run just measured: the coordinator verifies one signed Submit statement
+    per client and round (at the Submit's first part, while the round is open; none in the close), each
+    client signs one. Timed here, in this process, and set against that run's close and round times."""
+    key = Identity.generate()
+    digest = hashlib.sha256(b"payload").digest()
+    message = submit_statement(b"s" * 16, "c0", 1, digest, "0" * 32, 1.0)
+    signature = key.sign(message)
+
+    def median_s(fn: Any) -> float:
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    verify_s = median_s(lambda: verify(key.public, signature, submit_statement(b"s" * 16, "c0", 1, digest,
+                                                                                "0" * 32, 1.0)))
+    sign_s = median_s(lambda: key.sign(message))
+    per_round = clients * verify_s
+    print(f"keys: verify {1e6 * verify_s:.0f} us, sign {1e6 * sign_s:.0f} us; the coordinator's {clients} verifies "
+          f"per round: {1e3 * per_round:.2f} ms = {100 * per_round / row['close_s']:.2f}% of the close time "
+          f"({row['close_s']:.3f} s; they are not in it) and {100 * per_round / row['round_s']:.2f}% of the round "
+          f"({row['round_s']:.3f} s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--clients", default="8,16,32,64", help="client counts, comma-separated")
@@ -318,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(rows, key=lambda r: r[0])
     print(f"goal: 64 clients' round closes in under 1 s: {worst[1]['close_s']:.3f} s at {worst[0]} clients "
           f"({'met' if worst[1]['close_s'] < 1 else 'NOT met'})")
+    _signing_cost(worst[0], worst[1])
     if len(rows) > 1:
         (n0, r0), (n1, r1) = rows[0], rows[-1]
         growth = (r1["close_s"] / r0["close_s"]) / (n1 / n0)
