@@ -48,6 +48,10 @@ class DhtGatherer:
         self.view: DhtView | None = None
         """This peer's view of the run for its dashboard, fed each round; None: no dashboard."""
 
+    def reload_allowlist(self, allowed: Mapping[bytes, str | None]) -> list[str]:
+        """A new allowlist (`keys.KeyBook.reload`): returns the peer ids whose key it no longer admits."""
+        return self._node.book.reload(allowed)
+
     @classmethod
     async def create(cls, opts: DhtOptions, peer_id: str, specs: rules.Specs, *,
                      identity: Identity | None = None) -> DhtGatherer:

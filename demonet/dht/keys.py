@@ -59,10 +59,24 @@ class KeyBook:
 
     def __init__(self, own: tuple[str, bytes], allowed: Mapping[bytes, str | None] | None = None) -> None:
         self.allowed = dict(allowed) if allowed is not None else None
+        self._own = own[0]
         self._pins: dict[str, bytes] = {own[0]: own[1]}
+        self._pin_listed()
+
+    def _pin_listed(self) -> None:
         for public, peer_id in (self.allowed or {}).items():
             if peer_id is not None:
                 self._pins.setdefault(peer_id, public)
+
+    def reload(self, allowed: Mapping[bytes, str | None]) -> list[str]:
+        """Replace the allowlist (SIGHUP). The ids pinned to a key it no longer admits are unpinned, so
+        their records and messages stop counting from the next read (they leave the rounds); returns them."""
+        self.allowed = dict(allowed)
+        dropped = sorted(p for p, k in self._pins.items() if p != self._own and not self.admits(p, k))
+        for peer_id in dropped:
+            del self._pins[peer_id]
+        self._pin_listed()
+        return dropped
 
     def admits(self, peer_id: str, public: bytes) -> bool:
         """Whether the allowlist (if any) lets `public` speak as `peer_id`."""

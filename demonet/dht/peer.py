@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,6 +68,21 @@ def allowed_keys(cfg: Config) -> dict[bytes, str | None] | None:
     return read_allowlist(Path(cfg.net.allowlist)) if cfg.net.admission == "allowlist" else None
 
 
+def _reload_on_sighup(gatherer: Any, path: Path, peer_id: str) -> None:
+    """SIGHUP reads the allowlist again: the records and messages of keys it no longer lists stop counting."""
+    def reload() -> None:
+        try:
+            allowed = read_allowlist(path)
+        except (OSError, ValueError) as e:
+            logger.error("[%s] SIGHUP: the allowlist was not reloaded, the old one stays: %s", peer_id, e)
+            return
+        dropped = gatherer.reload_allowlist(allowed)
+        logger.info("[%s] allowlist reloaded: %d keys%s", peer_id, len(allowed),
+                    f"; no longer counted: {', '.join(dropped)}" if dropped else "")
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
+
+
 async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path, total_rounds: int,
                        device: str = "cpu", threads: int | None = None, accumulate: int = 1,
                        checkpoint_every: int = 10, stop: asyncio.Event | None = None,
@@ -110,6 +126,8 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
                 site = await _serve_view(view, _dashboard_host(opts.host_maddrs), dashboard_port, on_dashboard)
             await asyncio.to_thread(warm_up)
             gatherer = await DhtGatherer.create(opts, peer_id, {}, identity=identity)
+            if cfg.net.admission == "allowlist":
+                _reload_on_sighup(gatherer, Path(cfg.net.allowlist), peer_id)
             if site is not None:
                 gatherer.view, view.refused = view, lambda: gatherer.refused
             membership = DhtMembership(gatherer, JoinInfo(

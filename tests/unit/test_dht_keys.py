@@ -67,6 +67,16 @@ def test_under_an_allowlist_only_listed_keys_count(tmp_path: Path) -> None:
     assert other.key_of("a") == A.public and other.choose("a", {X.public}) is None
 
 
+def test_a_reloaded_allowlist_stops_counting_the_keys_it_no_longer_lists(tmp_path: Path) -> None:
+    book = KeyBook(("a", A.public), {A.public: "a", B.public: None, X.public: None})
+    assert book.choose("b", {B.public}) == B.public and book.choose("x", {X.public}) == X.public
+    assert book.reload({A.public: "a", B.public: None}) == ["x"]  # x's key left the list (SIGHUP)
+    assert book.key_of("x") is None and book.choose("x", {X.public}) is None  # its records no longer count
+    assert book.key_of("b") == B.public and book.key_of("a") == A.public  # the listed ones stay pinned
+    assert book.reload({B.public: "b"}) == []  # this peer's own id stays its own, even unlisted
+    assert book.key_of("a") == A.public and book.choose("b", {X.public}) is None
+
+
 def test_the_record_validator_refuses_a_forged_or_altered_record() -> None:
     pytest.importorskip("hivemind")
     from hivemind.dht.validation import DHTRecord
