@@ -83,10 +83,17 @@ class Malformed:
         return f"the request is not a valid {self.message} message ({self.error})"
 
 
-def _parser(cls: Any) -> Any:
-    """`cls.FromString`, except that undecodable bytes give a `Malformed` the servicer answers, instead of
-    gRPC's own UNKNOWN status and a logged traceback."""
+_SMALL_REQUEST_BYTES = 4096
+"""The most any request but a SubmitPart can need (ids of 128 characters, a key, a nonce, a signature);
+a larger one is refused before it is parsed. SubmitParts are bounded by the server's message limit."""
+
+
+def _parser(cls: Any, max_bytes: int | None = _SMALL_REQUEST_BYTES) -> Any:
+    """`cls.FromString`, except that undecodable bytes, or more than `max_bytes` of them (not parsed at all),
+    give a `Malformed` the servicer answers, instead of gRPC's own UNKNOWN status and a logged traceback."""
     def parse(data: bytes) -> Any:
+        if max_bytes is not None and len(data) > max_bytes:
+            return Malformed(cls.DESCRIPTOR.name, f"{len(data)} bytes, more than the {max_bytes} it can need")
         try:
             return cls.FromString(data)
         except Exception as e:  # noqa: BLE001 - protobuf's DecodeError (and any parse failure) is bad input
@@ -110,7 +117,7 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> Non
             servicer.GetParameters, request_deserializer=_parser(pb.ParametersRequest),
             response_serializer=pb.PayloadPart.SerializeToString),
         "Submit": grpc.stream_unary_rpc_method_handler(
-            servicer.Submit, request_deserializer=_parser(pb.SubmitPart),
+            servicer.Submit, request_deserializer=_parser(pb.SubmitPart, None),
             response_serializer=pb.SubmitReply.SerializeToString),
         "GetAggregate": grpc.unary_stream_rpc_method_handler(
             servicer.GetAggregate, request_deserializer=_parser(pb.AggregateRequest),

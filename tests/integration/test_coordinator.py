@@ -285,13 +285,19 @@ async def test_requests_that_do_not_parse_get_a_clear_error_and_change_nothing(c
         reply = pb.SubmitReply.FromString(raw)
         assert not reply.accepted and reply.refusal == pb.REFUSAL_INVALID
         assert "not a valid SubmitPart message" in reply.reason
+        # A well-formed request far larger than its message can need is refused unparsed.
+        huge = pb.JoinRequest(peer_id="x" * 100_000).SerializeToString()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await channel.unary_unary("/demonet.v1.Coordinator/Join")(huge, metadata=md, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "100004 bytes, more than the 4096 it can need" in (err.value.details() or ""), err.value.details()
         # Without the token the answer is the token's, whatever the bytes.
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await channel.unary_unary("/demonet.v1.Coordinator/Status")(junk, timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     after = await honest.status()
     assert (after.round, after.members, after.param_digest) == (before.round, before.members, before.param_digest)
-    assert after.rejected == before.rejected + 6
+    assert after.rejected == before.rejected + 7
     assert "Exception deserializing" not in (coordinator.tmp / "coordinator.log").read_text()
 
 
