@@ -195,6 +195,13 @@ class RoundBoard:
                 if head is not None and head > r:
                     self.on_minority(r, False)
                     raise NotMember(f"round {r}: no majority here, and the run went on to round {head}")
+                late = rules.late_majority(announced, base)
+                if late is not None:  # the others are back, none went ahead: abort this round together
+                    self.waited.add(r)
+                    self.on_minority(r, False)
+                    logger.warning("[%s round=%d] a majority again, late: %d of %d members; the round is aborted",
+                                   self._node.peer_id, r, len(base.intersection(late)), len(base))
+                    return rules.Frozen(deadline=read_at, members=late, complete=False, settled=True), announced
                 await asyncio.sleep(_WAIT_POLL_S)
                 continue
             wait_s = _POLL_S

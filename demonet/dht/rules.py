@@ -22,8 +22,8 @@ import torch
 from demonet.optim import Compressed, Payload
 from demonet.optim.payload import num_chunks
 
-__all__ = ["Announcement", "Frozen", "SlicePlan", "freeze", "has_majority", "majority_base", "majority_digest",
-           "members_digest", "param_ranges", "sign", "verify"]
+__all__ = ["Announcement", "Frozen", "SlicePlan", "freeze", "has_majority", "late_majority", "majority_base",
+           "majority_digest", "members_digest", "param_ranges", "sign", "verify"]
 
 Specs = Mapping[str, tuple[tuple[int, ...], tuple[int, int]]]
 """Parameter name -> (shape, chunk), in the optimizer's order (`DeMo.param_specs()`)."""
@@ -106,6 +106,18 @@ def majority_base(previous: Iterable[str], last_seen: Mapping[str, float], *, no
         leave_after_s: how long a silent member stays in the base.
     """
     return frozenset(p for p in previous if now - last_seen.get(p, -math.inf) <= leave_after_s)
+
+
+def late_majority(announced: Mapping[str, Announcement], base: Collection[str]) -> tuple[str, ...] | None:
+    """The members of a round that had no majority at its deadline, late announcements counted, if they
+    now hold a majority of `base` (None otherwise).
+
+    Peers that are all alive but announced more than a window apart (a heal, a slow store) would
+    otherwise wait on each other for ever. The round is too late for its exchange: the caller aborts it
+    and the next round goes on with these members.
+    """
+    members = tuple(sorted(announced))
+    return members if has_majority(members, base) else None
 
 
 def freeze(announced: Mapping[str, Announcement], *, expected: Iterable[str] | None, start_peers: int,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from demonet.dht.board import RoundBoard
-from demonet.dht.rules import Announcement, freeze, has_majority, majority_base
+from demonet.dht.rules import Announcement, freeze, has_majority, late_majority, majority_base
 from demonet.dht.streams import DhtOptions
 from demonet.transport import NotMember
 
@@ -132,3 +132,12 @@ def test_a_lone_survivor_goes_on_once_the_silent_leave_its_base(monkeypatch: pyt
     board, _ = _board({}, 5)
     frozen, _ = asyncio.run(board.enter(5, "d"))  # a and b never seen: out of the base after leave_after_s
     assert frozen.members == ("c",) and frozen.majority and 5 in board.waited
+
+
+def test_late_announcements_rescue_a_round_that_had_no_majority_at_its_deadline() -> None:
+    # a and b both alive, announced 3 s apart (a heal, a slow store): at the deadline a is alone
+    seen = {"a": _ann("a", 10.0), "b": _ann("b", 13.0)}
+    frozen = freeze(seen, expected={"a", "b"}, start_peers=1, window_s=2.0, base={"a", "b"})
+    assert frozen is not None and frozen.members == ("a",) and not frozen.majority
+    assert late_majority(seen, {"a", "b"}) == ("a", "b")
+    assert late_majority({"c": _ann("c", 10.0)}, {"a", "b", "c"}) is None
