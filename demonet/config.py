@@ -135,6 +135,11 @@ class NetConfig:
     """How often a peer tells the coordinator it is alive."""
     heartbeat_timeout_s: float = 15.0
     """A peer not heard from for this long is dropped from the membership."""
+    leave_after_s: float = 600.0
+    """DHT mode: a round is applied only with more than half of the previous round's members; a member
+    not heard from for this long leaves that base, so the survivors of a mass failure go on after it. A
+    peer cut off from the others for longer also goes on alone: make it longer than any partition the run
+    should survive (docs/dht.md#the-majority-rule)."""
     max_idle_rounds: int = 3
     """A member whose payload is missing from this many consecutive rounds is idle: it stays a member
     (its heartbeats keep it), but rounds no longer wait for it until a payload of it is accepted again.
@@ -177,6 +182,7 @@ class NetConfig:
         _check(self.heartbeat_interval_s > 0, "heartbeat_interval_s should be > 0")
         _check(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                "heartbeat_timeout_s should be > heartbeat_interval_s")
+        _check(self.leave_after_s > 0, "leave_after_s should be > 0")
         _check(self.max_idle_rounds >= 0, f"max_idle_rounds should be >= 0 (0: off), got {self.max_idle_rounds}")
         _check(self.aggregate_topk >= 0, "aggregate_topk should be >= 0")
         _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from demonet.errors import PeerUnavailable
@@ -28,6 +28,7 @@ __all__ = ["RoundBoard"]
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
+_WAIT_POLL_S = 1.0  # how often a peer without a majority looks again for the others
 _START_TIMEOUT_S = 600.0  # how long the first round waits for its start_peers
 
 
@@ -42,6 +43,15 @@ class RoundBoard:
         self._node = node
         self.expected: dict[int, set[str] | None] = {}
         """Round -> the peers its freeze waits for (None: the first round, `start_peers`)."""
+        self.previous: dict[int, set[str]] = {}
+        """Round -> the members of the round before (its joiners not included): the base of its majority."""
+        self.last_seen: dict[str, float] = {}
+        """Peer -> the DHT time of its latest announcement read."""
+        self.waited: set[int] = set()
+        """Rounds that had no majority at their freeze and found one only later (a heal, or a base that
+        shrank): too late for their exchange, they are aborted by everyone."""
+        self.on_minority: Callable[[int, bool], None] = lambda round, minority: None
+        """Told when this peer starts (True) and stops (False) waiting for a majority in a round."""
 
     @property
     def _opts(self) -> DhtOptions:
@@ -89,6 +99,9 @@ class RoundBoard:
         lists = [v["expected"] for p, v in states.items() if p in donors and isinstance(v.get("expected"), list)]
         if lists:
             self.expected[round] = set(lists[0])
+            # Its base: the peers expected less this joiner (the donors' base less its other joiners is
+            # not published; counting them as well only makes a majority harder to reach, never easier).
+            self.previous[round] = set(lists[0]) - {self._node.peer_id}
 
     # -- one round -------------------------------------------------------------------------------------
 
@@ -120,27 +133,77 @@ class RoundBoard:
         return {p for p, v in joins.items() if isinstance(v.get("t"), float | int)
                 and v["t"] < freeze_deadline - self._opts.settle_s}
 
+    async def _announced(self, r: int) -> dict[str, rules.Announcement]:
+        """The announcements of round `r` read now; each counts as hearing from its peer."""
+        announced = {}
+        for p, v in (await self._node.get(self._node.key("members", r))).items():
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                loss = v.get("loss")  # optional: only for the dashboards
+                announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
+                                                  bool(v["client"]),
+                                                  float(loss) if isinstance(loss, float | int) else None)
+        for p, a in announced.items():
+            self.last_seen[p] = max(self.last_seen.get(p, -math.inf), a.t)
+        return announced
+
     async def _freeze(self, r: int) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
-        """Read the round's announcements until the freeze is final (see `rules.freeze`)."""
-        opts, expected = self._opts, self.expected.get(r)
+        """Read the round's announcements until the freeze is final (see `rules.freeze`) and holds a majority.
+
+        Without a majority (`rules.has_majority`) this peer is on a minority side: it applies no round and
+        writes no record beyond its announcement. It waits until either a peer's head round is past `r`
+        (the majority went on: `NotMember`, and the loop catches up from the majority) or the round
+        holds a majority after all (`waited`: the others came back, or silent members left the base).
+
+        Raises:
+            NotMember: the run went on past `r` without this peer.
+            PeerUnavailable: the DHT did not give the round's membership.
+        """
+        opts, expected, previous = self._opts, self.expected.get(r), self.previous.get(r)
         # The first round waits for its start_peers to come up; later ones freeze within window_s.
         limit = time.monotonic() + (_START_TIMEOUT_S if expected is None else opts.window_s * 3 + 10)
-        while time.monotonic() < limit:
+        minority: tuple[tuple[str, ...], frozenset[str]] | None = None  # what this peer waits with, for the log
+        for p in previous or ():  # a base member this peer never read (a joiner's donors' list) is heard from now
+            self.last_seen.setdefault(p, now())
+        while minority is not None or time.monotonic() < limit:
             read_at = now()
-            announced = {}
-            for p, v in (await self._node.get(self._node.key("members", r))).items():
-                with contextlib.suppress(KeyError, TypeError, ValueError):
-                    loss = v.get("loss")  # optional: only for the dashboards
-                    announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
-                                                      bool(v["client"]),
-                                                      float(loss) if isinstance(loss, float | int) else None)
-            frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers, window_s=opts.window_s)
+            announced = await self._announced(r)
+            base = None if previous is None else rules.majority_base(previous, self.last_seen, now=read_at,
+                                                                     leave_after_s=opts.leave_after_s)
+            frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers, window_s=opts.window_s,
+                                  base=base)
             if frozen is not None and (frozen.settled or read_at >= frozen.deadline + opts.settle_s):
-                if not frozen.complete:
-                    missing = sorted(set(expected or ()) - set(frozen.members))
-                    logger.info("[%s round=%d] froze at the deadline with %d members%s", self._node.peer_id, r,
-                                len(frozen.members), f" (not in: {', '.join(missing)})" if missing else "")
-                return frozen, announced
+                if frozen.majority:
+                    if minority is not None:
+                        self.waited.add(r)
+                        self.on_minority(r, False)
+                        logger.warning("[%s round=%d] a majority again: %d of %d members", self._node.peer_id, r,
+                                       len(frozen.members), len(base or ()))
+                    elif not frozen.complete:
+                        missing = sorted(set(expected or ()) - set(frozen.members))
+                        logger.info("[%s round=%d] froze at the deadline with %d members%s", self._node.peer_id,
+                                    r, len(frozen.members), f" (not in: {', '.join(missing)})" if missing else "")
+                    return frozen, announced
+                assert base is not None  # a round without a base always holds a majority
+                if minority != (frozen.members, base):  # once, then on change
+                    if minority is None:
+                        self.on_minority(r, True)
+                    minority = frozen.members, base
+                    logger.warning("[%s round=%d] no majority: %d of the %d members of the round before (%s) "
+                                   "are here; not applying rounds, waiting for the others", self._node.peer_id, r,
+                                   len(base.intersection(frozen.members)), len(base), ", ".join(sorted(base)))
+                head = await self.head_round()
+                if head is not None and head > r:
+                    self.on_minority(r, False)
+                    raise NotMember(f"round {r}: no majority here, and the run went on to round {head}")
+                late = rules.late_majority(announced, base)
+                if late is not None:  # the others are back, none went ahead: abort this round together
+                    self.waited.add(r)
+                    self.on_minority(r, False)
+                    logger.warning("[%s round=%d] a majority again, late: %d of %d members; the round is aborted",
+                                   self._node.peer_id, r, len(base.intersection(late)), len(base))
+                    return rules.Frozen(deadline=read_at, members=late, complete=False, settled=True), announced
+                await asyncio.sleep(_WAIT_POLL_S)
+                continue
             wait_s = _POLL_S
             if frozen is not None and not frozen.settled:
                 wait_s = min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, 4 * _POLL_S)

@@ -47,6 +47,7 @@ class DhtGatherer:
         self._donor = ParamDonor(node)
         self.view: DhtView | None = None
         """This peer's view of the run for its dashboard, fed each round; None: no dashboard."""
+        self._board.on_minority = self._minority
 
     def reload_allowlist(self, allowed: Mapping[bytes, str | None]) -> list[str]:
         """A new allowlist (`keys.KeyBook.reload`): returns the peer ids whose key it no longer admits."""
@@ -135,6 +136,10 @@ class DhtGatherer:
 
     # -- one round -------------------------------------------------------------------------------------
 
+    def _minority(self, round: int, minority: bool) -> None:
+        if self.view is not None:
+            self.view.minority(round, minority)
+
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
         """Announce, freeze the membership, reduce-scatter the payload's slices, all-gather the merged slices.
 
@@ -157,9 +162,17 @@ class DhtGatherer:
             view.frozen(r, frozen.members, announced, good)
         # Joiners admitted for the next round; read while the payloads are exchanged.
         joiners_task = asyncio.create_task(board.joiners(r + 1, frozen.deadline))
+        board.previous[r + 1] = set(members)  # the next round's majority is counted over them
         if param_digest != good:
             board.expected[r + 1] = set(members) | await joiners_task
             raise Resync(f"round {r}: parameter digest {param_digest[:12]} is not the majority's {good[:12]}")
+        if r in board.waited:  # a majority found after a wait, past its exchange: nobody applies the round
+            board.expected[r + 1] = set(members) | await joiners_task
+            self._donor.withdraw()
+            if view is not None:
+                view.exchanged(r, contributors=(), slice_owners=(), aborted=True, bytes_up=0, bytes_down=0)
+            return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
+                               bytes_up=0, bytes_down=0)
         owners = [p for p in members if not announced[p].client]
         if not owners:
             joiners_task.cancel()

@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +22,8 @@ import torch
 from demonet.optim import Compressed, Payload
 from demonet.optim.payload import num_chunks
 
-__all__ = ["Announcement", "Frozen", "SlicePlan", "freeze", "majority_digest", "members_digest", "param_ranges",
-           "sign", "verify"]
+__all__ = ["Announcement", "Frozen", "SlicePlan", "freeze", "has_majority", "late_majority", "majority_base",
+           "majority_digest", "members_digest", "param_ranges", "sign", "verify"]
 
 Specs = Mapping[str, tuple[tuple[int, ...], tuple[int, int]]]
 """Parameter name -> (shape, chunk), in the optimizer's order (`DeMo.param_specs()`)."""
@@ -74,10 +74,54 @@ class Frozen:
     """Every expected peer announced before the timeout (False: some were dropped at the deadline)."""
     settled: bool
     """Final as soon as seen (every expected peer is in); otherwise final once read after deadline + latency."""
+    majority: bool = True
+    """Its members are more than half of the majority's base (`has_majority`): only then may the round
+    be applied. False: this peer is on a minority side (a partition) and waits."""
+
+
+def has_majority(members: Iterable[str], base: Collection[str] | None) -> bool:
+    """Whether `members` hold more than half of `base` (None or empty: no base yet, e.g. the first round).
+
+    The base is the previous round's members (`majority_base`): two sides of a partition cannot both
+    hold more than half of it, so at most one side applies rounds.
+    """
+    if not base:
+        return True
+    return 2 * len(set(base).intersection(members)) > len(base)
+
+
+def majority_base(previous: Iterable[str], last_seen: Mapping[str, float], *, now: float,
+                  leave_after_s: float) -> frozenset[str]:
+    """The peers a round's majority is counted over: the previous round's members, less those not heard
+    from for `leave_after_s` (DHT time).
+
+    Joiners admitted to a round are not in its base: they count from the round after (they are then
+    its previous round's members). Dropping the silent ones lets a run that really lost most of its
+    peers go on; it also lets a minority that waits longer than `leave_after_s` go on alone.
+
+    Args:
+        previous: the members of the previous round.
+        last_seen: peer -> the DHT time of its latest announcement this peer read (absent: never).
+        now: the DHT time now.
+        leave_after_s: how long a silent member stays in the base.
+    """
+    return frozenset(p for p in previous if now - last_seen.get(p, -math.inf) <= leave_after_s)
+
+
+def late_majority(announced: Mapping[str, Announcement], base: Collection[str]) -> tuple[str, ...] | None:
+    """The members of a round that had no majority at its deadline, late announcements counted, if they
+    now hold a majority of `base` (None otherwise).
+
+    Peers that are all alive but announced more than a window apart (a heal, a slow store) would
+    otherwise wait on each other for ever. The round is too late for its exchange: the caller aborts it
+    and the next round goes on with these members.
+    """
+    members = tuple(sorted(announced))
+    return members if has_majority(members, base) else None
 
 
 def freeze(announced: Mapping[str, Announcement], *, expected: Iterable[str] | None, start_peers: int,
-           window_s: float) -> Frozen | None:
+           window_s: float, base: Collection[str] | None = None) -> Frozen | None:
     """The membership of a round from its announcements; the same on every peer that sees the same records.
 
     With `expected` (the previous round's members plus the joiners admitted for this round), the
@@ -89,6 +133,10 @@ def freeze(announced: Mapping[str, Announcement], *, expected: Iterable[str] | N
     store latency the caller allows (records stored before the deadline are visible by then):
     `Frozen.settled` says which.
 
+    With `base` (`majority_base`), `Frozen.majority` says whether the members hold more than half of
+    it. A complete round without a majority is not decided early: it freezes at the deadline with
+    whoever announced by then (peers that announced without being expected count too).
+
     Returns:
         None when nobody has announced yet.
     """
@@ -98,7 +146,7 @@ def freeze(announced: Mapping[str, Announcement], *, expected: Iterable[str] | N
     timeout_at = times[0] + window_s
     if expected is not None:
         want = set(expected)
-        if want and want <= set(announced):
+        if want and want <= set(announced) and has_majority(want, base):
             complete_at = max(announced[p].t for p in want)
             if complete_at <= timeout_at:
                 return Frozen(deadline=complete_at, members=tuple(sorted(want)), complete=True, settled=True)
@@ -109,7 +157,8 @@ def freeze(announced: Mapping[str, Announcement], *, expected: Iterable[str] | N
     else:  # the first round waits for its start_peers (the caller bounds the wait)
         return Frozen(deadline=math.inf, members=(), complete=False, settled=False)
     members = tuple(sorted(p for p, a in announced.items() if a.t <= timeout_at))
-    return Frozen(deadline=timeout_at, members=members, complete=False, settled=False)
+    return Frozen(deadline=timeout_at, members=members, complete=False, settled=False,
+                  majority=has_majority(members, base))
 
 
 def majority_digest(digests: Mapping[str, str]) -> str:

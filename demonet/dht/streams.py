@@ -139,6 +139,9 @@ class DhtOptions:
     """Store latency allowed: a freeze at the deadline is read again this long after it."""
     start_peers: int = 1
     """The first round freezes once this many peers announced."""
+    leave_after_s: float = 600.0
+    """A member of the previous round not heard from for this long no longer counts in the base of a
+    round's majority (docs/dht.md#the-majority-rule): a run that lost most of its peers goes on after it."""
     rules: MergeRules = field(default_factory=lambda: MergeRules(topk=32))
     """How a slice owner merges: the coordinator's rules (top-k, encoding, median-norm clipping, norm bound)."""
     allowed: Mapping[bytes, str | None] | None = None
@@ -155,6 +158,8 @@ class DhtOptions:
             raise ValueError("window_s and exchange_timeout_s should be > 0, settle_s >= 0")
         if self.start_peers < 1:
             raise ValueError("start_peers should be >= 1")
+        if self.leave_after_s <= self.window_s:
+            raise ValueError("leave_after_s should be > window_s")
 
 
 @dataclass

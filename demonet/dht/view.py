@@ -59,6 +59,14 @@ class DhtView:
             self.resyncs += 1
             self.phase = "resyncing"
 
+    def minority(self, round: int, minority: bool) -> None:
+        """This peer waits in `round` without a majority (True: it applies no round), or stopped waiting."""
+        self.round = round
+        if minority:
+            self.phase = "minority"
+        elif self.phase == "minority":
+            self.phase = "exchanging"
+
     def exchanged(self, round: int, *, contributors: Sequence[str], slice_owners: Sequence[str], aborted: bool,
                   bytes_up: int, bytes_down: int) -> None:
         """The round's exchange ended: count it, with this peer's bytes and the slices each member owned."""

@@ -20,6 +20,8 @@ ROWS = [  # figures file, scenario
     ("poisoning", "a poisoner (random x1000), clipping on / off"),
     ("dht_peer_sigkill_restart", "DHT mode: a peer SIGKILLed (with its DHT and p2pd), restarted"),
     ("dht_partition", "DHT mode: a peer cut off until the run ends"),
+    ("dht_partition_heal", "DHT mode: a peer cut off for 8+ rounds, healed"),
+    ("dht_split_two_two", "DHT mode: four peers split two against two, healed"),
 ]
 
 
@@ -42,8 +44,14 @@ def _row(name: str, f: dict[str, Any]) -> tuple[str, str, str, str, str]:
         recover = f"back in round {f['back_in_round']} (killed in {f['killed_in_round']}), {f['rejoin_s']} s after " \
                   f"restart; {f['rounds_without_c']} rounds went on meanwhile"
     elif name == "dht_partition":
-        recover = f"{f['rounds_during_partition']}+ rounds went on without it; it closed {f['c_rounds_alone']} " \
-                  f"rounds alone (split brain)"
+        recover = f"{f['rounds_during_partition']}+ rounds went on without it; it applied {f['c_rounds_alone']} " \
+                  f"rounds alone (no majority: it waits)"
+    elif name == "dht_partition_heal":
+        recover = f"in sync {f['heal_to_sync_s']} s after the heal (round {f['c_back_in_round']}); it lost " \
+                  f"{f['c_rounds_lost']} rounds, {f['majority_rounds_heal_to_sync']} went on meanwhile"
+    elif name == "dht_split_two_two":
+        recover = f"{f['rounds_applied_while_split']} rounds applied while split; all four in round " \
+                  f"{f['together_in_round']}, {f['heal_to_together_s']} s after the heal"
     elif name == "late_joiner_slow_link":
         recover = f"{f['parameter_bytes']} B downloaded, first round {f['time_to_first_round_s']} s after joining"
     elif name == "bad_input":

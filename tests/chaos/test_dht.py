@@ -1,5 +1,6 @@
 """Crashes and partitions in DHT mode (no coordinator) over the lab: a peer SIGKILLed mid-run with its
-DHT and p2pd processes and restarted, and a peer cut off (the heal is an expected failure: no quorum).
+DHT and p2pd processes and restarted, and a peer cut off: it applies no round without a majority, and
+after the heal catches up from the majority without a restart.
 
 The coordinator-mode scenarios that have no DHT counterpart are not run here: a coordinator restart
 (there is none), RPC fuzzing and the token checks of the coordinator's gRPC service (the DHT's
@@ -21,6 +22,7 @@ import pytest
 from demonet.lab import netlab
 from tests.chaos.cluster import loss_fell, report, run_config
 from tests.chaos.dht_cluster import DhtCluster, digest_after
+from tests.integration.common import rows_by_round
 from tests.procs import Reaper
 
 pytest.importorskip("hivemind")
@@ -116,7 +118,14 @@ def _cut(dht: DhtCluster, rounds: int, cut_rounds: int) -> tuple[list, int, int,
     cut_round, at_cut = dht.last_round("c"), dht.last_round("a")
     dht.wait_for(lambda: min(dht.last_round("a"), dht.last_round("b")) >= at_cut + cut_rounds,
                  "a and b to go on without c")
+    # c may still be in the exchange of the round the cut interrupted (its timeouts): then it waits
+    dht.wait_for(lambda: bool(_minority_log(dht, "c")), "c to wait for a majority")
     return procs, cut_round, at_cut, t_cut
+
+
+def _minority_log(dht: DhtCluster, peer: str) -> list[str]:
+    """The peer's log lines saying it has no majority (logged once, then when what it sees changes)."""
+    return [line for line in dht.log(peer).splitlines() if "no majority" in line]
 
 
 def test_dht_a_partitioned_peer_leaves_the_majority_training_on_one_digest(dht: DhtCluster) -> None:
@@ -134,8 +143,10 @@ def test_dht_a_partitioned_peer_leaves_the_majority_training_on_one_digest(dht: 
         [by_round[n]["a"]["contributors"] for n in range(at_cut, rounds)]  # went on without c
     for p in ("a", "b"):  # a node that does not answer delays the stores, it does not stop the peer
         assert "ERROR" not in dht.log(p), dht.log(p)
+    # c applied no round alone (at most the one the cut interrupted, with the others' announcements)
     alone = [r["round"] for r in dht.rows("c") if r["round"] > cut_round]
-    assert all(r["contributors"] == 1 for r in dht.rows("c") if r["round"] > cut_round + 1), dht.rows("c")
+    assert len(alone) <= 1, dht.rows("c")
+    assert 1 <= len(_minority_log(dht, "c")) <= 3, dht.log("c")
     losses = dht.mean_losses(by_round, ["a", "b"])
     assert loss_fell(losses), losses
     report("dht_partition", {
@@ -145,18 +156,100 @@ def test_dht_a_partitioned_peer_leaves_the_majority_training_on_one_digest(dht: 
         "loss_last5": round(sum(losses[-5:]) / 5, 3)})
 
 
-@pytest.mark.xfail(run=False, reason="DHT mode has no quorum: cut off, c freezes its rounds alone (a split "
-                                     "brain); after the heal its records of later rounds make a and b refuse "
-                                     "themselves (NotMember) or resync to c. Run it with --runxfail.")
+def _agree(dht: DhtCluster, peers: list[str], rounds: int, skip: int) -> dict[int, dict[str, dict]]:
+    """round -> peer -> row below `rounds`, checking one digest per round, except that each peer may hold
+    up to `skip` rows of its own (the round a partition cut into, applied with the slices it had)."""
+    by_round = rows_by_round(dht.rows, peers)
+    odd: dict[str, int] = {}
+    for n, rows in sorted(by_round.items()):
+        if n >= rounds:
+            continue
+        digests = [r["param_digest"] for r in rows.values()]
+        if len(set(digests)) > 1:
+            main = max(set(digests), key=digests.count)
+            for p, r in rows.items():
+                if r["param_digest"] != main:
+                    odd[p] = odd.get(p, 0) + 1
+    assert all(k <= skip for k in odd.values()), (odd, by_round)
+    return by_round
+
+
 def test_dht_a_partitioned_peer_heals_and_is_in_sync_again(dht: DhtCluster) -> None:
-    rounds, cut_rounds = 60, 8
-    procs, cut_round, at_cut, _ = _cut(dht, rounds, cut_rounds)
+    cut_rounds = 8
+    procs, cut_round, at_cut, t_cut = _cut(dht, LONG, cut_rounds)
     dht.peers["c"].host.set_link(up=True)
-    dht.wait_for(lambda: any(r["round"] > cut_round and r["contributors"] == 3 for r in dht.rows("c")),
-                 "c to be in a round with a and b after the heal")
-    dht.finish(procs)
-    by_round = dht.by_round(PEERS)  # one digest per round, c's included
+    t_heal = time.monotonic()
+    at_heal = dht.last_round("a")
+    c_rows_cut = [r["round"] for r in dht.rows("c") if r["round"] > cut_round]
+    assert len(c_rows_cut) <= 1, dht.rows("c")  # nothing alone while cut off
+    back_rows = lambda: [r for r in dht.rows("c") if r["round"] > at_heal and r["contributors"] == 3]  # noqa: E731
+    dht.wait_for(lambda: bool(back_rows()), "c to be in a round with a and b after the heal")
+    sync_s = time.monotonic() - t_heal
+    back = back_rows()[0]["round"]
+    dht.wait_for(lambda: dht.last_round("c") >= back + 5, "c's rounds after the heal")
+    rounds = end(dht, procs)
+    by_round = _agree(dht, PEERS, rounds, skip=1)
     for p in ("a", "b"):
         assert _done(dht, p, rounds) == list(range(rounds)), p
-    for n in range(rounds - 5, rounds):
-        assert by_round[n]["a"]["contributors"] == 3, by_round[n]
+        assert not _minority_log(dht, p), dht.log(p)  # the majority never waited
+        assert "Resync" not in dht.log(p) and "NotMember" not in dht.log(p), dht.log(p)
+    for n in range(back, rounds):  # back in sync: in every round with a and b, one digest
+        assert set(by_round[n]) == set(PEERS) and by_round[n]["a"]["contributors"] == 3, by_round[n]
+    c_done = _done(dht, "c", rounds)
+    assert c_done == sorted(set(c_done)) and c_done[c_done.index(back):] == list(range(back, rounds)), c_done
+    waits = _minority_log(dht, "c")
+    assert 1 <= len(waits) <= 3, waits  # said once (then on a change of what it saw)
+    assert "went on to round" in dht.log("c"), dht.log("c")
+    loads = dht.loaded("c")  # from the majority, without a restart
+    assert loads and all(digest == digest_after(by_round, n - 1) for n, digest in loads), loads
+    assert len(dht.peers["c"].procs) == 1
+    report("dht_partition_heal", {
+        "rounds": rounds, "cut_in_round": cut_round + 1, "partition_s": round(t_heal - t_cut, 1),
+        "majority_rounds_during_partition": at_heal - at_cut, "c_back_in_round": back,
+        "c_rounds_lost": back - cut_round - 1 - len(c_rows_cut), "heal_to_sync_s": round(sync_s, 2),
+        "majority_rounds_heal_to_sync": back - at_heal - 1, "c_waits_logged": len(waits),
+        "parameter_loads": len(loads)})
+
+
+def _split(dht: DhtCluster, one: tuple[str, ...], other: tuple[str, ...], *, heal: bool = False) -> None:
+    """Cut (or heal) every path between the two groups: blackhole routes on both ends, each group's own
+    links untouched."""
+    for side, far in ((one, other), (other, one)):
+        for p in side:
+            for q in far:
+                dht.peers[p].host.run(["ip", "route", "del" if heal else "add", "blackhole",
+                                       f"{dht.peers[q].host.addr}/32"], check=True)
+
+
+@pytest.mark.xfail(run=False, reason="seen once (2026-11-24): a and b went on with 2 contributors after the split "
+                                     "instead of waiting; their base had shrunk to {a, b}, cause not found yet")
+def test_dht_four_split_two_against_two_both_wait_and_go_on_together_after_the_heal(dht: DhtCluster) -> None:
+    peers = ["a", "b", "c", "d"]
+    dht.start(_config(), steps=LONG, start_peers=4, exchange_timeout_s=5.0)
+    procs = [dht.peer(p, mbit=100) for p in peers]
+    dht.wait_for(lambda: min(dht.last_round(p) for p in peers) >= 4, "the first rounds")
+    _split(dht, ("a", "b"), ("c", "d"))
+    t_cut = time.monotonic()
+    at_cut = {p: dht.last_round(p) for p in peers}
+    dht.wait_for(lambda: all(_minority_log(dht, p) for p in peers), "every peer to wait for a majority")
+    time.sleep(10.0)  # five round windows: neither side applies a round
+    during = {p: dht.last_round(p) for p in peers}
+    applied = max(during[p] - at_cut[p] for p in peers)
+    assert applied <= 1, (at_cut, during)  # at most the round the split cut into
+    _split(dht, ("a", "b"), ("c", "d"), heal=True)
+    t_heal = time.monotonic()
+    top = max(during.values())
+    together = lambda: [r["round"] for r in dht.rows("a") if r["round"] > top and r["contributors"] == 4]  # noqa: E731
+    dht.wait_for(lambda: bool(together()), "the four peers in one round after the heal")
+    heal_s = time.monotonic() - t_heal
+    first = together()[0]
+    dht.wait_for(lambda: min(dht.last_round(p) for p in peers) >= first + 5, "rounds of the four after the heal")
+    rounds = end(dht, procs)
+    by_round = _agree(dht, peers, rounds, skip=1)
+    for n in range(first + 1, rounds):
+        assert set(by_round[n]) == set(peers) and by_round[n]["a"]["contributors"] == 4, by_round[n]
+    assert all(len(dht.peers[p].procs) == 1 for p in peers)  # no restart
+    report("dht_split_two_two", {
+        "rounds": rounds, "split_in_round": min(at_cut.values()) + 1, "split_s": round(t_heal - t_cut, 1),
+        "rounds_applied_while_split": applied, "together_in_round": first, "heal_to_together_s": round(heal_s, 2),
+        "waits_logged": {p: len(_minority_log(dht, p)) for p in peers}})

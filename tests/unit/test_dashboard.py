@@ -106,6 +106,17 @@ def test_a_dht_peer_describes_the_run_in_the_same_document() -> None:
     assert d["rounds"][0]["members"] == 3 and d["rounds"][0]["contributors"] == 2
 
 
+def test_a_dht_peer_without_a_majority_says_so() -> None:
+    view = DhtView("c", total_rounds=10, window_s=5.0)
+    view.entered(4)
+    view.minority(4, True)
+    d = view.document()
+    check_document(d, "dht")
+    assert (d["run"]["round"], d["run"]["phase"]) == (4, "minority")
+    view.minority(4, False)
+    assert view.document()["run"]["phase"] == "exchanging"
+
+
 def test_the_http_answers() -> None:
     routes = page_routes(lambda since: {"since": since})
     ok = _respond(routes, "GET /status.json?since=4 HTTP/1.1")

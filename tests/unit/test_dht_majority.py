@@ -1,0 +1,143 @@
+"""DHT mode's majority rule (no split brain): a round is applied only with more than half of the previous
+round's members; silent members leave that base after `leave_after_s`; joiners count from the round after.
+
+Fake announcements and a fake DHT node in memory; no sockets, no hivemind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from demonet.dht.board import RoundBoard
+from demonet.dht.rules import Announcement, freeze, has_majority, late_majority, majority_base
+from demonet.dht.streams import DhtOptions
+from demonet.transport import NotMember
+
+
+def _ann(peer: str, t: float) -> Announcement:
+    return Announcement(peer, t, "d")
+
+
+def test_a_majority_of_the_previous_members_freezes_a_minority_does_not() -> None:
+    base = {"a", "b", "c"}
+    assert has_majority({"a", "b"}, base) and has_majority({"a", "b", "c", "new"}, base)
+    assert not has_majority({"c"}, base) and not has_majority({"c", "new", "other"}, base)  # strangers do not count
+    assert not has_majority({"a", "b"}, {"a", "b", "c", "d"})  # 2 against 2: neither side
+    assert not has_majority({"a"}, {"a", "b"})
+    assert has_majority({"a"}, None) and has_majority({"a"}, set())  # no base: the first round
+
+    seen = {"a": _ann("a", 10.0), "b": _ann("b", 10.5)}  # c is cut off
+    frozen = freeze(seen, expected=base, start_peers=1, window_s=5.0, base=base)
+    assert frozen is not None and frozen.majority and frozen.members == ("a", "b") and frozen.deadline == 15.0
+    alone = freeze({"c": _ann("c", 10.2)}, expected=base, start_peers=1, window_s=5.0, base=base)
+    assert alone is not None and not alone.majority and alone.members == ("c",)
+
+
+def test_a_complete_round_without_a_majority_is_not_decided_early() -> None:
+    # a was expected alone (b's payload missed the last round), but b is still a member of the base
+    seen = {"a": _ann("a", 10.0), "b": _ann("b", 11.0)}
+    frozen = freeze(seen, expected={"a"}, start_peers=1, window_s=5.0, base={"a", "b"})
+    assert frozen is not None and not frozen.settled and frozen.deadline == 15.0
+    assert frozen.members == ("a", "b") and frozen.majority
+    assert freeze(seen, expected={"a"}, start_peers=1, window_s=5.0, base={"a"}).settled  # type: ignore[union-attr]
+
+
+def test_members_not_heard_from_leave_the_base_after_the_timeout() -> None:
+    previous = {"a", "b", "c"}
+    seen = {"a": 100.0, "b": 100.0, "c": 1000.0}
+    assert majority_base(previous, seen, now=650.0, leave_after_s=600.0) == previous
+    assert majority_base(previous, seen, now=1000.0, leave_after_s=600.0) == {"c"}  # the survivor goes on
+    assert majority_base(previous, {"c": 1000.0}, now=1000.0, leave_after_s=600.0) == {"c"}  # never seen
+    # the survivor of a mass failure: stuck with 1 of 3 until the others leave its base
+    assert not has_majority({"c"}, majority_base(previous, seen, now=700.0, leave_after_s=600.0))
+    assert has_majority({"c"}, majority_base(previous, seen, now=701.0, leave_after_s=600.0))
+
+
+def test_joiners_count_from_the_round_after_their_admission() -> None:
+    # Round r: members a, b; the joiners x, y, z admitted for r+1 are expected but not in its base.
+    expected, base = {"a", "b", "x", "y", "z"}, {"a", "b"}
+    joiners_only = {p: _ann(p, 10.0) for p in ("x", "y", "z")}
+    frozen = freeze(joiners_only, expected=expected, start_peers=1, window_s=5.0, base=base)
+    assert frozen is not None and not frozen.majority  # three joiners are no majority of a and b
+    with_a = freeze({**joiners_only, "a": _ann("a", 10.1), "b": _ann("b", 10.2)}, expected=expected,
+                    start_peers=1, window_s=5.0, base=base)
+    assert with_a is not None and with_a.majority and with_a.complete
+    # Round r+2: its base is round r+1's members, joiners included; two of five are not a majority.
+    assert not has_majority({"a", "b"}, set(with_a.members))
+    assert has_majority({"x", "y", "z"}, set(with_a.members))
+
+
+# -- the board: a minority waits, writes nothing more, and catches up once the run is ahead -------------
+
+
+class _FakeNode:
+    """The part of `DhtNode` the board uses: records in a dict, the DHT time a counter."""
+
+    def __init__(self, peer_id: str, records: dict[str, dict[str, dict[str, Any]]]) -> None:
+        self.peer_id, self.address, self.records = peer_id, "addr-" + peer_id, records
+        self.opts = DhtOptions(run="r", token="t", window_s=0.2, settle_s=0.0, leave_after_s=0.6)
+        self.stored: list[str] = []
+
+    def key(self, *parts: object) -> str:
+        return "/".join(str(p) for p in parts)
+
+    async def store(self, key: str, value: dict[str, Any]) -> None:
+        self.stored.append(key)
+        self.records.setdefault(key, {})[self.peer_id] = value
+
+    async def get(self, key: str) -> dict[str, dict[str, Any]]:
+        return dict(self.records.get(key, {}))
+
+
+def _board(records: dict[str, dict[str, dict[str, Any]]], round: int) -> tuple[RoundBoard, _FakeNode]:
+    node = _FakeNode("c", records)
+    board = RoundBoard(node)  # type: ignore[arg-type]
+    board.expected[round] = board.previous[round] = {"a", "b", "c"}
+    return board, node
+
+
+@pytest.mark.timeout(5)
+def test_a_minority_waits_then_catches_up_once_the_majority_is_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    import demonet.dht.board as board_module
+
+    monkeypatch.setattr(board_module, "_WAIT_POLL_S", 0.02)
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    board, node = _board(records, 5)
+    told: list[tuple[int, bool]] = []
+    board.on_minority = lambda r, minority: told.append((r, minority))
+
+    async def heal() -> None:
+        await asyncio.sleep(0.4)  # shorter than leave_after_s: a and b are still in c's base
+        records["head"] = {"a": {"round": 9}}
+
+    async def run() -> None:
+        healing = asyncio.create_task(heal())
+        with pytest.raises(NotMember, match="went on to round 9"):
+            await board.enter(5, "d")
+        await healing
+
+    asyncio.run(run())
+    assert node.stored == ["members/5"]  # nothing but its announcement
+    assert told == [(5, True), (5, False)] and 5 not in board.waited
+
+
+@pytest.mark.timeout(5)
+def test_a_lone_survivor_goes_on_once_the_silent_leave_its_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    import demonet.dht.board as board_module
+
+    monkeypatch.setattr(board_module, "_WAIT_POLL_S", 0.02)
+    board, _ = _board({}, 5)
+    frozen, _ = asyncio.run(board.enter(5, "d"))  # a and b never seen: out of the base after leave_after_s
+    assert frozen.members == ("c",) and frozen.majority and 5 in board.waited
+
+
+def test_late_announcements_rescue_a_round_that_had_no_majority_at_its_deadline() -> None:
+    # a and b both alive, announced 3 s apart (a heal, a slow store): at the deadline a is alone
+    seen = {"a": _ann("a", 10.0), "b": _ann("b", 13.0)}
+    frozen = freeze(seen, expected={"a", "b"}, start_peers=1, window_s=2.0, base={"a", "b"})
+    assert frozen is not None and frozen.members == ("a",) and not frozen.majority
+    assert late_majority(seen, {"a", "b"}) == ("a", "b")
+    assert late_majority({"c": _ann("c", 10.0)}, {"a", "b", "c"}) is None
