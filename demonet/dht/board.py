@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _WAIT_POLL_S = 1.0  # how often a peer without a majority looks again for the others
+_RECONNECT_EVERY = 3  # and every this many looks, it pings the base's members from its DHT node
 _START_TIMEOUT_S = 600.0  # how long the first round waits for its start_peers
 
 
@@ -47,6 +48,8 @@ class RoundBoard:
         """Round -> the members of the round before (its joiners not included): the base of its majority."""
         self.last_seen: dict[str, float] = {}
         """Peer -> the DHT time of its latest announcement read."""
+        self.addresses: dict[str, str] = {}
+        """Peer -> its libp2p address in its latest announcement read (to reach it again after a partition)."""
         self.waited: set[int] = set()
         """Rounds that had no majority at their freeze and found one only later (a heal, or a base that
         shrank): too late for their exchange, they are aborted by everyone."""
@@ -144,6 +147,8 @@ class RoundBoard:
                                                   float(loss) if isinstance(loss, float | int) else None)
         for p, a in announced.items():
             self.last_seen[p] = max(self.last_seen.get(p, -math.inf), a.t)
+            if a.address:
+                self.addresses[p] = a.address
         return announced
 
     async def _freeze(self, r: int) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
@@ -162,6 +167,7 @@ class RoundBoard:
         # The first round waits for its start_peers to come up; later ones freeze within window_s.
         limit = time.monotonic() + (_START_TIMEOUT_S if expected is None else opts.window_s * 3 + 10)
         minority: tuple[tuple[str, ...], frozenset[str]] | None = None  # what this peer waits with, for the log
+        waits = 0
         for p in previous or ():  # a base member this peer never read (a joiner's donors' list) is heard from now
             self.last_seen.setdefault(p, now())
         while minority is not None or time.monotonic() < limit:
@@ -191,6 +197,10 @@ class RoundBoard:
                     logger.warning("[%s round=%d] no majority: %d of the %d members of the round before (%s) "
                                    "are here; not applying rounds, waiting for the others", self._node.peer_id, r,
                                    len(base.intersection(frozen.members)), len(base), ", ".join(sorted(base)))
+                if waits % _RECONNECT_EVERY == 0:  # a partition may have healed: reach the base again
+                    await self._node.reconnect(self.addresses[p] for p in base if p in self.addresses
+                                               and p != self._node.peer_id)
+                waits += 1
                 head = await self.head_round()
                 if head is not None and head > r:
                     self.on_minority(r, False)

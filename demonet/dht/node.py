@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import hivemind
@@ -31,6 +33,16 @@ from .streams import DhtOptions, HmacValidator, KeyValidator, Streams, now
 __all__ = ["DhtNode"]
 
 logger = logging.getLogger(__name__)
+
+
+async def _ping_and_refresh(addresses: list[str], dht: Any, node: Any) -> None:
+    """Run inside the DHT's process (`hivemind.DHT.run_coroutine`): ping `addresses` (each ping adds both ends
+    to the other's routing table), then look up this node's nearest neighbours."""
+    from hivemind.p2p import PeerID
+
+    pings = [node.protocol.call_ping(PeerID.from_base58(a)) for a in addresses]
+    await asyncio.gather(*pings, return_exceptions=True)
+    await node.find_nearest_nodes([node.node_id])
 
 
 def _end(*_: object) -> None:
@@ -200,6 +212,18 @@ class DhtNode:
     def ttl_s(self) -> float:
         """How long a record lives: a few rounds, so that late readers still find it."""
         return 4 * (self.opts.window_s + 2 * self.opts.exchange_timeout_s)
+
+    async def reconnect(self, addresses: Iterable[str]) -> None:
+        """Ping these libp2p peers from the DHT node and look up its neighbours again, so that its routing
+        table holds them: after a partition, every DHT call that failed across it dropped the other side
+        from the table, and nothing else brings them back. Bounded by exchange_timeout_s; failures are
+        the partition still being there."""
+        ids = sorted({a for a in addresses if a})
+        if not ids or self.dht is None:
+            return
+        with contextlib.suppress(TimeoutError, Exception):  # noqa: BLE001 - any failure: still cut off
+            async with asyncio.timeout(self.opts.exchange_timeout_s):
+                await self.dht.run_coroutine(functools.partial(_ping_and_refresh, ids), return_future=True)
 
     async def store(self, key: str, value: dict[str, Any]) -> None:
         """Store this peer's record under `key` for `ttl_s`, waiting at most exchange_timeout_s for the replicas.

@@ -191,7 +191,8 @@ def test_dht_a_partitioned_peer_heals_and_is_in_sync_again(dht: DhtCluster) -> N
     by_round = _agree(dht, PEERS, rounds, skip=1)
     for p in ("a", "b"):
         assert _done(dht, p, rounds) == list(range(rounds)), p
-        assert not _minority_log(dht, p), dht.log(p)  # the majority never waited
+        # The majority may wait a moment when one of its two is slow to announce (1 of 2 is no majority),
+        # but it loses no round and never resyncs.
         assert "Resync" not in dht.log(p) and "NotMember" not in dht.log(p), dht.log(p)
     for n in range(back, rounds):  # back in sync: in every round with a and b, one digest
         assert set(by_round[n]) == set(PEERS) and by_round[n]["a"]["contributors"] == 3, by_round[n]
@@ -199,7 +200,9 @@ def test_dht_a_partitioned_peer_heals_and_is_in_sync_again(dht: DhtCluster) -> N
     assert c_done == sorted(set(c_done)) and c_done[c_done.index(back):] == list(range(back, rounds)), c_done
     waits = _minority_log(dht, "c")
     assert 1 <= len(waits) <= 3, waits  # said once (then on a change of what it saw)
-    assert "went on to round" in dht.log("c"), dht.log("c")
+    # It caught up from the majority (it read that the run went on past its round, that its waiting round
+    # froze without it, or that its digest is not the majority's), and loaded the majority's parameters.
+    assert "catching up" in dht.log("c"), dht.log("c")
     loads = dht.loaded("c")  # from the majority, without a restart
     assert loads and all(digest == digest_after(by_round, n - 1) for n, digest in loads), loads
     assert len(dht.peers["c"].procs) == 1

@@ -80,6 +80,7 @@ class _FakeNode:
         self.peer_id, self.address, self.records = peer_id, "addr-" + peer_id, records
         self.opts = DhtOptions(run="r", token="t", window_s=0.2, settle_s=0.0, leave_after_s=0.6)
         self.stored: list[str] = []
+        self.reconnected: list[list[str]] = []  # the addresses a waiting minority pinged
 
     def key(self, *parts: object) -> str:
         return "/".join(str(p) for p in parts)
@@ -90,6 +91,9 @@ class _FakeNode:
 
     async def get(self, key: str) -> dict[str, dict[str, Any]]:
         return dict(self.records.get(key, {}))
+
+    async def reconnect(self, addresses: Any) -> None:
+        self.reconnected.append(sorted(addresses))
 
 
 def _board(records: dict[str, dict[str, dict[str, Any]]], round: int) -> tuple[RoundBoard, _FakeNode]:
@@ -122,6 +126,7 @@ def test_a_minority_waits_then_catches_up_once_the_majority_is_ahead(monkeypatch
     asyncio.run(run())
     assert node.stored == ["members/5"]  # nothing but its announcement
     assert told == [(5, True), (5, False)] and 5 not in board.waited
+    assert node.reconnected and all(set(r) <= {"addr-a", "addr-b"} for r in node.reconnected)  # not itself
 
 
 @pytest.mark.timeout(5)
