@@ -24,9 +24,10 @@ from demonet.dashboard import page_routes, start_http
 from demonet.log import setup_logging
 from demonet.train.task import pin_tokenizer
 
+from .handlers import add_to_server
 from .metrics import Metrics
 from .persist import StateNotSaved
-from .server import CoordinatorOptions, CoordinatorServicer, add_to_server
+from .server import CoordinatorOptions, CoordinatorServicer
 from .weights import WeightsFileError
 
 __all__ = ["CoordinatorOptions", "HttpPorts", "add_arguments", "main", "run", "serve", "total_rounds"]
