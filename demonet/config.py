@@ -140,6 +140,13 @@ class NetConfig:
     not heard from for this long leaves that base, so the survivors of a mass failure go on after it. A
     peer cut off from the others for longer also goes on alone: make it longer than any partition the run
     should survive (docs/dht.md#the-majority-rule)."""
+    verify_slices: float = 0.25
+    """DHT mode: the fraction of each round's slices that a second owner merges too (seeded by the round),
+    so an owner that serves a wrong merged slice shows as a disagreement (docs/dht.md#verified-slices);
+    0: off."""
+    exclude_owner_rounds: int = 20
+    """DHT mode: an owner that a majority of a round's members reported for a disagreeing slice owns no
+    slice for this many rounds after the report."""
     max_idle_rounds: int = 3
     """A member whose payload is missing from this many consecutive rounds is idle: it stays a member
     (its heartbeats keep it), but rounds no longer wait for it until a payload of it is accepted again.
@@ -183,6 +190,8 @@ class NetConfig:
         _check(self.heartbeat_timeout_s > self.heartbeat_interval_s,
                "heartbeat_timeout_s should be > heartbeat_interval_s")
         _check(self.leave_after_s > 0, "leave_after_s should be > 0")
+        _check(0.0 <= self.verify_slices <= 1.0, f"verify_slices should be in [0, 1], got {self.verify_slices}")
+        _check(self.exclude_owner_rounds >= 0, "exclude_owner_rounds should be >= 0")
         _check(self.max_idle_rounds >= 0, f"max_idle_rounds should be >= 0 (0: off), got {self.max_idle_rounds}")
         _check(self.aggregate_topk >= 0, "aggregate_topk should be >= 0")
         _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")

@@ -41,6 +41,7 @@ class DhtKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DHT_KIND_PARAMS: _ClassVar[DhtKind]
     DHT_KIND_REPLY: _ClassVar[DhtKind]
     DHT_KIND_PING: _ClassVar[DhtKind]
+    DHT_KIND_CHECK: _ClassVar[DhtKind]
 INDEX_CODING_UNSPECIFIED: IndexCoding
 INDEX_CODING_PACKED: IndexCoding
 INDEX_CODING_ELIAS_FANO: IndexCoding
@@ -65,6 +66,7 @@ DHT_KIND_FETCH: DhtKind
 DHT_KIND_PARAMS: DhtKind
 DHT_KIND_REPLY: DhtKind
 DHT_KIND_PING: DhtKind
+DHT_KIND_CHECK: DhtKind
 
 class SparseTensor(_message.Message):
     __slots__ = ("name", "shape", "chunk_h", "chunk_w", "k", "index_coding", "indices", "value_encoding", "values", "scales")

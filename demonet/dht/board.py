@@ -53,6 +53,9 @@ class RoundBoard:
         self.waited: set[int] = set()
         """Rounds that had no majority at their freeze and found one only later (a heal, or a base that
         shrank): too late for their exchange, they are aborted by everyone."""
+        self.reports: dict[str, int] = {}
+        """Owner -> the latest round in which this peer saw a slice of it disagree with its verifier; told
+        to the others in its announcements for ``exclude_rounds`` rounds after."""
         self.on_minority: Callable[[int, bool], None] = lambda round, minority: None
         """Told when this peer starts (True) and stops (False) waiting for a majority in a round."""
 
@@ -121,6 +124,9 @@ class RoundBoard:
                         "client": self._opts.client_mode}
         if loss is not None and math.isfinite(loss):
             announcement["loss"] = float(loss)
+        self.reports = {o: q for o, q in self.reports.items() if q >= r - self._opts.exclude_rounds}
+        if self.reports:
+            announcement["reports"] = dict(self.reports)
         await self._node.store(self._node.key("members", r), announcement)
         frozen, announced = await self._freeze(r)
         if self._node.peer_id not in frozen.members:
@@ -142,9 +148,12 @@ class RoundBoard:
         for p, v in (await self._node.get(self._node.key("members", r))).items():
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 loss = v.get("loss")  # optional: only for the dashboards
+                reports = v.get("reports")
+                reports = ({str(o): q for o, q in reports.items() if isinstance(q, int)}
+                           if isinstance(reports, dict) else {})
                 announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
                                                   bool(v["client"]),
-                                                  float(loss) if isinstance(loss, float | int) else None)
+                                                  float(loss) if isinstance(loss, float | int) else None, reports)
         for p, a in announced.items():
             self.last_seen[p] = max(self.last_seen.get(p, -math.inf), a.t)
             if a.address:

@@ -2,16 +2,19 @@
 
 Net layer over demonet.dht.node's streams: sends each owner its part of the payload, merges the
 slices this peer owns with the one merge rule (demonet.wire.merge), serves them, and fetches the
-others. It does not decide who is in a round (demonet.dht.board does). Must not import grpc,
-demonet.transport.grpc, or the round board.
+others. A seeded fraction of the slices also goes to a second owner, its verifier: every peer checks
+the merged slice it fetched against the verifier's digest of the same merge, and drops a slice on
+which the two disagree (docs/dht.md#verified-slices). It does not decide who is in a round
+(demonet.dht.board does). Must not import grpc, demonet.transport.grpc, or the round board.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from demonet import wire
@@ -44,6 +47,11 @@ class _Round:
     parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
     merged: dict[int, tuple[tuple[str, ...], bytes, Payload]] = field(default_factory=dict)
     fetched: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers that fetched it from here
+    verifiers: dict[int, str] = field(default_factory=dict)  # slice -> its second owner (rules.verifiers)
+    checks: dict[tuple[int, tuple[str, ...]], asyncio.Task[bytes | None]] = field(default_factory=dict)
+    """As a verifier: (slice, contributors) -> the SHA-256 of that merge (None: a part is missing)."""
+    disagreed: set[int] = field(default_factory=set)  # slices whose owner and verifier disagreed
+    unverified: set[int] = field(default_factory=set)  # verified slices whose verifier could not answer
     bytes_up: int = 0
     bytes_down: int = 0
 
@@ -63,6 +71,10 @@ class Exchanged:
     bytes_down: int
     slice_owners: tuple[str, ...] = ()
     """The owner of each slice of the round, in order (for the dashboards)."""
+    disagreed: frozenset[str] = frozenset()
+    """The owners and verifiers of the slices dropped because the two disagreed."""
+    checked: int = 0
+    """Slices whose merge this peer checked against a verifier's (and found equal or not)."""
 
 
 class SliceExchange:
@@ -82,6 +94,7 @@ class SliceExchange:
         """The latest round this peer gathered for; streams about rounds far from it are refused."""
         node.streams.serve(pb.DHT_KIND_PART, self._take_part)
         node.streams.serve(pb.DHT_KIND_FETCH, self._serve_slice)
+        node.streams.serve(pb.DHT_KIND_CHECK, self._serve_check)
 
     def _round(self, r: int, *, mine: bool = False) -> _Round:
         """The state of round `r`; `mine`: this peer starts it (older rounds are forgotten then)."""
@@ -106,22 +119,28 @@ class SliceExchange:
             st.plan = rules.SlicePlan(specs, len(owners))
             st.owners, st.members = list(owners[:st.plan.n]), list(members)
             st.mdigest = rules.members_digest(members)
+            st.verifiers = rules.verifiers(r, st.mdigest, owners, st.plan.n, self.opts.verify_fraction)
             st.rs_deadline = max(frozen_at, now()) + self.opts.exchange_timeout_s
             st.ag_deadline = st.rs_deadline + self.opts.exchange_timeout_s
             self._cond.notify_all()
         merged = await self._exchange(r, st, payload, addresses)
+        disagreed = frozenset(p for s in st.disagreed for p in (st.owners[s], st.verifiers[s]))
+        checked = sum(1 for s in st.verifiers if s in st.merged and s not in st.unverified)
+        merged = [None if s in st.disagreed else m for s, m in enumerate(merged)]
         delivered = [s for s, m in enumerate(merged) if m is not None]
         contributors = tuple(sorted({p for s in delivered for p in st.merged[s][0]}))
-        dead_owners = frozenset(st.owners[s] for s, m in enumerate(merged) if m is None)
+        dead_owners = frozenset(st.owners[s] for s, m in enumerate(merged) if m is None and s not in st.disagreed)
+        done = dict(dead_owners=dead_owners, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
+                    slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked)
         if not delivered:
-            return Exchanged(None, None, contributors, dead_owners, st.bytes_up, st.bytes_down, tuple(st.owners))
+            return Exchanged(None, None, contributors, **done)
         if dead_owners:
             logger.warning("[%s round=%d] dropped the slices of %s: no member holds them", self.peer_id, r,
                            ", ".join(sorted(dead_owners)))
         agg = st.plan.join(merged)
         mine = [m if m is not None and self.peer_id in st.merged[s][0] else None for s, m in enumerate(merged)]
         kept = agg if mine == merged else st.plan.join(mine)  # restore all of the slices without this payload
-        return Exchanged(agg, kept, contributors, dead_owners, st.bytes_up, st.bytes_down, tuple(st.owners))
+        return Exchanged(agg, kept, contributors, **done)
 
     async def _exchange(self, r: int, st: _Round, payload: Payload, addresses: Mapping[str, str]
                         ) -> list[Payload | None]:
@@ -131,12 +150,14 @@ class SliceExchange:
         sends = []
         for s, owner in enumerate(st.owners):
             cut = plan.cut(payload, s)
-            if owner == me:
+            targets = [owner, st.verifiers[s]] if s in st.verifiers else [owner]
+            if me in targets:
                 async with self._cond:
                     st.parts.setdefault(s, {})[me] = (st.mdigest, wire.encode(cut, step=r))
                     self._cond.notify_all()
-            else:
-                sends.append(self._send_part(r, st, s, cut, addresses[owner]))
+            others = [addresses[p] for p in targets if p != me]
+            if others:
+                sends.append(self._send_part(r, st, s, cut, others))
         merging = [self._merge(r, st, s) for s, owner in enumerate(st.owners) if owner == me]
         fetches = [self._fetch_from_owner(r, st, s, addresses[owner]) for s, owner in enumerate(st.owners)
                    if owner != me]
@@ -146,6 +167,7 @@ class SliceExchange:
             holders = [p for p in st.owners if p != me]
             await asyncio.gather(*(self._fetch_from_holders(
                 r, st, s, [addresses[p] for p in sorted(holders, key=lambda p: p == st.owners[s])]) for s in missing))
+        await asyncio.gather(*(self._check(r, st, s, addresses[v]) for s, v in st.verifiers.items() if s in st.merged))
         # Stay until every member has fetched our slices (or the phase ended): an owner that leaves
         # at once, after the run's last round, would take its slice with it.
         mine = [s for s, owner in enumerate(st.owners) if owner == me and s in st.merged]
@@ -156,26 +178,35 @@ class SliceExchange:
                     await self._cond.wait_for(lambda: all(len(st.fetched.get(s, ())) >= want for s in mine))
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
 
-    async def _send_part(self, r: int, st: _Round, s: int, cut: Payload, address: str) -> None:
+    async def _send_part(self, r: int, st: _Round, s: int, cut: Payload, addresses: Sequence[str]) -> None:
+        """Send this peer's rows of slice `s` to its owner (and its verifier)."""
         data = await asyncio.to_thread(wire.encode, cut, step=r)
 
-        async def send(timeout_s: float) -> None:
-            await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest,
-                                     timeout_s=timeout_s)
+        async def send_to(address: str) -> None:
+            async def send(timeout_s: float) -> None:
+                await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest,
+                                         timeout_s=timeout_s)
 
-        error = await retry(send, st.rs_deadline)
-        if error:
-            logger.warning("[%s round=%d] slice %d: its owner did not take the part: %s", self.peer_id, r, s, error)
-        else:
-            st.bytes_up += len(data)
+            error = await retry(send, st.rs_deadline)
+            if error:
+                logger.warning("[%s round=%d] slice %d: %s did not take the part: %s", self.peer_id, r, s,
+                               "its owner" if address == addresses[0] else "its verifier", error)
+            else:
+                st.bytes_up += len(data)
 
-    async def _merge(self, r: int, st: _Round, s: int) -> None:
-        """As the owner of slice `s`: wait for every member's part (or the deadline), merge, keep it."""
+        await asyncio.gather(*(send_to(a) for a in addresses))
+
+    async def _parts(self, r: int, st: _Round, s: int, senders: Collection[str] | None = None
+                     ) -> dict[str, Payload]:
+        """The valid parts of slice `s` held here, from `senders` (None: every member), by sender.
+
+        Waits until all of them are in, or the reduce-scatter's deadline."""
+        want = set(st.members) if senders is None else set(senders)
         async with self._cond:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, st.rs_deadline - now())):
-                    await self._cond.wait_for(lambda: set(st.members) <= set(st.parts.get(s, {})))
-            parts = dict(st.parts.get(s, {}))
+                    await self._cond.wait_for(lambda: want <= set(st.parts.get(s, {})))
+            parts = {p: v for p, v in st.parts.get(s, {}).items() if p in want}
         assert st.plan is not None
         specs = st.plan.slice_specs(s)
         decoded: dict[str, Payload] = {}
@@ -192,8 +223,15 @@ class SliceExchange:
                 decoded[sender] = part
             except InvalidPayload as e:
                 logger.warning("[%s round=%d] refused the part of %s: %s", self.peer_id, r, sender, e)
+        return decoded
+
+    async def _merge(self, r: int, st: _Round, s: int) -> None:
+        """As the owner of slice `s`: wait for every member's part (or the deadline), merge, keep it."""
+        decoded = await self._parts(r, st, s)
         if not decoded:
             return
+        assert st.plan is not None
+        specs = st.plan.slice_specs(s)
         senders = tuple(sorted(decoded))
         # One merge gives both forms: the bytes the others fetch and the payload this owner applies,
         # which `merge` builds bit-identical to what they decode from those bytes (see its docstring).
@@ -208,6 +246,49 @@ class SliceExchange:
         clipped = [p for p, f in zip(senders, merged.factors, strict=True) if f < 1.0]
         if clipped:
             logger.info("[%s round=%d] slice %d: clipped %s to the median norm", self.peer_id, r, s, ", ".join(clipped))
+
+    # -- verification ----------------------------------------------------------------------------------
+
+    def _digest_over(self, r: int, st: _Round, s: int, senders: tuple[str, ...]) -> asyncio.Task[bytes | None]:
+        """As the verifier of slice `s`: the SHA-256 of its merge over exactly `senders` (sorted), once."""
+        key = (s, senders)
+        if key not in st.checks:
+            async def digest() -> bytes | None:
+                decoded = await self._parts(r, st, s, senders)
+                if set(decoded) != set(senders):
+                    return None
+                assert st.plan is not None
+                merged = await asyncio.to_thread(merge, [decoded[p] for p in senders], step=r, rules=self.opts.rules,
+                                                 expected=st.plan.slice_specs(s))
+                return hashlib.sha256(merged.data).digest()
+
+            st.checks[key] = asyncio.create_task(digest())
+        return st.checks[key]
+
+    async def _check(self, r: int, st: _Round, s: int, address: str) -> None:
+        """Compare the merged slice `s` this peer holds with its verifier's merge over the same senders.
+
+        Equal: kept. Different: the slice is dropped this round and both peers are reported. No answer
+        (the verifier is gone, or lacks a part of those senders): kept unverified."""
+        senders, data, _ = st.merged[s]
+        verifier = st.verifiers[s]
+        if verifier == self.peer_id:
+            theirs = await self._digest_over(r, st, s, senders)
+        else:
+            try:
+                _, theirs = await self._streams.call(address, pb.DHT_KIND_CHECK, r, slice=s, contributors=list(senders),
+                                                     timeout_s=max(self.opts.exchange_timeout_s,
+                                                                   st.ag_deadline - now()))
+            except PeerUnavailable as e:
+                theirs = None
+                logger.info("[%s round=%d] slice %d: its verifier %s did not check it: %s", self.peer_id, r, s,
+                            verifier, e)
+        if theirs is None:
+            st.unverified.add(s)
+        elif theirs != hashlib.sha256(data).digest():
+            st.disagreed.add(s)
+            logger.warning("[%s round=%d] slice %d: its owner %s and its verifier %s disagree; dropped this round, "
+                           "both reported", self.peer_id, r, s, st.owners[s], verifier)
 
     async def _fetch_from_owner(self, r: int, st: _Round, s: int, address: str) -> None:
         error = await retry(lambda timeout_s: self._fetch(r, st, s, address, timeout_s=timeout_s), st.ag_deadline)
@@ -224,6 +305,8 @@ class SliceExchange:
     async def _fetch(self, r: int, st: _Round, s: int, address: str, *, timeout_s: float) -> None:
         reply, data = await self._streams.call(address, pb.DHT_KIND_FETCH, r, slice=s, timeout_s=timeout_s)
         assert st.plan is not None
+        if not set(reply.contributors) <= set(st.members):
+            raise InvalidPayload(f"merged slice names contributors who are not members: {list(reply.contributors)}")
         step, payload = await asyncio.to_thread(wire.decode, data, expected=st.plan.slice_specs(s))
         if step != r:
             raise InvalidPayload(f"merged slice says round {step}")
@@ -279,3 +362,22 @@ class SliceExchange:
                 self._cond.notify_all()
 
         return Reply(data=merged, fields={"slice": s, "contributors": list(contributors)}, sent=sent)
+
+    async def _serve_check(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
+        """As a verifier: the SHA-256 of this peer's merge of the slice over the asked senders."""
+        r, s, senders = head.round, head.slice, tuple(sorted(head.contributors))
+        if self._far(r):
+            return Reply(error=f"round {r} is not kept here (at {self.latest})")
+        st = self._round(r)
+        async with self._cond:  # the request can come before this peer froze the round
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.opts.window_s + self.opts.exchange_timeout_s):
+                    await self._cond.wait_for(lambda: st.plan is not None)
+        if st.verifiers.get(s) != self.peer_id:
+            return Reply(error=f"not the verifier of slice {s} of round {r}")
+        if not senders or not set(senders) <= set(st.members):
+            return Reply(error="a check of senders who are not members")
+        digest = await self._digest_over(r, st, s, senders)
+        if digest is None:
+            return Reply(error=f"cannot check slice {s}: a part of those senders is missing here")
+        return Reply(data=digest)

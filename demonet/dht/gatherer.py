@@ -9,6 +9,7 @@ all-gather) and the parameter donor (donor). Must not import grpc or demonet.tra
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -26,6 +27,8 @@ from .streams import DhtOptions, HmacValidator
 from .view import DhtView
 
 __all__ = ["DhtGatherer", "DhtOptions", "HmacValidator"]
+
+logger = logging.getLogger(__name__)
 
 
 class DhtGatherer:
@@ -48,6 +51,7 @@ class DhtGatherer:
         self.view: DhtView | None = None
         """This peer's view of the run for its dashboard, fed each round; None: no dashboard."""
         self._board.on_minority = self._minority
+        self._excluded: frozenset[str] = frozenset()  # the owners left out of the last round (for the log)
 
     def reload_allowlist(self, allowed: Mapping[bytes, str | None]) -> list[str]:
         """A new allowlist (`keys.KeyBook.reload`): returns the peer ids whose key it no longer admits."""
@@ -177,12 +181,21 @@ class DhtGatherer:
         if not owners:
             joiners_task.cancel()
             raise NotMember(f"round {r}: no member can be dialed (all are in client mode)")
+        excluded = rules.excluded_owners(announced, members, r, self.opts.exclude_rounds)
+        if excluded and not set(owners) <= excluded:  # reported by a majority: they own no slice for a while
+            owners = [p for p in owners if p not in excluded]
+            if excluded != self._excluded:
+                logger.warning("[%s round=%d] %s own no slice: reported by a majority for disagreeing slices",
+                               self.peer_id, r, ", ".join(sorted(excluded)))
+        self._excluded = excluded
         addresses = {p: announced[p].address for p in members}
         try:
             done = await self._exchange.run(r, payload, specs=self.specs, members=members, owners=owners,
                                             addresses=addresses, frozen_at=frozen.deadline)
         finally:
             joiners = await joiners_task
+        for p in done.disagreed:
+            board.reports[p] = r
         # The next round waits for the members whose payload and own slice made it into this one.
         board.expected[r + 1] = (set(done.contributors) - done.dead_owners) | joiners
         self._donor.withdraw()

@@ -1,9 +1,10 @@
 """DHT mode without a coordinator: the pure logic every peer runs identically. No network, no asyncio.
 
 Membership freeze (who is in a round), the majority digest, the slice plan of the sparse
-reduce-scatter, the parameter ranges a joiner loads from several donors, and the HMAC of the run
-token. Imports the math layer's dataclasses and torch; must not import asyncio, grpc, hivemind or any
-other demonet.dht module. The transport's parts (demonet.dht.board, exchange, donor, streams) call these.
+reduce-scatter, which slices a second owner verifies and which owners sit out, the parameter ranges
+a joiner loads from several donors, and the HMAC of the run token. Imports the math layer's
+dataclasses and torch; must not import asyncio, grpc, hivemind or any other demonet.dht module.
+The transport's parts (demonet.dht.board, exchange, donor, streams) call these.
 
 Shape legend: R = rows (chunks) of one tensor inside a slice, K = entries per row, U = merged entries per row.
 """
@@ -13,17 +14,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import random
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from demonet.optim import Compressed, Payload
 from demonet.optim.payload import num_chunks
 
-__all__ = ["Announcement", "Frozen", "SlicePlan", "freeze", "has_majority", "late_majority", "majority_base",
-           "majority_digest", "members_digest", "param_ranges", "sign", "verify"]
+__all__ = ["Announcement", "Frozen", "SlicePlan", "excluded_owners", "freeze", "has_majority", "late_majority",
+           "majority_base", "majority_digest", "members_digest", "param_ranges", "sign", "verifiers", "verify"]
 
 Specs = Mapping[str, tuple[tuple[int, ...], tuple[int, int]]]
 """Parameter name -> (shape, chunk), in the optimizer's order (`DeMo.param_specs()`)."""
@@ -60,6 +62,8 @@ class Announcement:
     """A peer in client mode (behind NAT): it cannot be dialed, so it owns no slice and donates nothing."""
     loss: float | None = None
     """Its training loss on its batch of the round, for the dashboards (None: not said)."""
+    reports: Mapping[str, int] = field(default_factory=dict)
+    """Owners it saw serve a slice their verifier disagreed with -> the latest round it saw that in."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,45 @@ def majority_digest(digests: Mapping[str, str]) -> str:
 def members_digest(members: Sequence[str]) -> str:
     """A short digest of a sorted member list: parts cut for another list are refused."""
     return hashlib.sha256("\n".join(members).encode()).hexdigest()[:16]
+
+
+# -- verified slices ------------------------------------------------------------------------------------
+
+
+def verifiers(r: int, mdigest: str, owners: Sequence[str], n_slices: int, fraction: float) -> dict[int, str]:
+    """The slices of round `r` that a second owner merges too: slice -> its verifier, the same on every peer.
+
+    ``ceil(fraction * n_slices)`` slices, drawn with a generator seeded by the round and its member list
+    (`mdigest`), each verified by an owner drawn among the others (slice s is `owners[s]`'s, so
+    `n_slices <= len(owners)`). An owner of one slice is thus checked with probability
+    ``ceil(fraction * n) / n`` per round. None with fewer than two owners.
+    """
+    if fraction <= 0.0 or len(owners) < 2 or n_slices < 1:
+        return {}
+    seed = int.from_bytes(hashlib.sha256(f"verify/{r}/{mdigest}".encode()).digest()[:8], "big")
+    rng = random.Random(seed)
+    count = min(n_slices, math.ceil(fraction * n_slices - 1e-9))
+    out = {}
+    for s in sorted(rng.sample(range(n_slices), count)):  # slice s is owned by owners[s]
+        out[s] = owners[(s + 1 + rng.randrange(len(owners) - 1)) % len(owners)]
+    return out
+
+
+def excluded_owners(announced: Mapping[str, Announcement], members: Collection[str], r: int, rounds: int
+                    ) -> frozenset[str]:
+    """Owners that more than half of round `r`'s `members` reported within the last `rounds` rounds.
+
+    They own no slice in round `r`. Every peer reads the same announcements of the frozen members, so
+    every peer excludes the same owners.
+    """
+    if rounds <= 0 or not members:
+        return frozenset()
+    votes: Counter[str] = Counter()
+    for p in members:
+        a = announced.get(p)
+        if a is not None:
+            votes.update(o for o, seen in a.reports.items() if r - rounds <= seen < r)
+    return frozenset(o for o, n in votes.items() if 2 * n > len(members))
 
 
 # -- the sparse reduce-scatter ------------------------------------------------------------------------

@@ -142,6 +142,10 @@ class DhtOptions:
     leave_after_s: float = 600.0
     """A member of the previous round not heard from for this long no longer counts in the base of a
     round's majority (docs/dht.md#the-majority-rule): a run that lost most of its peers goes on after it."""
+    verify_fraction: float = 0.25
+    """The fraction of each round's slices that a second owner merges as well (docs/dht.md#verified-slices)."""
+    exclude_rounds: int = 20
+    """Rounds an owner reported by a majority for a disagreeing slice owns no slice."""
     rules: MergeRules = field(default_factory=lambda: MergeRules(topk=32))
     """How a slice owner merges: the coordinator's rules (top-k, encoding, median-norm clipping, norm bound)."""
     allowed: Mapping[bytes, str | None] | None = None
@@ -160,6 +164,8 @@ class DhtOptions:
             raise ValueError("start_peers should be >= 1")
         if self.leave_after_s <= self.window_s:
             raise ValueError("leave_after_s should be > window_s")
+        if not 0.0 <= self.verify_fraction <= 1.0 or self.exclude_rounds < 0:
+            raise ValueError("verify_fraction should be in [0, 1] and exclude_rounds >= 0")
 
 
 @dataclass

@@ -13,6 +13,10 @@ took, a Join it admitted, a call a wrong token got through): every one of those 
 `POISONER` is the other intruder: a real `demonet peer` (or `demonet peer --dht`) whose payloads are
 scaled by 1000 or replaced by large random values (argv[1]: scale or random); it applies the aggregate
 like everyone else, so its digest stays canonical and its payloads are well formed.
+
+`LIAR` is a real `demonet peer --dht` whose slice merges are altered: every merged slice it serves as
+an owner, and every digest it gives as a verifier, is of the true merge with its values negated. Its
+own payloads are honest.
 """
 
 from __future__ import annotations
@@ -68,6 +72,28 @@ async def gather(self, round, payload, *, loss, param_digest):
 
 
 Gatherer.gather = gather
+from demonet.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+LIAR = """
+import sys
+from demonet.dht import exchange
+from demonet.wire.merge import Merged
+from demonet.optim import Compressed, Payload
+
+_merge = exchange.merge
+
+
+def merge(payloads, *, step, rules, expected):
+    honest = _merge(payloads, step=step, rules=rules, expected=expected)
+    lie = Payload(tensors={n: Compressed(idx=c.idx, val=-c.val, shape=c.shape, chunk=c.chunk, scale=c.scale)
+                           for n, c in honest.payload.tensors.items()}, encoding="fp32")
+    told = _merge([lie], step=step, rules=rules, expected=expected)  # one payload merges to itself, encoded
+    return Merged(data=told.data, payload=told.payload, factors=honest.factors)
+
+
+exchange.merge = merge
 from demonet.cli import main
 raise SystemExit(main(sys.argv[1:]))
 """

@@ -17,7 +17,7 @@ import pytest
 from demonet.lab import netlab
 from tests.chaos.cluster import PORT, TOKEN, CoordinatorCluster, loss_fell, report, run_config
 from tests.chaos.dht_cluster import DhtCluster
-from tests.chaos.intruder import POISONER
+from tests.chaos.intruder import LIAR, POISONER
 from tests.procs import Reaper
 
 HONEST = ["a", "b", "c"]
@@ -154,3 +154,38 @@ def test_dht_poisoned_updates_are_bounded_by_the_slice_owners_clipping(lab: netl
     assert on["loss_last5"] < on["loss_first5"] - 0.3, on  # the honest peers still learn
     assert off["loss_last5"] > on["loss_last5"] + 0.2, (on, off)  # without clipping: visibly worse
     report("dht_poisoning", {"rounds": rounds, "poison": mode, "clip_on": on, "clip_off": off})
+
+
+def test_dht_a_lying_slice_owner_is_caught_by_verifiers_and_left_out(lab: netlab.Lab, tmp_path: Path,
+                                                                      reap_children: Reaper) -> None:
+    """Three honest DHT peers and a liar (`LIAR`: its merged slices negated) at the default `verify_slices`:
+    a verified slice it owns or verifies disagrees, every peer drops it and reports both peers, and once
+    a majority reported it, the liar owns no slice. The digests stay one per round."""
+    pytest.importorskip("hivemind")
+    rounds = 40
+    dht = DhtCluster(lab, tmp_path, reap_children)
+    dht.start(run_config(round_timeout_s=2.0, exclude_owner_rounds=rounds), steps=rounds, start_peers=4)
+    procs = [dht.peer(p, mbit=100) for p in HONEST]
+    procs.append(dht.peer("mallory", mbit=100, script=LIAR))
+    dht.finish(procs, timeout_s=300)
+    by_round = dht.by_round([*HONEST, "mallory"])  # one digest per round, on every peer
+    assert sorted(by_round) == list(range(rounds)), sorted(by_round)
+    text = {p: dht.log(p) for p in HONEST}
+    disagreements = {p: [(int(m[1]), m[2], m[3]) for m in re.finditer(
+        r"round=(\d+)\] slice \d+: its owner (\S+) and its verifier (\S+) disagree", text[p])] for p in HONEST}
+    caught = sorted({r for p in HONEST for r, owner, verifier in disagreements[p]})
+    assert caught, dht.logs()  # seen, by someone
+    for p in HONEST:  # every disagreement had the liar on one side: two honest mergers always agree
+        assert all("mallory" in (owner, verifier) for _, owner, verifier in disagreements[p]), disagreements[p]
+    excluded = {p: [int(m[1]) for m in re.finditer(r"round=(\d+)\] ([\w, ]+) own no slice", text[p])
+                    if "mallory" in m[2]] for p in HONEST}
+    assert all(excluded[p] for p in HONEST), excluded  # left out by every honest peer
+    first_excluded = min(min(v) for v in excluded.values())
+    late = [r for r in caught if r > first_excluded and r <= first_excluded + rounds]
+    assert not late, (late, first_excluded)  # once left out (for the rest of this run), nothing more to catch
+    losses = dht.mean_losses(by_round, HONEST)
+    assert loss_fell(losses), losses
+    report("dht_lying_owner", {"rounds": rounds, "first_caught_round": caught[0], "rounds_caught": len(caught),
+                               "excluded_from_round": first_excluded,
+                               "loss_first5": round(sum(losses[:5]) / 5, 3),
+                               "loss_last5": round(sum(losses[-5:]) / 5, 3)})
