@@ -5,7 +5,9 @@ For N in --peers-list (2, 4, 8), one after the other in the same run, it runs `d
 on a hivemind DHT, payload slices over libp2p streams, no coordinator), and prints per mode and N
 the median round time, the median slowest peer's compute per round, their ratio (the round
 overhead), the bytes up and down per peer per round and their ratio, and whether every round's
-digests agreed (`bench/round_overhead.py` measures the same way; round 0 is left out). Goals:
+digests agreed (`bench/round_overhead.py` measures the same way; round 0 is left out). DHT mode runs
+once per `--verify` fraction (`[net] verify_slices`: 0 is off, 0.25 the default, 1 every slice merged
+by a second owner), so the cost of verified slices is measured in the same run. Goals:
 - DHT mode: per-peer download at most 2x upload at 8 peers;
 - DHT mode's round overhead comparable to coordinator mode's (the ratio of the two is printed).
 Run from the repo root: `python bench/dht_round.py`. Prints a table; not a test.
@@ -33,8 +35,12 @@ def main() -> None:
     parser.add_argument("--peers-list", default="2,4,8", help="peer counts, comma-separated (2,4,8)")
     parser.add_argument("--steps", type=int, default=30, help="rounds per run (30)")
     parser.add_argument("--config", help="TOML run config (default: the embedded default model)")
+    parser.add_argument("--verify", default="0.25", help="DHT runs' verify_slices fractions, comma-separated "
+                        "(0.25, the default; e.g. 0,0.25,1 for the cost of verification)")
     args = parser.parse_args()
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
+    fractions = [float(f) for f in args.verify.split(",") if f.strip()]
+    modes = [("coordinator", None)] + [(f"dht verify={f:g}", f) for f in fractions]
 
     import torch
 
@@ -48,9 +54,10 @@ def main() -> None:
     results: dict[tuple[str, int], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="dht_round-") as tmp:
         for n in counts:
-            for mode in ("coordinator", "dht"):
-                out = Path(tmp) / f"{mode}-{n}"
-                code, wall, err = run_up(n, args.steps, args.config, out, dht=mode == "dht")
+            for mode, fraction in modes:
+                out = Path(tmp) / f"{mode.replace(' ', '-')}-{n}"
+                env = {} if fraction is None else {"DEMONET_NET_VERIFY_SLICES": str(fraction)}
+                code, wall, err = run_up(n, args.steps, args.config, out, dht=fraction is not None, env=env)
                 metrics = out / "metrics.jsonl"
                 rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
                 if code != 0 or not rows:
@@ -64,23 +71,27 @@ def main() -> None:
 
     print()
     print("## goals")
-    at = results.get(("dht", GOAL_PEERS))
+    dht = modes[1][0] if len(modes) > 1 else "dht"
+    at = results.get((dht, GOAL_PEERS))
     if at:
         verdict = "met" if at["down_up"] <= GOAL_DOWN_UP else "NOT met"
         print(f"DHT mode: download <= {GOAL_DOWN_UP}x upload per peer at {GOAL_PEERS} peers: {verdict} "
               f"({at['down_up']:.2f}x)")
     else:
         print(f"DHT mode: download <= {GOAL_DOWN_UP}x upload at {GOAL_PEERS} peers: NOT met (not measured)")
-    downs = {n: results[("dht", n)]["down"] for n in counts if ("dht", n) in results}
+    downs = {n: results[(dht, n)]["down"] for n in counts if (dht, n) in results}
     if len(downs) > 1:
         first, last = min(downs), max(downs)
         print(f"DHT mode: per-peer download {downs[first]:,.0f} B at {first} peers, {downs[last]:,.0f} B at {last} "
               f"peers ({downs[last] / downs[first]:.2f}x for {last / first:.0f}x the peers)")
     for n in counts:
-        c, d = results.get(("coordinator", n)), results.get(("dht", n))
-        if c and d:
-            print(f"round overhead at {n} peers: DHT {d['overhead_slowest']:.2f}x, coordinator "
-                  f"{c['overhead_slowest']:.2f}x (round time DHT / coordinator {d['round_s'] / c['round_s']:.2f}x)")
+        c = results.get(("coordinator", n))
+        for mode, _ in modes[1:]:
+            d = results.get((mode, n))
+            if c and d:
+                print(f"round overhead at {n} peers: {mode} {d['overhead_slowest']:.2f}x, coordinator "
+                      f"{c['overhead_slowest']:.2f}x (round time DHT / coordinator {d['round_s'] / c['round_s']:.2f}x, "
+                      f"bytes up+down DHT / coordinator {(d['up'] + d['down']) / (c['up'] + c['down']):.2f}x)")
     if not all(m["agree"] for m in results.values()):
         print("digests: some round's peers disagreed (see the table)")
 

@@ -36,15 +36,15 @@ GOAL_BYTES = 1.5
 
 
 def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = False,
-           code: Path | None = None) -> tuple[int, float, str]:
-    """`demonet up [--dht]` with N peers (on the demonet in `code`, default this tree); returns (exit code,
-    wall seconds, the tail of its stderr)."""
+           code: Path | None = None, env: dict[str, str] | None = None) -> tuple[int, float, str]:
+    """`demonet up [--dht]` with N peers (on the demonet in `code`, default this tree; `env`: more
+    variables, e.g. DEMONET_NET_* settings); returns (exit code, wall seconds, the tail of its stderr)."""
     cmd = [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", str(steps), "--out",
            str(out), "--no-progress", *(["--dht"] if dht else [])]
     if config:
         cmd += ["--config", config]
     root = (code or Path(__file__).resolve().parent.parent).resolve()
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(root)}
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
     return proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]

@@ -56,6 +56,8 @@ class RoundBoard:
         self.reports: dict[str, int] = {}
         """Owner -> the latest round in which this peer saw a slice of it disagree with its verifier; told
         to the others in its announcements for ``exclude_rounds`` rounds after."""
+        self.timing: dict[str, float] = {}
+        """The last `enter`'s seconds: ``announce`` (the store) and ``freeze`` (reading until final)."""
         self.on_minority: Callable[[int, bool], None] = lambda round, minority: None
         """Told when this peer starts (True) and stops (False) waiting for a majority in a round."""
 
@@ -127,8 +129,11 @@ class RoundBoard:
         self.reports = {o: q for o, q in self.reports.items() if q >= r - self._opts.exclude_rounds}
         if self.reports:
             announcement["reports"] = dict(self.reports)
+        t0 = time.perf_counter()
         await self._node.store(self._node.key("members", r), announcement)
+        t1 = time.perf_counter()
         frozen, announced = await self._freeze(r)
+        self.timing = {"announce": t1 - t0, "freeze": time.perf_counter() - t1}
         if self._node.peer_id not in frozen.members:
             raise NotMember(f"round {r} froze without this peer (announced too late)")
         return frozen, announced

@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
@@ -52,6 +54,7 @@ class _Round:
     """As a verifier: (slice, contributors) -> the SHA-256 of that merge (None: a part is missing)."""
     disagreed: set[int] = field(default_factory=set)  # slices whose owner and verifier disagreed
     unverified: set[int] = field(default_factory=set)  # verified slices whose verifier could not answer
+    phases: dict[str, float] = field(default_factory=dict)  # Exchanged.phases
     bytes_up: int = 0
     bytes_down: int = 0
 
@@ -75,6 +78,12 @@ class Exchanged:
     """The owners and verifiers of the slices dropped because the two disagreed."""
     checked: int = 0
     """Slices whose merge this peer checked against a verifier's (and found equal or not)."""
+    phases: Mapping[str, float] = field(default_factory=dict)
+    """Seconds of the exchange's phases: ``scatter`` (until the parts are sent and this peer's slices
+    merged) and ``gather`` (until the merged slices are fetched), both from the exchange's start (they
+    run at once; each verified slice is checked as soon as it is merged or fetched); then ``recover``
+    (slices the owner did not deliver asked from the others) and ``serve`` (waiting for the others to
+    fetch this peer's slices)."""
 
 
 class SliceExchange:
@@ -131,7 +140,7 @@ class SliceExchange:
         contributors = tuple(sorted({p for s in delivered for p in st.merged[s][0]}))
         dead_owners = frozenset(st.owners[s] for s, m in enumerate(merged) if m is None and s not in st.disagreed)
         done = dict(dead_owners=dead_owners, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
-                    slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked)
+                    slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked, phases=dict(st.phases))
         if not delivered:
             return Exchanged(None, None, contributors, **done)
         if dead_owners:
@@ -158,16 +167,30 @@ class SliceExchange:
             others = [addresses[p] for p in targets if p != me]
             if others:
                 sends.append(self._send_part(r, st, s, cut, others))
-        merging = [self._merge(r, st, s) for s, owner in enumerate(st.owners) if owner == me]
-        fetches = [self._fetch_from_owner(r, st, s, addresses[owner]) for s, owner in enumerate(st.owners)
-                   if owner != me]
-        await asyncio.gather(*sends, *merging, *fetches)
+        t0 = time.perf_counter()
+
+        async def verified(s: int, obtain: Any) -> None:
+            """Obtain slice `s` (merge or fetch), then check it at once if it has a verifier."""
+            await obtain
+            if s in st.verifiers and s in st.merged:
+                await self._check(r, st, s, addresses[st.verifiers[s]])
+
+        async def timed(name: str, aws: list[Any]) -> None:
+            await asyncio.gather(*aws)
+            st.phases[name] = time.perf_counter() - t0
+
+        merging = [verified(s, self._merge(r, st, s)) for s, owner in enumerate(st.owners) if owner == me]
+        fetches = [verified(s, self._fetch_from_owner(r, st, s, addresses[owner]))
+                   for s, owner in enumerate(st.owners) if owner != me]
+        await asyncio.gather(timed("scatter", [*sends, *merging]), timed("gather", fetches))
+        t1 = time.perf_counter()
         missing = [s for s in range(plan.n) if s not in st.merged]
         if missing:  # ask the other members (the owner last) for what the owner could not deliver
             holders = [p for p in st.owners if p != me]
-            await asyncio.gather(*(self._fetch_from_holders(
-                r, st, s, [addresses[p] for p in sorted(holders, key=lambda p: p == st.owners[s])]) for s in missing))
-        await asyncio.gather(*(self._check(r, st, s, addresses[v]) for s, v in st.verifiers.items() if s in st.merged))
+            await asyncio.gather(*(verified(s, self._fetch_from_holders(
+                r, st, s, [addresses[p] for p in sorted(holders, key=lambda p: p == st.owners[s])])) for s in missing))
+        t2 = time.perf_counter()
+        st.phases["recover"] = t2 - t1
         # Stay until every member has fetched our slices (or the phase ended): an owner that leaves
         # at once, after the run's last round, would take its slice with it.
         mine = [s for s, owner in enumerate(st.owners) if owner == me and s in st.merged]
@@ -176,6 +199,7 @@ class SliceExchange:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, st.ag_deadline - now())):
                     await self._cond.wait_for(lambda: all(len(st.fetched.get(s, ())) >= want for s in mine))
+        st.phases["serve"] = time.perf_counter() - t2
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
 
     async def _send_part(self, r: int, st: _Round, s: int, cut: Payload, addresses: Sequence[str]) -> None:

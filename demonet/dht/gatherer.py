@@ -156,6 +156,7 @@ class DhtGatherer:
             Resync: this peer's parameters are not the majority's.
         """
         r, board, view = round, self._board, self.view
+        gets = self._node.gets
         if view is not None:
             view.entered(r)
         frozen, announced = await board.enter(r, param_digest, loss)
@@ -202,8 +203,10 @@ class DhtGatherer:
         if view is not None:
             view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners,
                            aborted=done.aggregate is None, bytes_up=done.bytes_up, bytes_down=done.bytes_down)
+        phases = {**board.timing, **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
         if done.aggregate is None:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
-                               bytes_up=done.bytes_up, bytes_down=done.bytes_down)
+                               bytes_up=done.bytes_up, bytes_down=done.bytes_down, phases=phases)
         return RoundResult(round=r, aggregate=done.aggregate, contributors=done.contributors, param_digest="",
-                           aborted=False, bytes_up=done.bytes_up, bytes_down=done.bytes_down, kept=done.kept)
+                           aborted=False, bytes_up=done.bytes_up, bytes_down=done.bytes_down, kept=done.kept,
+                           phases=phases)

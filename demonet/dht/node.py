@@ -125,6 +125,8 @@ class DhtNode:
         self.streams = Streams(opts, peer_id, p2p, identity, self.book, self.resolve_key)
         self._ignored: set[tuple[str, bytes]] = set()  # (peer id, key) whose records were logged as ignored
         self._resolving: dict[tuple[str, int], asyncio.Task[bytes | None]] = {}  # one search per (peer id, round)
+        self.gets = 0
+        """DHT searches so far (`get`), for the round's figures."""
         if not self.book.admits(peer_id, identity.public):
             logger.warning("[%s] this peer's key %s is not on the allowlist (as %s): the others ignore it", peer_id,
                            identity.fingerprint, peer_id)
@@ -248,6 +250,7 @@ class DhtNode:
         A record counts only under the key `book` holds for its peer id (the first one read, or the
         allowlist's); the records of other keys are ignored (logged once per peer id and key).
         """
+        self.gets += 1
         try:
             async with asyncio.timeout(self.opts.exchange_timeout_s):
                 found = await self.dht.get(key, latest=True, return_future=True)

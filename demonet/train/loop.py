@@ -346,6 +346,8 @@ class RoundLoop:
             "compute_s": flight.compute_s + time.perf_counter() - t1, "wait_s": wait_s,
             "contributors": len(result.contributors), "aborted": result.aborted,
             "canonical_digest": result.param_digest, "overlap": self.overlap, **self.row_extra}
+        if result.phases:
+            row["phases"] = dict(result.phases)
         landed = "applied"
         if await self.membership.agree(bool(result.param_digest) and self.digest != result.param_digest):
             self.log.warning("digest %s after applying, the run has %s: downloading parameters", self.digest[:12],

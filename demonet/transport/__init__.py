@@ -82,6 +82,9 @@ class RoundResult:
     a slice merged without this payload); None: the aggregate."""
     data: bytes = field(default=b"", repr=False)
     """The aggregate's validated wire bytes as received, for relaying (a FlexDeMo node to its ranks)."""
+    phases: Mapping[str, float] = field(default_factory=dict)
+    """Where the round's time went in the transport (name -> seconds, or a count), for the metrics rows;
+    empty: not measured (DHT mode: docs/dht.md#where-the-time-goes)."""
 
 
 class Gatherer(Protocol):
