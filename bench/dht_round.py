@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -65,9 +66,21 @@ def main() -> None:
                     print(err, file=sys.stderr)
                     continue
                 m = results[(mode, n)] = measure(rows)
+                phased = [r["phases"] for r in rows if r["round"] > 0 and r.get("phases")]
+                m["phases"] = {k: statistics.fmean(p.get(k, 0.0) for p in phased) for k in phased[0]} if phased else {}
                 print(f"| {mode} | {n} | {m['round_s']:.3f} | {m['slowest_s']:.3f} | {m['overhead_slowest']:.2f}x "
                       f"| {m['up']:,.0f} | {m['down']:,.0f} | {m['down_up']:.2f}x | {'yes' if m['agree'] else 'NO'} "
                       f"| {wall:.0f} |", flush=True)
+
+    print()
+    print("## where a DHT round's time goes (mean seconds per peer and round, from the rows' phases; scatter and "
+          "gather run at once)")
+    names = ["announce", "freeze", "scatter", "gather", "recover", "serve", "dht_reads", "verified"]
+    print("| mode | peers | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for (mode, n), m in results.items():
+        if m.get("phases"):
+            print(f"| {mode} | {n} | " + " | ".join(f"{m['phases'].get(k, 0.0):.3f}" for k in names) + " |")
 
     print()
     print("## goals")
