@@ -25,7 +25,7 @@ REFUSAL = {"time": NUMBER, "peer": str, "round": OPT_INT, "kind": str, "reason":
 # In coordinator mode these are always numbers (DHT mode has no such things, and says null).
 COORDINATOR_RUN_NUMBERS = ("idle", "joiners", "submitted", "late", "clipped", "unauthorized")
 STATES = {"coordinator": {"member", "submitted", "idle", "joining", "left"},
-          "dht": {"member", "missed", "resync", "left"}}
+          "dht": {"member", "missed", "resync", "excluded", "left"}}
 
 
 def _typed(obj: dict[str, Any], fields: dict[str, Any], where: str) -> None:

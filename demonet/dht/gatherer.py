@@ -197,6 +197,8 @@ class DhtGatherer:
             joiners = await joiners_task
         for p in done.disagreed:
             board.reports[p] = r
+        if view is not None:
+            view.verified(r, disagreed=sorted(done.disagreed), excluded=sorted(excluded))
         # The next round waits for the members whose payload and own slice made it into this one.
         board.expected[r + 1] = (set(done.contributors) - done.dead_owners) | joiners
         self._donor.withdraw()

@@ -67,6 +67,16 @@ class DhtView:
         elif self.phase == "minority":
             self.phase = "exchanging"
 
+    def verified(self, round: int, *, disagreed: Sequence[str], excluded: Sequence[str]) -> None:
+        """Owners and verifiers of slices that disagreed in `round` (listed with the refusals), and the
+        owners left out of it (their state reads ``excluded``)."""
+        if disagreed:
+            self.record.refused(", ".join(sorted(disagreed)), round, "disagreement",
+                                "a verified slice's owner and verifier merged it differently; dropped, both reported")
+        for p in excluded:
+            if self._states.get(p) == "member":
+                self._states[p] = "excluded"
+
     def exchanged(self, round: int, *, contributors: Sequence[str], slice_owners: Sequence[str], aborted: bool,
                   bytes_up: int, bytes_down: int) -> None:
         """The round's exchange ended: count it, with this peer's bytes and the slices each member owned."""

@@ -117,6 +117,24 @@ def test_a_dht_peer_without_a_majority_says_so() -> None:
     assert view.document()["run"]["phase"] == "exchanging"
 
 
+def test_a_dht_peer_lists_disagreeing_slices_and_excluded_owners() -> None:
+    view = DhtView("a", total_rounds=10, window_s=5.0)
+    announced = {p: Announcement(p, 0.0, "good") for p in "abcm"}
+    view.entered(6)
+    view.frozen(6, list("abcm"), announced, "good")
+    view.verified(6, disagreed=["b", "m"], excluded=[])
+    view.exchanged(6, contributors=list("abcm"), slice_owners=list("abcm"), aborted=False, bytes_up=1, bytes_down=1)
+    view.entered(7)
+    view.frozen(7, list("abcm"), announced, "good")
+    view.verified(7, disagreed=[], excluded=["b", "m"])
+    view.exchanged(7, contributors=list("abcm"), slice_owners=list("ac"), aborted=False, bytes_up=1, bytes_down=1)
+    d = view.document()
+    check_document(d, "dht")
+    assert [(r["peer"], r["round"], r["kind"]) for r in d["refusals"]] == [("b, m", 6, "disagreement")]
+    states = {m["id"]: (m["state"], m["slices"]) for m in d["members"]}
+    assert states == {"a": ("member", 1), "b": ("excluded", 0), "c": ("member", 1), "m": ("excluded", 0)}
+
+
 def test_the_http_answers() -> None:
     routes = page_routes(lambda since: {"since": since})
     ok = _respond(routes, "GET /status.json?since=4 HTTP/1.1")
