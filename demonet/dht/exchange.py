@@ -50,6 +50,7 @@ class _Round:
     parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
     merged: dict[int, tuple[tuple[str, ...], bytes, Payload]] = field(default_factory=dict)
     fetched: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers that fetched it from here
+    asked: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers this verifier answered a check of
     verifiers: dict[int, str] = field(default_factory=dict)  # slice -> its second owner (rules.verifiers)
     checks: dict[tuple[int, tuple[str, ...]], asyncio.Task[bytes | None]] = field(default_factory=dict)
     """As a verifier: (slice, contributors) -> the SHA-256 of that merge (None: a part is missing)."""
@@ -192,14 +193,16 @@ class SliceExchange:
                 r, st, s, [addresses[p] for p in sorted(holders, key=lambda p: p == st.owners[s])])) for s in missing))
         t2 = time.perf_counter()
         st.phases["recover"] = t2 - t1
-        # Stay until every member has fetched our slices (or the phase ended): an owner that leaves
-        # at once, after the run's last round, would take its slice with it.
+        # Stay until every member has fetched our slices and had its checks answered (or the phase
+        # ended): an owner that leaves at once, after the run's last round, would take its slice with it.
         mine = [s for s, owner in enumerate(st.owners) if owner == me and s in st.merged]
+        checking = [s for s, v in st.verifiers.items() if v == me]
         want = len(st.members) - 1
         async with self._cond:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, st.ag_deadline - now())):
-                    await self._cond.wait_for(lambda: all(len(st.fetched.get(s, ())) >= want for s in mine))
+                    await self._cond.wait_for(lambda: all(len(st.fetched.get(s, ())) >= want for s in mine)
+                                              and all(len(st.asked.get(s, ())) >= want for s in checking))
         st.phases["serve"] = time.perf_counter() - t2
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
 
@@ -405,4 +408,10 @@ class SliceExchange:
         digest = await self._digest_over(r, st, s, senders)
         if digest is None:
             return Reply(error=f"cannot check slice {s}: a part of those senders is missing here")
-        return Reply(data=digest)
+
+        async def sent() -> None:
+            async with self._cond:
+                st.asked.setdefault(s, set()).add(head.sender)
+                self._cond.notify_all()
+
+        return Reply(data=digest, sent=sent)

@@ -174,6 +174,12 @@ def test_up_dht_run_folder(tmp_path: Path, reap_children: Reaper) -> None:
     assert len(rows) == 3 * steps and all(r["contributors"] == 3 for r in rows), rows
     assert all(r["resyncs"] == 0 for r in rows), rows  # DHT peers count resyncs in their rows too
     assert all(r["bytes_down"] > 0 and r["bytes_up"] > 0 for r in rows)
+    # Where the time went; a verified slice each round (the default fraction, 3 slices), and honest
+    # mergers always agree.
+    assert all({"announce", "freeze", "scatter", "gather", "dht_reads"} <= set(r["phases"]) for r in rows), rows[0]
+    assert all(r["phases"]["dht_reads"] >= 1 and r["phases"]["verified"] >= 1 for r in rows), rows
+    logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))
+    assert "disagree" not in logs and "own no slice" not in logs
     assert (out / "loss.png").stat().st_size > 0
 
 
