@@ -45,7 +45,10 @@ class RoundBoard:
         self.expected: dict[int, set[str] | None] = {}
         """Round -> the peers its freeze waits for (None: the first round, `start_peers`)."""
         self.previous: dict[int, set[str]] = {}
-        """Round -> the members of the round before (its joiners not included): the base of its majority."""
+        """Round -> the members of the round before (its joiners not included), or the base of the round
+        before as well when too few of them contributed (`rules.next_base`): the base of its majority."""
+        self.bases: dict[int, frozenset[str] | None] = {}
+        """Round -> the base its freeze counted the majority over (`rules.majority_base`; None: no base)."""
         self.last_seen: dict[str, float] = {}
         """Peer -> the DHT time of its latest announcement read."""
         self.addresses: dict[str, str] = {}
@@ -202,6 +205,7 @@ class RoundBoard:
                         missing = sorted(set(expected or ()) - set(frozen.members))
                         logger.info("[%s round=%d] froze at the deadline with %d members%s", self._node.peer_id,
                                     r, len(frozen.members), f" (not in: {', '.join(missing)})" if missing else "")
+                    self.bases[r] = base
                     return frozen, announced
                 assert base is not None  # a round without a base always holds a majority
                 if minority != (frozen.members, base):  # once, then on change
@@ -219,12 +223,16 @@ class RoundBoard:
                 if head is not None and head > r:
                     self.on_minority(r, False)
                     raise NotMember(f"round {r}: no majority here, and the run went on to round {head}")
-                late = rules.late_majority(announced, base)
+                following = await self.joiners(r + 1, read_at)  # a side a round behind gave up its own
+                late = rules.late_majority(announced, base, following)
                 if late is not None:  # the others are back, none went ahead: abort this round together
                     self.waited.add(r)
                     self.on_minority(r, False)
-                    logger.warning("[%s round=%d] a majority again, late: %d of %d members; the round is aborted",
-                                   self._node.peer_id, r, len(base.intersection(late)), len(base))
+                    joining = sorted(base.intersection(following) - set(late))
+                    logger.warning("[%s round=%d] a majority again, late: %d of %d members%s; the round is aborted",
+                                   self._node.peer_id, r, len(base.intersection(late)) + len(joining), len(base),
+                                   f" ({', '.join(joining)} joining the next round)" if joining else "")
+                    self.bases[r] = base
                     return rules.Frozen(deadline=read_at, members=late, complete=False, settled=True), announced
                 await asyncio.sleep(_WAIT_POLL_S)
                 continue

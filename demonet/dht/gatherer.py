@@ -167,11 +167,12 @@ class DhtGatherer:
             view.frozen(r, frozen.members, announced, good)
         # Joiners admitted for the next round; read while the payloads are exchanged.
         joiners_task = asyncio.create_task(board.joiners(r + 1, frozen.deadline))
-        board.previous[r + 1] = set(members)  # the next round's majority is counted over them
         if param_digest != good:
+            board.previous[r + 1] = set(members)
             board.expected[r + 1] = set(members) | await joiners_task
             raise Resync(f"round {r}: parameter digest {param_digest[:12]} is not the majority's {good[:12]}")
         if r in board.waited:  # a majority found after a wait, past its exchange: nobody applies the round
+            board.previous[r + 1] = set(members)  # they all announced it again: the next round counts over them
             board.expected[r + 1] = set(members) | await joiners_task
             self._donor.withdraw()
             if view is not None:
@@ -199,8 +200,10 @@ class DhtGatherer:
             board.reports[p] = r
         if view is not None:
             view.verified(r, disagreed=sorted(done.disagreed), excluded=sorted(excluded))
-        # The next round waits for the members whose payload and own slice made it into this one.
+        # The next round waits for the members whose payload and own slice made it into this one, and
+        # counts its majority over this round's members only if the contributors were a majority.
         board.expected[r + 1] = (set(done.contributors) - done.dead_owners) | joiners
+        board.previous[r + 1] = set(rules.next_base(board.bases.get(r), members, done.contributors))
         self._donor.withdraw()
         if view is not None:
             view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners,

@@ -25,7 +25,8 @@ from demonet.optim import Compressed, Payload
 from demonet.optim.payload import num_chunks
 
 __all__ = ["Announcement", "Frozen", "SlicePlan", "excluded_owners", "freeze", "has_majority", "late_majority",
-           "majority_base", "majority_digest", "members_digest", "param_ranges", "sign", "verifiers", "verify"]
+           "majority_base", "majority_digest", "members_digest", "next_base", "param_ranges", "sign", "verifiers",
+           "verify"]
 
 Specs = Mapping[str, tuple[tuple[int, ...], tuple[int, int]]]
 """Parameter name -> (shape, chunk), in the optimizer's order (`DeMo.param_specs()`)."""
@@ -112,16 +113,46 @@ def majority_base(previous: Iterable[str], last_seen: Mapping[str, float], *, no
     return frozenset(p for p in previous if now - last_seen.get(p, -math.inf) <= leave_after_s)
 
 
-def late_majority(announced: Mapping[str, Announcement], base: Collection[str]) -> tuple[str, ...] | None:
+def next_base(base: Collection[str] | None, members: Iterable[str], contributors: Iterable[str]) -> frozenset[str]:
+    """The base of the round after one applied with `members` (those with the majority digest) over `base`.
+
+    The members become the next base only if the round's contributors (the peers whose payload is in
+    a slice this peer got: each sent parts cut for this very member list, after the freeze) hold more
+    than half of `base`. Otherwise the base stays, the members added (joiners then count from the
+    round after). Who a round froze with depends on which announcements a peer read: across a
+    partition a side reads those of the far side stored before the cut. Two against two, {c, d}
+    reading b's announcement freezes with b, c and d, 3 of 4, and applies the round with the slices
+    of c and d; were its next base {b, c, d}, c and d would hold 2 of 3 and go on while a and b wait
+    (or go on too, having read c's). A member that really left is out of the base at once as long as
+    the others, a majority, contributed.
+
+    Args:
+        base: the base the round froze over (None: the first round, whose members are the next base).
+        members: the round's members with the majority digest (joiners admitted to it included).
+        contributors: the peers whose payload is in a slice of the round this peer got.
+    """
+    if not base or has_majority(contributors, base):
+        return frozenset(members)
+    return frozenset(base).union(members)
+
+
+def late_majority(announced: Mapping[str, Announcement], base: Collection[str],
+                  following: Collection[str] = ()) -> tuple[str, ...] | None:
     """The members of a round that had no majority at its deadline, late announcements counted, if they
     now hold a majority of `base` (None otherwise).
 
     Peers that are all alive but announced more than a window apart (a heal, a slow store) would
     otherwise wait on each other for ever. The round is too late for its exchange: the caller aborts it
     and the next round goes on with these members.
+
+    `following`: peers registered to join the round after (`RoundBoard.joiners`). A member of the base
+    among them counts as here: it gave up its own rounds and loads the parameters from whoever admits
+    it. After a split healed, a side waiting a round behind the other (which applied the round the
+    split cut into and then waited too) sees the other's head past its own and registers; the side
+    ahead then holds a majority and admits it. The members returned are the announced ones only.
     """
     members = tuple(sorted(announced))
-    return members if has_majority(members, base) else None
+    return members if has_majority(set(members).union(following), base) else None
 
 
 def freeze(announced: Mapping[str, Announcement], *, expected: Iterable[str] | None, start_peers: int,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from demonet.dht.board import RoundBoard
-from demonet.dht.rules import Announcement, freeze, has_majority, late_majority, majority_base
+from demonet.dht.rules import Announcement, freeze, has_majority, late_majority, majority_base, next_base
 from demonet.dht.streams import DhtOptions
 from demonet.transport import NotMember
 
@@ -68,6 +68,33 @@ def test_joiners_count_from_the_round_after_their_admission() -> None:
     # Round r+2: its base is round r+1's members, joiners included; two of five are not a majority.
     assert not has_majority({"a", "b"}, set(with_a.members))
     assert has_majority({"x", "y", "z"}, set(with_a.members))
+
+
+def test_a_split_two_against_two_does_not_shrink_either_sides_base_to_a_majority_of_its_own() -> None:
+    # Round r of a, b, c, d is cut into {a, b} | {c, d}. Each side reads, besides its own announcements,
+    # one of the far side stored before the cut: both freeze with 3 of 4 at the deadline and apply the
+    # round with the slices of their side only.
+    base = {"a", "b", "c", "d"}
+    one = freeze({p: _ann(p, 10.0) for p in ("a", "b", "c")}, expected=base, start_peers=1, window_s=2.0, base=base)
+    other = freeze({p: _ann(p, 10.0) for p in ("b", "c", "d")}, expected=base, start_peers=1, window_s=2.0, base=base)
+    assert one is not None and one.majority and one.members == ("a", "b", "c")
+    assert other is not None and other.majority and other.members == ("b", "c", "d")
+    # 2 contributors of 4 on each side: neither holds a majority of the next round's base
+    next_one = next_base(base, one.members, contributors=("a", "b"))
+    next_other = next_base(base, other.members, contributors=("c", "d"))
+    assert next_one == next_other == base
+    assert not has_majority({"a", "b"}, next_one) and not has_majority({"c", "d"}, next_other)
+
+
+def test_the_members_become_the_next_base_when_a_majority_of_the_base_contributed() -> None:
+    # c died before announcing: a and b, 2 of 3, froze at the deadline, exchanged, and go on without it
+    assert next_base({"a", "b", "c"}, ("a", "b"), contributors=("a", "b")) == {"a", "b"}
+    # c died after the freeze: a member, but its payload is in no slice; a and b are still 2 of 3
+    assert next_base({"a", "b", "c"}, ("a", "b", "c"), contributors=("a", "b")) == {"a", "b", "c"}
+    # a joiner x counts from the round after its admission, whatever came through
+    assert next_base({"a", "b"}, ("a", "b", "x"), contributors=("a", "b", "x")) == {"a", "b", "x"}
+    assert next_base({"a", "b", "c"}, ("a", "b", "x"), contributors=("a",)) == {"a", "b", "c", "x"}
+    assert next_base(None, ("a", "b"), contributors=()) == {"a", "b"}  # the first round: no base before it
 
 
 # -- the board: a minority waits, writes nothing more, and catches up once the run is ahead -------------
@@ -146,3 +173,12 @@ def test_late_announcements_rescue_a_round_that_had_no_majority_at_its_deadline(
     assert frozen is not None and frozen.members == ("a",) and not frozen.majority
     assert late_majority(seen, {"a", "b"}) == ("a", "b")
     assert late_majority({"c": _ann("c", 10.0)}, {"a", "b", "c"}) is None
+
+
+def test_base_members_registered_to_join_the_next_round_count_for_a_late_majority() -> None:
+    # After a split two against two, c and d wait a round ahead of a and b, which registered to join
+    # the round after: c and d abort their round and admit them; strangers registered do not count
+    base, waiting = {"a", "b", "c", "d"}, {p: _ann(p, 10.0) for p in ("c", "d")}
+    assert late_majority(waiting, base) is None
+    assert late_majority(waiting, base, following={"a", "b"}) == ("c", "d")
+    assert late_majority(waiting, base, following={"x", "y", "z"}) is None
