@@ -51,6 +51,7 @@ class _Round:
     merged: dict[int, tuple[tuple[str, ...], bytes, Payload]] = field(default_factory=dict)
     fetched: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers that fetched it from here
     asked: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers this verifier answered a check of
+    check_lists: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)  # slice -> asker -> its list
     verifiers: dict[int, str] = field(default_factory=dict)  # slice -> its second owner (rules.verifiers)
     checks: dict[tuple[int, tuple[str, ...]], asyncio.Task[bytes | None]] = field(default_factory=dict)
     """As a verifier: (slice, contributors) -> the SHA-256 of that merge (None: a part is missing)."""
@@ -405,6 +406,11 @@ class SliceExchange:
             return Reply(error=f"not the verifier of slice {s} of round {r}")
         if not senders or not set(senders) <= set(st.members):
             return Reply(error="a check of senders who are not members")
+        if head.sender not in st.members:
+            return Reply(error=f"{head.sender} is not a member of round {r}")
+        asked = st.check_lists.setdefault(s, {}).setdefault(head.sender, senders)
+        if asked != senders:  # one list per member: a member cannot make this peer merge without end
+            return Reply(error=f"slice {s} of round {r} was checked for {head.sender} over another list already")
         digest = await self._digest_over(r, st, s, senders)
         if digest is None:
             return Reply(error=f"cannot check slice {s}: a part of those senders is missing here")
