@@ -177,8 +177,9 @@ def test_dht_peers_on_other_cpu_kernels_never_resync(tmp_path: Path, optim: dict
     from hivemind.p2p import P2P, PeerID
 
     run = _Run(tmp_path, optim)
-    # native-0 starts the DHT at a multiaddr known in advance (its identity and a free port), so all
-    # peers start at once; the others try again until it answers (as `demonet up --dht` does).
+    # native-0 starts the DHT at a multiaddr known in advance (its identity and a free port); the others
+    # start once it listens, as `demonet up --dht` starts them (a start retried while the first peer's
+    # DHT comes up can hang for the whole bootstrap bound on a loaded machine).
     identity = tmp_path / "native-0.identity"
     P2P.generate_identity(str(identity))
     with socket.socket() as s:
@@ -188,7 +189,11 @@ def test_dht_peers_on_other_cpu_kernels_never_resync(tmp_path: Path, optim: dict
     dht = ["--dht", "--run", "heterogeneous", "--config", str(tmp_path / "run.toml"), "--steps", str(STEPS),
            "--start-peers", str(len(PEERS))]
     try:
-        run.start_peer("native-0", [*dht, "--identity", str(identity), "--host-maddr", f"/ip4/127.0.0.1/tcp/{port}"])
+        first = run.start_peer("native-0", [*dht, "--identity", str(identity), "--host-maddr",
+                                            f"/ip4/127.0.0.1/tcp/{port}"])
+        deadline = time.monotonic() + 120
+        while "dht listening on" not in run.log("native-0") and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
         for peer_id in ("native-1", "scalar"):
             run.start_peer(peer_id, [*dht, "--initial-peers", maddr, "--host-maddr", "/ip4/127.0.0.1/tcp/0"])
         codes = run.wait(list(PEERS), DHT_RUN_TIMEOUT_S)
