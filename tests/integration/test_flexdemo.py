@@ -74,6 +74,7 @@ def _reference(cfg: Config, chunks: dict[str, tuple[int, int]]) -> dict[str, tor
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
+    from demonet.flex.__main__ import end_process
     from demonet.flex.replicate import hybrid_mesh, replicated_step
     from demonet.flex.shard import FlexTrainer
 
@@ -113,6 +114,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    end_process(0)  # as a rank of python -m demonet.flex ends: not while gloo's threads may want the GIL
 
 
 @pytest.fixture(scope="module")
