@@ -5,6 +5,9 @@ device (cuda:LOCAL_RANK with NCCL when CUDA is present, else CPU with gloo) and 
 
 - ``--coordinator HOST:PORT``: this torchrun is one node, one member of a coordinator run.
 - otherwise: every node is in one torch.distributed world (torchrun --nnodes N), DeMo between nodes.
+
+A rank that returns from `main` ends with `end_process`: its process groups destroyed, logs flushed,
+then `os._exit`, without finalizing the interpreter (why: `end_process`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -149,5 +153,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.destroy_process_group()
 
 
+def end_process(code: int) -> NoReturn:
+    """End this rank's process with `code` once `main` returned: flush the logs and standard streams, then
+    `os._exit`, so the interpreter is not finalized.
+
+    Each gloo process group has worker threads that release a finished collective's Work after its
+    caller has moved on; a Work (or a barrier's, which holds the works before it) can hold the last
+    reference to a tensor whose Python object the caller has dropped, so the release takes the GIL.
+    If that happens while the main thread finalizes the interpreter, Python ends the worker thread
+    with pthread_exit inside a (noexcept) tensor destructor, and the C++ runtime aborts the process
+    ("terminate called without an active exception"), although the run ended and everything was
+    written. `destroy_process_group` only unregisters the groups: their threads stop when the last
+    reference to a group goes, and a device mesh still holds the node's group after `main` returns,
+    so there is no point at which the threads are known to be idle. `main` has closed every file and
+    destroyed the process groups by now; nothing else is left to do at exit.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    end_process(main())

@@ -32,8 +32,10 @@ from demonet.config import Config
 from demonet.optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
 from demonet.optim.payload import num_chunks
 from demonet.train.data import Batches, load_corpus, split
+from demonet.train.data import data_seed as seed_for
 from demonet.train.model import GPT
-from demonet.train.trainer import DeMoSteps, StepOptions, autocast, settle
+from demonet.train.task import build_task
+from demonet.train.trainer import DeMoSteps, StepOptions, autocast, settle, to_device
 from demonet.transport import RoundResult
 from demonet.wire.digest import param_digest
 
@@ -70,6 +72,24 @@ def chunk_plan(named_shapes: Iterable[tuple[str, tuple[int, ...]]], *, ranks: in
                     f"model width for which {shape[0]} / {ranks} is a multiple of the chunk side")
         plan[name] = (h, w)
     return plan
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards one by one before the root: the entries of the outermost `ModuleList`s (a
+    transformer's blocks: the built-in GPT's `blocks`, a Hugging Face model's `layers`); none for a model
+    without one, which is sharded as a whole."""
+    units: list[torch.nn.Module] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and not any(name.startswith(t + ".") for t in taken):
+            taken.append(name)
+            units += list(module)
+    return units
+
+
+def rank_seed(data_seed: int, rank: int) -> int:
+    """A rank's own data stream seed for a user's task (whose `batches(seed)` knows no ranks)."""
+    return seed_for(data_seed, f"rank-{rank}")
 
 
 def local_rows(c: Compressed, rank: int, ranks: int, local_shape: tuple[int, ...]) -> Compressed:
@@ -132,26 +152,30 @@ class FlexTrainer(DeMoSteps):
 
     def __init__(self, cfg: Config, mesh: DeviceMesh, *, data_seed: int, data_rank: int, data_world: int,
                  device: torch.device, checkpoint: Path | None = None) -> None:
-        if cfg.train.task:
-            raise ValueError(f"a FlexDeMo node trains the built-in GPT (FSDP2 shards its blocks); [train] task "
-                             f"{cfg.train.task!r} is not supported here")
         o = cfg.optim
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.group = mesh.get_group()
         self.rank, self.ranks = mesh.get_local_rank(), mesh.size()
-        torch.manual_seed(cfg.train.seed)  # every rank and node starts from the same weights
-        self.model = GPT(cfg.model).to(device)
+        self.loss: Any = None
+        """A user's task's loss (`[train] task`); None: the built-in GPT's, on its strided batches."""
+        if cfg.train.task:  # every rank and node builds it with the run seed: the same weights
+            task = build_task(cfg)
+            self.model, self.loss = task.model.to(device), task.loss
+            self.batches: Iterator[Any] = task.batches(rank_seed(data_seed, data_rank))
+        else:
+            torch.manual_seed(cfg.train.seed)  # every rank and node starts from the same weights
+            self.model = GPT(cfg.model).to(device)
+            train_data, _ = split(load_corpus(cfg.train.corpus or None))
+            self.batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
+                                   seed=data_seed, rank=data_rank, world=data_world)
         self.full_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         self.chunks = chunk_plan(self.full_shapes.items(), ranks=self.ranks, target=o.compression_chunk,
                                  policy=o.chunk_policy)
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
+        for unit in shard_units(self.model):
+            fully_shard(unit, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
         self.opt = DeMo.from_settings(self.model.named_parameters(), o, chunks=self.chunks)
         self.local_shapes = {name: shape for name, (shape, _) in self.opt.param_specs().items()}
-        train_data, _ = split(load_corpus(cfg.train.corpus or None))
-        self.batches = Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
-                               seed=data_seed, rank=data_rank, world=data_world)
         self.step = 0
         self.options = StepOptions.for_run(cfg)
         """The lr schedule (round r's apply uses ``options.lr_at(r)``), precision and clipping."""
@@ -161,9 +185,9 @@ class FlexTrainer(DeMoSteps):
     def forward_backward(self) -> float:
         """Forward and backward on this rank's batch (FSDP reduce-scatters the mean gradient inside the
         node). Returns this rank's loss."""
-        x_BT, y_BT = next(self.batches)
+        batch = to_device(next(self.batches), self.device)
         with autocast(self.device, self.options.precision):
-            _, loss = self.model(x_BT.to(self.device), y_BT.to(self.device))
+            loss = self.model(*batch)[1] if self.loss is None else self.loss(self.model, batch)
         assert loss is not None
         loss.backward()
         return float(loss.detach())
@@ -247,9 +271,12 @@ class FlexTrainer(DeMoSteps):
                     optim[f"{name}.{key}"] = DTensor.from_local(entries[key], self.mesh, [Shard(0)], run_check=False)
             if "step" in entries:
                 optim[f"{name}.step"] = entries["step"]
-        # The data stream is per rank: each rank's position is an entry of its own.
-        return {"model": get_model_state_dict(self.model), "optim": optim,
-                f"data{self.rank}": self.batches.state_dict(), "step": torch.tensor(self.step)}
+        # The data stream is per rank: each rank's position is an entry of its own (a user's batches that
+        # have no `state_dict` start again from their seed on a resume, as a Trainer's do).
+        state = {"model": get_model_state_dict(self.model), "optim": optim, "step": torch.tensor(self.step)}
+        if hasattr(self.batches, "state_dict"):
+            state[f"data{self.rank}"] = self.batches.state_dict()
+        return state
 
     def save_folder(self, folder: Path) -> None:
         """Write this node's checkpoint (every rank of the node calls it).
@@ -284,7 +311,8 @@ class FlexTrainer(DeMoSteps):
                         entries[key].copy_(_local(state["optim"][f"{name}.{key}"]))
                 if "step" in entries:
                     entries["step"] = state["optim"][f"{name}.step"].clone()
-        self.batches.load_state_dict(state[f"data{self.rank}"])
+        if hasattr(self.batches, "load_state_dict") and f"data{self.rank}" in state:
+            self.batches.load_state_dict(state[f"data{self.rank}"])
         self.step = int(state["step"])
 
     # -- the round loop's view (`demonet.train.loop.Replica`); every rank calls each of these --------

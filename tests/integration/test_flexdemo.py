@@ -74,6 +74,7 @@ def _reference(cfg: Config, chunks: dict[str, tuple[int, int]]) -> dict[str, tor
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
+    from demonet.flex.__main__ import end_process
     from demonet.flex.replicate import hybrid_mesh, replicated_step
     from demonet.flex.shard import FlexTrainer
 
@@ -113,6 +114,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    end_process(0)  # as a rank of python -m demonet.flex ends: not while gloo's threads may want the GIL
 
 
 @pytest.fixture(scope="module")
@@ -163,11 +165,18 @@ heartbeat_timeout_s = 60.0
 """
 
 
-@pytest.mark.parametrize("overlap", [0, 1], ids=["plain", "overlap"])
-def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path, reap_children: Reaper, overlap: int) -> None:
+@pytest.mark.parametrize(("overlap", "task"), [(0, ""), (1, ""), (0, "examples.custom_task:task")],
+                         ids=["plain", "overlap", "task"])
+def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path, reap_children: Reaper, overlap: int,
+                                                      task: str) -> None:
     """A real coordinator process and two torchrun nodes of 2 gloo ranks each, on loopback; with overlap, each
-    rank trains round r+1 (FSDP collectives) while rank 0 exchanges round r (the link's own group)."""
-    (tmp_path / "run.toml").write_text(COORDINATOR_TOML + f"overlap = {overlap}\n")
+    rank trains round r+1 (FSDP collectives) while rank 0 exchanges round r (the link's own group); with a
+    task, the nodes shard a user's model (a convolutional network, no transformer blocks) named by the run."""
+    config = COORDINATOR_TOML + f"overlap = {overlap}\n"
+    if task:  # 8 classes and chunks of 4: every dim 0 splits over 2 ranks into whole chunks
+        config = config.replace("[train]\n", f'[train]\ntask = "{task}"\n').replace(
+            "compression_chunk = 16", "compression_chunk = 4") + "[task]\nclasses = 8\n"
+    (tmp_path / "run.toml").write_text(config)
     env = {**os.environ, "DEMONET_TOKEN": TOKEN}
     coordinator = reap_children.add(subprocess.Popen(
         [sys.executable, "-m", "demonet.coordinator", "--listen", "127.0.0.1:0", "--config",

@@ -92,3 +92,18 @@ def test_join_refuses_fp16_and_local_rows_checks_the_count() -> None:
 def test_demo_chunks_override_is_validated() -> None:
     with pytest.raises(ValueError, match="chunks"):
         DeMo([("w", torch.nn.Parameter(torch.randn(4, 4)))], chunks={"w": (0, 4)})
+
+
+def test_shard_units_are_the_outermost_module_lists_entries() -> None:
+    from demonet.config import ModelConfig
+    from demonet.flex.shard import shard_units
+    from demonet.train.model import GPT
+
+    gpt = GPT(ModelConfig(d_model=16, n_layers=3, n_heads=2, seq_len=8))
+    assert shard_units(gpt) == list(gpt.blocks)
+    assert shard_units(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())) == []  # sharded whole
+    inner = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    outer = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential()), inner])
+    model = torch.nn.Module()
+    model.layers, model.more = outer, torch.nn.ModuleList([torch.nn.Linear(3, 3)])
+    assert shard_units(model) == [*outer, model.more[0]]  # not the list nested inside `layers`
