@@ -2,10 +2,12 @@
 
 1. Writes the embedded corpus as text and makes a token file with `demonet data tokenize` (bytes).
 2. Writes a Llama config (`--hidden`, `--layers`, ...; about 20M parameters by default).
-3. Runs `demonet up --task demonet.tasks.hf:causal_lm --peers 2` for `--steps` rounds.
-4. Trains the same model (same seed) in one process with AdamW on the same global batch: each step
+3. Trains the same model (same seed) in one process with AdamW on the same global batch: each step
    takes the next batch of both peers' streams (the peers' own data seeds), so both see the same tokens.
+4. Runs `demonet up --task demonet.tasks.hf:causal_lm --peers 2`.
 5. Times one peer's step in this process: forward+backward, compress, encode, decode and apply.
+Each system runs `--steps` steps, or with `--minutes M` as many steps as fit in M minutes of wall time
+(`demonet up` is stopped with SIGTERM then); the losses are compared at the steps both reached.
 Prints the table, the losses at equal steps, the bytes per peer per round against the dense fp32
 gradient, and writes a plot of both loss curves (`--plot`). Run from the repo root; not a test.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,8 +61,9 @@ seq_len = {args.seq_len}
 """)
 
 
-def _adamw(cfg: Any, steps: int, lr: float) -> tuple[list[float], float]:
-    """The same task in one process with AdamW on both peers' batches; (losses by step, seconds per step)."""
+def _adamw(cfg: Any, steps: int, lr: float, seconds: float) -> tuple[list[float], float]:
+    """The same task in one process with AdamW on both peers' batches, for `steps` steps or until `seconds`
+    have passed; (losses by step, seconds per step)."""
     from demonet.train.data import data_seed
     from demonet.train.task import build_task
 
@@ -68,13 +72,35 @@ def _adamw(cfg: Any, steps: int, lr: float) -> tuple[list[float], float]:
     opt = torch.optim.AdamW(task.model.parameters(), lr=lr, weight_decay=0.0)
     losses, start = [], time.perf_counter()
     for _ in range(steps):
+        if time.perf_counter() - start >= seconds:
+            break
         halves = [next(s) for s in streams]
         loss = sum(task.loss(task.model, h) for h in halves) / 2
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    return losses, (time.perf_counter() - start) / steps
+    return losses, (time.perf_counter() - start) / max(1, len(losses))
+
+
+def _up(tmp: Path, env: dict[str, str], steps: int, seconds: float) -> float:
+    """`demonet up` with 2 peers for `steps` rounds, stopped with SIGTERM once `seconds` have passed; its wall s."""
+    started = time.perf_counter()
+    with open(tmp / "up.err", "w") as err:
+        up = subprocess.Popen([sys.executable, "-m", "demonet", "up", "--task", "demonet.tasks.hf:causal_lm",
+                               "--config", str(tmp / "run.toml"), "--peers", "2", "--steps", str(steps),
+                               "--out", str(tmp / "up"), "--no-progress"], env=env, cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            code = up.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            up.send_signal(signal.SIGTERM)  # the run so far stays in metrics.jsonl
+            code = up.wait(timeout=120)
+            code = 0 if code in (0, 130, -signal.SIGTERM, 128 + signal.SIGTERM) else code  # 130: its interrupt exit
+    if code != 0:
+        print((tmp / "up.err").read_text()[-3000:], file=sys.stderr)
+        raise SystemExit(f"demonet up exited with {code}")
+    return time.perf_counter() - started
 
 
 def _split(cfg: Any, reps: int) -> dict[str, float]:
@@ -109,6 +135,8 @@ def _split(cfg: Any, reps: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100, help="rounds (demonet) and steps (AdamW) (100)")
+    parser.add_argument("--minutes", type=float, default=0.0,
+                        help="instead: each system trains for as many steps as fit in this many minutes")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1376)
     parser.add_argument("--layers", type=int, default=6)
@@ -141,18 +169,12 @@ def main() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         split = _split(cfg, args.split_reps)
         torch.set_num_threads(os.cpu_count() or 2)
+        steps = 10**6 if args.minutes else args.steps
+        seconds = args.minutes * 60 if args.minutes else float("inf")
         started = time.perf_counter()
-        adamw, adamw_step_s = _adamw(cfg, args.steps, args.adamw_lr)
+        adamw, adamw_step_s = _adamw(cfg, steps, args.adamw_lr, seconds)
         adamw_s = time.perf_counter() - started
-        started = time.perf_counter()
-        up = subprocess.run([sys.executable, "-m", "demonet", "up", "--task", "demonet.tasks.hf:causal_lm",
-                             "--config", str(tmp / "run.toml"), "--peers", "2", "--steps", str(args.steps),
-                             "--out", str(tmp / "up"), "--no-progress"], env=env, cwd=ROOT, capture_output=True,
-                            text=True)
-        up_s = time.perf_counter() - started
-        if up.returncode != 0:
-            print(up.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"demonet up exited with {up.returncode}")
+        up_s = _up(tmp, env, steps, seconds)
         rows = [json.loads(line) for line in (tmp / "up" / "metrics.jsonl").read_text().splitlines()]
     by_round: dict[int, list[dict[str, Any]]] = {}
     for r in rows:
@@ -164,23 +186,29 @@ def main() -> None:
     timed = [r for r in rows if r["round"] > 0]
     round_s = statistics.median(r["round_time_s"] for r in timed)
     compute_s = statistics.median(r["compute_s"] for r in timed)
-    window = max(1, min(10, len(demo) // 5))
+    equal = min(len(adamw), len(demo))  # the steps both reached
+    window = max(1, min(10, equal // 5))
 
-    def tail(xs: list[float]) -> float:
-        return statistics.fmean(xs[-window:])
+    def at(xs: list[float], n: int, w: int) -> float:
+        """The mean loss of steps [n - w, n)."""
+        return statistics.fmean(xs[max(0, n - w):n])
 
+    budget = f"{args.minutes:g} minutes each" if args.minutes else f"{args.steps} steps each"
     print(f"# demonet vs AdamW: Llama-style, {params / 1e6:.1f}M parameters, vocab 256 (bytes), seq {args.seq_len}, "
-          f"global batch {2 * args.batch_size}, {args.steps} steps, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPU cores")
+          f"global batch {2 * args.batch_size}, {budget}, torch {torch.__version__}, {os.cpu_count()} CPU cores")
     print()
-    print(f"| system | loss, first 10 steps | loss, last {window} steps | wall s | s per step |")
-    print("|---|---|---|---|---|")
-    print(f"| AdamW, 1 process (lr {args.adamw_lr}) | {statistics.fmean(adamw[:10]):.3f} | {tail(adamw):.3f} "
-          f"| {adamw_s:.0f} | {adamw_step_s:.2f} |")
-    print(f"| demonet, coordinator + 2 peers (sign, lr {args.lr}, {args.encoding} values) "
-          f"| {statistics.fmean(demo[:10]):.3f} | {tail(demo):.3f} | {up_s:.0f} | {round_s:.2f} |")
+    print(f"| system | steps | loss, first 10 steps | loss, steps {equal - window}-{equal - 1} | wall s | s per step |")
+    print("|---|---|---|---|---|---|")
+    print(f"| AdamW, 1 process (lr {args.adamw_lr}) | {len(adamw)} | {statistics.fmean(adamw[:10]):.3f} "
+          f"| {at(adamw, equal, window):.3f} | {adamw_s:.0f} | {adamw_step_s:.2f} |")
+    print(f"| demonet, coordinator + 2 peers (sign, lr {args.lr}, {args.encoding} values) | {len(demo)} "
+          f"| {statistics.fmean(demo[:10]):.3f} | {at(demo, equal, window):.3f} | {up_s:.0f} | {round_s:.2f} |")
     print()
-    print(f"loss at equal steps, demonet / AdamW (last {window}): {tail(demo) / tail(adamw):.3f} (goal <= 1.05)")
+    print(f"loss at equal steps ({equal}), demonet / AdamW, mean of the last {window}: "
+          f"{at(demo, equal, window) / at(adamw, equal, window):.3f} (goal <= 1.05)")
+    for n in sorted({equal // 4, equal // 2, 3 * equal // 4} - {0}):
+        w = max(1, min(10, n // 5))
+        print(f"  at step {n}: {at(demo, n, w) / at(adamw, n, w):.3f} (mean of the {w} steps before)")
     print(f"bytes per peer per round: up {up_bytes:,.0f}, down {down_bytes:,.0f}; dense fp32 gradient {dense:,}: "
           f"{dense / up_bytes:.0f}x fewer up, {dense / down_bytes:.0f}x fewer down (goal >= 100x)")
     print(f"a peer's round (median): {round_s:.3f} s, of which compute {compute_s:.3f} s and waiting "
@@ -194,8 +222,11 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        ax.plot(range(len(adamw)), adamw, label=f"AdamW, 1 process, batch {2 * args.batch_size}", linewidth=1)
-        ax.plot(range(len(demo)), demo, label=f"demonet, 2 peers x batch {args.batch_size}", linewidth=1)
+        for xs, label in ((adamw, f"AdamW, 1 process, batch {2 * args.batch_size}"),
+                          (demo, f"demonet, 2 peers x batch {args.batch_size}")):
+            line, = ax.plot(range(len(xs)), xs, linewidth=0.5, alpha=0.35)
+            smooth = [at(xs, n + 1, 20) for n in range(len(xs))]  # mean of the last 20 steps
+            ax.plot(range(len(xs)), smooth, color=line.get_color(), linewidth=1.5, label=f"{label} (mean of 20)")
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.set_title(f"Llama-style {params / 1e6:.1f}M, bytes corpus")

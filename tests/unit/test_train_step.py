@@ -10,7 +10,7 @@ import torch
 
 from demonet.config import Config, load_config
 from demonet.optim import LrSchedule, Payload, aggregate
-from demonet.train.trainer import StepOptions, Trainer
+from demonet.train.trainer import StepOptions, Trainer, to_device
 from demonet.transport import RoundResult
 
 
@@ -123,3 +123,25 @@ def test_bad_step_options_raise() -> None:
         StepOptions(precision="fp16")
     with pytest.raises(ValueError, match="max_grad_norm should be >= 0"):
         StepOptions(max_grad_norm=-1.0)
+
+
+def _nested() -> dict[str, object]:
+    return {"ids": torch.arange(6).view(2, 3), "pair": (torch.ones(2), [torch.zeros(1), "tag"]), "n": 3}
+
+
+def test_to_device_moves_every_tensor_and_keeps_the_structure() -> None:
+    batch = _nested()
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved.keys() == batch.keys() and moved["n"] == 3 and moved["pair"][1][1] == "tag"
+    assert isinstance(moved["pair"], tuple) and isinstance(moved["pair"][1], list)
+    assert torch.equal(moved["ids"], batch["ids"]) and torch.equal(moved["pair"][0], batch["pair"][0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_to_device_copies_to_cuda_from_pinned_memory() -> None:
+    batch = _nested()
+    moved = to_device(batch, torch.device("cuda"))
+    torch.cuda.current_stream().synchronize()
+    assert moved["ids"].is_cuda and moved["pair"][1][0].is_cuda
+    assert torch.equal(moved["ids"].cpu(), batch["ids"])
+    assert not batch["ids"].is_pinned()  # the caller's tensor stays as it was
