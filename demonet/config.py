@@ -44,8 +44,8 @@ class OptimConfig:
     """``pad`` never collapses awkward dimensions to tiny chunks; ``reference`` is bloc97's rule."""
     warmup_rounds: int = 0
     """Rounds of linear warmup, from lr / warmup_rounds in round 0 to lr; 0: none (`demonet.optim.LrSchedule`).
-    Off by default: 5 to 20 rounds did not remove the one-round loss spikes of the sign base
-    (docs/benchmarks.md, Learning-rate warmup)."""
+    Off by default: 5 to 20 rounds did not remove the one-round loss spikes of the sign base, and 10 rounds
+    ended 9% higher in validation loss over five seeds (docs/benchmarks.md, Learning-rate warmup)."""
     schedule: str = "constant"
     """After the warmup: ``constant`` (lr) or ``cosine`` (from lr down to lr_min over decay_rounds, then lr_min)."""
     lr_min: float = 0.0
