@@ -92,7 +92,7 @@ def _up(tmp: Path, env: dict[str, str], steps: int, seconds: float) -> float:
                                "--out", str(tmp / "up"), "--no-progress"], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=err)
         try:
-            code = up.wait(timeout=seconds)
+            code = up.wait(timeout=None if seconds == float("inf") else seconds)
         except subprocess.TimeoutExpired:
             up.send_signal(signal.SIGTERM)  # the run so far stays in metrics.jsonl
             code = up.wait(timeout=120)
