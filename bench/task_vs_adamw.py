@@ -61,7 +61,7 @@ seq_len = {args.seq_len}
 """)
 
 
-def _adamw(cfg: Any, steps: int, lr: float, seconds: float) -> tuple[list[float], float]:
+def _adamw(cfg: Any, steps: int, lr: float, seconds: float | None) -> tuple[list[float], float]:
     """The same task in one process with AdamW on both peers' batches, for `steps` steps or until `seconds`
     have passed; (losses by step, seconds per step)."""
     from demonet.train.data import data_seed
@@ -72,7 +72,7 @@ def _adamw(cfg: Any, steps: int, lr: float, seconds: float) -> tuple[list[float]
     opt = torch.optim.AdamW(task.model.parameters(), lr=lr, weight_decay=0.0)
     losses, start = [], time.perf_counter()
     for _ in range(steps):
-        if time.perf_counter() - start >= seconds:
+        if seconds is not None and time.perf_counter() - start >= seconds:
             break
         halves = [next(s) for s in streams]
         loss = sum(task.loss(task.model, h) for h in halves) / 2
@@ -83,7 +83,7 @@ def _adamw(cfg: Any, steps: int, lr: float, seconds: float) -> tuple[list[float]
     return losses, (time.perf_counter() - start) / max(1, len(losses))
 
 
-def _up(tmp: Path, env: dict[str, str], steps: int, seconds: float) -> float:
+def _up(tmp: Path, env: dict[str, str], steps: int, seconds: float | None) -> float:
     """`demonet up` with 2 peers for `steps` rounds, stopped with SIGTERM once `seconds` have passed; its wall s."""
     started = time.perf_counter()
     with open(tmp / "up.err", "w") as err:
@@ -92,7 +92,7 @@ def _up(tmp: Path, env: dict[str, str], steps: int, seconds: float) -> float:
                                "--out", str(tmp / "up"), "--no-progress"], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=err)
         try:
-            code = up.wait(timeout=None if seconds == float("inf") else seconds)
+            code = up.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
             up.send_signal(signal.SIGTERM)  # the run so far stays in metrics.jsonl
             code = up.wait(timeout=120)
@@ -170,7 +170,7 @@ def main() -> None:
         split = _split(cfg, args.split_reps)
         torch.set_num_threads(os.cpu_count() or 2)
         steps = 10**6 if args.minutes else args.steps
-        seconds = args.minutes * 60 if args.minutes else float("inf")
+        seconds = args.minutes * 60 if args.minutes else None
         started = time.perf_counter()
         adamw, adamw_step_s = _adamw(cfg, steps, args.adamw_lr, seconds)
         adamw_s = time.perf_counter() - started
