@@ -253,6 +253,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("demonet-dht", "demonet DHT mode (fp32 values)", _demonet_dht("fp32")),
     System("demonet-dht-bf16", "demonet DHT mode (bf16 values)", _demonet_dht("bf16")),
     System("demonet-overlap", "demonet coordinator, overlapped rounds (fp32 values)", _demonet("fp32", overlap=1)),
+    System("demonet-overlap-bf16", "demonet coordinator, overlapped rounds (bf16 values)", _demonet("bf16", overlap=1)),
     System("demonet-delay", "demonet coordinator, one-round delay without lookahead", _demonet("fp32", 1, False)),
     System("hivemind", "hivemind.Optimizer (AdamW)", launch_hivemind),
 )}
