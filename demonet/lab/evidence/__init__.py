@@ -249,6 +249,7 @@ def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("adamw-ddp", "AdamW + DDP (fp32 all-reduce)", launch_ddp),
     System("demonet", "demonet coordinator (fp32 values)", _demonet("fp32")),
+    System("demonet-bf16", "demonet coordinator (bf16 values)", _demonet("bf16")),
     System("demonet-sign", "demonet coordinator (1-bit values)", _demonet("sign")),
     System("demonet-dht", "demonet DHT mode (fp32 values)", _demonet_dht("fp32")),
     System("demonet-dht-bf16", "demonet DHT mode (bf16 values)", _demonet_dht("bf16")),
