@@ -56,6 +56,10 @@ class RoundBoard:
         self.waited: set[int] = set()
         """Rounds that had no majority at their freeze and found one only later (a heal, or a base that
         shrank): too late for their exchange, they are aborted by everyone."""
+        self.joins: dict[int, dict[str, float]] = {}
+        """Round -> the peers registered to join the round after, with the DHT time of their registration,
+        as the latest read of the round's records found them."""
+        self._announcements: dict[int, dict[str, Any]] = {}  # this peer's own, by round (the last few)
         self.reports: dict[str, int] = {}
         """Owner -> the latest round in which this peer saw a slice of it disagree with its verifier; told
         to the others in its announcements for ``exclude_rounds`` rounds after."""
@@ -77,17 +81,24 @@ class RoundBoard:
         return max(rounds) if rounds else None
 
     async def register(self, rounds: Iterable[int]) -> None:
-        """Ask to be admitted at these rounds (the members of the round before decide at its freeze)."""
+        """Ask to be admitted at these rounds (the members of the round before decide at its freeze).
+
+        A registration for round r is a ``join`` time in this peer's record among the announcements of
+        round r - 1, so that the members read it with their freeze, in the same DHT search. It keeps this
+        peer's own announcement of that round, if it made one (a peer that resyncs), which the record
+        replaces.
+        """
         # At once: rounds of a small model last tens of milliseconds, less than a store takes.
-        await asyncio.gather(*(self._node.store(self._node.key("join", r), {"t": now()}) for r in rounds))
+        t = now()
+        await self._node.store_many({self._node.key("members", r - 1): {**self._announcements.get(r - 1, {}),
+                                                                         "join": t} for r in rounds})
 
     async def publish_state(self, round: int, digest: str) -> None:
         """Say this peer starts `round` with `digest`, at its address, expecting `expected[round]`."""
         expected = self.expected.get(round)
         record = {"digest": digest, "address": self._node.address, "client": self._opts.client_mode,
                   "expected": sorted(expected) if expected is not None else None}
-        await asyncio.gather(self._node.store(self._node.key("state", round), record),
-                             self._node.store(self._node.key("head"), {"round": round}))
+        await self._node.store_many({self._node.key("state", round): record, self._node.key("head"): {"round": round}})
 
     async def states(self, round: int) -> dict[str, dict[str, Any]]:
         """The states the peers published for `round`, by peer."""
@@ -132,6 +143,8 @@ class RoundBoard:
         self.reports = {o: q for o, q in self.reports.items() if q >= r - self._opts.exclude_rounds}
         if self.reports:
             announcement["reports"] = dict(self.reports)
+        self._announcements[r] = announcement
+        self._announcements.pop(r - 8, None)
         t0 = time.perf_counter()
         await self._node.store(self._node.key("members", r), announcement)
         t1 = time.perf_counter()
@@ -141,19 +154,21 @@ class RoundBoard:
             raise NotMember(f"round {r} froze without this peer (announced too late)")
         return frozen, announced
 
-    async def joiners(self, r: int, freeze_deadline: float) -> set[str]:
-        """The peers admitted at round `r`: registered for it before the previous round's freeze.
+    def joiners(self, r: int, freeze_deadline: float) -> set[str]:
+        """The peers admitted at round `r`: registered for it before the previous round's freeze, less
+        the store latency, as the last read of that round's records (its freeze's) found them.
 
-        Less the store latency: every member reads the same records then.
+        Every member reads the same: the freeze's last read comes after its deadline, when every
+        registration made before the deadline less the store latency is visible.
         """
-        joins = await self._node.get(self._node.key("join", r))
-        return {p for p, v in joins.items() if isinstance(v.get("t"), float | int)
-                and v["t"] < freeze_deadline - self._opts.settle_s}
+        return {p for p, t in self.joins.get(r - 1, {}).items() if t < freeze_deadline - self._opts.settle_s}
 
     async def _announced(self, r: int) -> dict[str, rules.Announcement]:
         """The announcements of round `r` read now; each counts as hearing from its peer."""
-        announced = {}
+        announced, joins = {}, {}
         for p, v in (await self._node.get(self._node.key("members", r))).items():
+            if isinstance(v.get("join"), float | int):
+                joins[p] = float(v["join"])
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 loss = v.get("loss")  # optional: only for the dashboards
                 reports = v.get("reports")
@@ -162,6 +177,8 @@ class RoundBoard:
                 announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
                                                   bool(v["client"]),
                                                   float(loss) if isinstance(loss, float | int) else None, reports)
+        self.joins[r] = joins
+        self.joins.pop(r - 8, None)
         for p, a in announced.items():
             self.last_seen[p] = max(self.last_seen.get(p, -math.inf), a.t)
             if a.address:
@@ -223,7 +240,7 @@ class RoundBoard:
                 if head is not None and head > r:
                     self.on_minority(r, False)
                     raise NotMember(f"round {r}: no majority here, and the run went on to round {head}")
-                following = await self.joiners(r + 1, read_at)  # a side a round behind gave up its own
+                following = self.joiners(r + 1, read_at)  # a side a round behind gave up its own
                 late = rules.late_majority(announced, base, following)
                 if late is not None:  # the others are back, none went ahead: abort this round together
                     self.waited.add(r)

@@ -8,7 +8,6 @@ all-gather) and the parameter donor (donor). Must not import grpc or demonet.tra
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
@@ -165,15 +164,15 @@ class DhtGatherer:
         members = [p for p in frozen.members if digests[p] == good]
         if view is not None:
             view.frozen(r, frozen.members, announced, good)
-        # Joiners admitted for the next round; read while the payloads are exchanged.
-        joiners_task = asyncio.create_task(board.joiners(r + 1, frozen.deadline))
+        # Joiners admitted for the next round: registered among this round's announcements.
+        joiners = board.joiners(r + 1, frozen.deadline)
         if param_digest != good:
             board.previous[r + 1] = set(members)
-            board.expected[r + 1] = set(members) | await joiners_task
+            board.expected[r + 1] = set(members) | joiners
             raise Resync(f"round {r}: parameter digest {param_digest[:12]} is not the majority's {good[:12]}")
         if r in board.waited:  # a majority found after a wait, past its exchange: nobody applies the round
             board.previous[r + 1] = set(members)  # they all announced it again: the next round counts over them
-            board.expected[r + 1] = set(members) | await joiners_task
+            board.expected[r + 1] = set(members) | joiners
             self._donor.withdraw()
             if view is not None:
                 view.exchanged(r, contributors=(), slice_owners=(), aborted=True, bytes_up=0, bytes_down=0)
@@ -181,7 +180,6 @@ class DhtGatherer:
                                bytes_up=0, bytes_down=0)
         owners = [p for p in members if not announced[p].client]
         if not owners:
-            joiners_task.cancel()
             raise NotMember(f"round {r}: no member can be dialed (all are in client mode)")
         excluded = rules.excluded_owners(announced, members, r, self.opts.exclude_rounds)
         if excluded and not set(owners) <= excluded:  # reported by a majority: they own no slice for a while
@@ -191,11 +189,8 @@ class DhtGatherer:
                                self.peer_id, r, ", ".join(sorted(excluded)))
         self._excluded = excluded
         addresses = {p: announced[p].address for p in members}
-        try:
-            done = await self._exchange.run(r, payload, specs=self.specs, members=members, owners=owners,
-                                            addresses=addresses, frozen_at=frozen.deadline)
-        finally:
-            joiners = await joiners_task
+        done = await self._exchange.run(r, payload, specs=self.specs, members=members, owners=owners,
+                                        addresses=addresses, frozen_at=frozen.deadline)
         for p in done.disagreed:
             board.reports[p] = r
         if view is not None:

@@ -45,6 +45,45 @@ async def _ping_and_refresh(addresses: list[str], dht: Any, node: Any) -> None:
     await node.find_nearest_nodes([node.node_id])
 
 
+async def _store_records(records: list[tuple[str, str, str, float]], dht: Any, node: Any) -> bool:
+    """Run inside the DHT process (`hivemind.DHT.run_coroutine`): store records of dictionary values, each
+    (key, subkey, value, expiration time). Returns whether a node stored each one (all of them).
+
+    hivemind's store first searches for the ``num_replicas`` nodes nearest to each key (a find call to
+    every node it meets), then stores at them, one call per node and key. When this node's routing
+    table holds fewer nodes than that, the search can only end with all of them and this node: its own
+    start searched the DHT for its neighbours, and every node that met it since is in the table (a run
+    of a few peers). Then the records go to each of them in one call, and to this node, without the
+    search. A larger table takes hivemind's own store.
+    """
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+
+    protocol = node.protocol
+    table = protocol.routing_table
+    if len(table.uid_to_peer_id) >= node.num_replicas:
+        done = await node.store_many([k for k, _, _, _ in records], [v for _, _, v, _ in records],
+                                     [e for _, _, _, e in records], subkeys=[s for _, s, _, _ in records])
+        return all(done.values())
+    key_ids, values = [], []
+    stored = []
+    for key, subkey, value, expiration_time in records:
+        key_id = DHTID.generate(source=key)
+        record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
+                           expiration_time)
+        if protocol.record_validator is not None:
+            record = DHTRecord(record.key, record.subkey, protocol.record_validator.sign_value(record),
+                               expiration_time)
+        key_ids.append(key_id)
+        values.append(record.value)
+        stored.append(bool(protocol.storage.store(key_id, record.value, expiration_time, subkey=subkey)))
+    answers = await asyncio.gather(*(protocol.call_store(peer, keys=key_ids, values=values,
+                                                         expiration_time=[e for _, _, _, e in records],
+                                                         subkeys=[s for _, s, _, _ in records])
+                                     for peer in list(table.uid_to_peer_id.values())))
+    return all(here or any(a and a[i] for a in answers) for i, here in enumerate(stored))
+
+
 def _end(*_: object) -> None:
     """End the DHT process now, and its p2pd daemon with it."""
     for child in psutil.Process().children():
@@ -233,16 +272,21 @@ class DhtNode:
         A replica that does not answer in time (a node cut off: its dial hangs) is logged, not fatal:
         the nodes that answered hold the record, and a reader that finds none treats it as missing.
         """
+        await self.store_many({key: value})
+
+    async def store_many(self, values: dict[str, dict[str, Any]]) -> None:
+        """`store` for several keys at once: in a run of a few peers, one call to each node for all of them."""
+        subkey, expiration_time = keys.subkey(self.peer_id, self.identity.public), now() + self.ttl_s
+        records = [(key, subkey, json.dumps(value), expiration_time) for key, value in values.items()]
         try:
             async with asyncio.timeout(self.opts.exchange_timeout_s):
-                ok = await self.dht.store(key, json.dumps(value), expiration_time=now() + self.ttl_s,
-                                          subkey=keys.subkey(self.peer_id, self.identity.public), return_future=True)
+                ok = await self.dht.run_coroutine(functools.partial(_store_records, records), return_future=True)
         except TimeoutError:
             logger.warning("[%s] the DHT did not confirm storing %s within %s s (a node does not answer)",
-                           self.peer_id, key, self.opts.exchange_timeout_s)
+                           self.peer_id, ", ".join(values), self.opts.exchange_timeout_s)
             return
         if not ok:
-            logger.debug("[%s] a DHT node did not store %s", self.peer_id, key)
+            logger.debug("[%s] a DHT node did not store %s", self.peer_id, ", ".join(values))
 
     async def get(self, key: str) -> dict[str, dict[str, Any]]:
         """The valid records under `key` by peer id; nothing if the DHT does not answer within exchange_timeout_s.
@@ -281,8 +325,9 @@ class DhtNode:
         return out
 
     async def resolve_key(self, peer_id: str, round: int) -> bytes | None:
-        """The key of `peer_id`, read from its records of `round` (an announcement, a registration or a
-        state) if none is known yet; one search per peer id and round."""
+        """The key of `peer_id`, read from its records of `round` (an announcement, a registration for
+        it, which is among the announcements of the round before, or a state) if none is known yet; one
+        search per peer id and round."""
         if (known := self.book.key_of(peer_id)) is not None:
             return known
         task = self._resolving.get((peer_id, round))
@@ -293,8 +338,8 @@ class DhtNode:
         return await asyncio.shield(task)
 
     async def _search_key(self, peer_id: str, round: int) -> bytes | None:
-        for what in ("members", "join", "state"):
-            await self.get(self.key(what, round))
+        for what, r in (("members", round), ("members", round - 1), ("state", round)):
+            await self.get(self.key(what, r))
             if (known := self.book.key_of(peer_id)) is not None:
                 return known
         return None

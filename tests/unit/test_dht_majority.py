@@ -116,6 +116,10 @@ class _FakeNode:
         self.stored.append(key)
         self.records.setdefault(key, {})[self.peer_id] = value
 
+    async def store_many(self, values: dict[str, dict[str, Any]]) -> None:
+        for key, value in values.items():
+            await self.store(key, value)
+
     async def get(self, key: str) -> dict[str, dict[str, Any]]:
         return dict(self.records.get(key, {}))
 
@@ -182,3 +186,26 @@ def test_base_members_registered_to_join_the_next_round_count_for_a_late_majorit
     assert late_majority(waiting, base) is None
     assert late_majority(waiting, base, following={"a", "b"}) == ("c", "d")
     assert late_majority(waiting, base, following={"x", "y", "z"}) is None
+
+
+def test_registrations_are_read_with_the_freeze_and_keep_a_resyncing_peers_announcement() -> None:
+    from demonet.dht.streams import now
+
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    board, node = _board(records, 5)
+    joiner = RoundBoard(_FakeNode("j", records))  # type: ignore[arg-type]
+    asyncio.run(joiner.register([6, 7]))  # among the announcements of rounds 5 and 6, as no announcement
+    assert set(records) == {"members/5", "members/6"} and "digest" not in records["members/5"]["j"]
+    for p in ("a", "b"):
+        records["members/5"][p] = {"t": now(), "digest": "d", "address": "addr-" + p, "client": False}
+    frozen, announced = asyncio.run(board.enter(5, "d"))
+    assert frozen.members == ("a", "b", "c") and set(announced) == {"a", "b", "c"}  # the registration is no member
+    assert node.stored == ["members/5"]  # one store and no read but the freeze's
+    assert board.joiners(6, frozen.deadline) == {"j"}
+    assert board.joiners(6, records["members/5"]["j"]["join"]) == set()  # registered too late for that freeze
+    assert board.joiners(7, frozen.deadline) == set()  # round 6's records not read yet
+
+    # c resyncs after round 5 and registers for 6: its record keeps its announcement of round 5
+    asyncio.run(board.register([6]))
+    mine = records["members/5"]["c"]
+    assert mine["digest"] == "d" and mine["address"] == "addr-c" and mine["join"] >= mine["t"]

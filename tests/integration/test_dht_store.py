@@ -1,0 +1,120 @@
+"""A small run's records go to every DHT node at once, without hivemind's search, and every node reads them.
+
+Three real hivemind DHT nodes (`DhtNode`, each with its DHT process and p2pd) on loopback, in a fresh
+interpreter. Each stores a record under one key: with fewer nodes in its routing table than
+``num_replicas``, the store asks no node for neighbours (`find` calls, counted in each DHT process), and
+every node's search finds all three records; two records under two keys go in one call to each node.
+With ``num_replicas`` lowered below the table's size, hivemind's own store runs (it searches first),
+and the record is found all the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.procs import Reaper
+
+pytest.importorskip("hivemind")
+pytestmark = pytest.mark.slow
+
+_TOKEN = "store-test-token"
+
+
+async def _finds(dht: Any, node: Any) -> int:
+    """In a DHT process: the find calls this node made so far (counted by `_count_finds`)."""
+    return int(getattr(node.protocol, "finds_made", 0))
+
+
+async def _table(dht: Any, node: Any) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+async def _set_replicas(n: int, dht: Any, node: Any) -> None:
+    node.num_replicas = n
+
+
+def _count_finds() -> None:
+    """Count every find call a DHT protocol makes (the DHT processes fork from here and inherit it)."""
+    from hivemind.dht.protocol import DHTProtocol
+
+    call_find = DHTProtocol.call_find
+
+    async def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.finds_made = getattr(self, "finds_made", 0) + 1
+        return await call_find(self, *args, **kwargs)
+
+    DHTProtocol.call_find = counted
+
+
+async def _three_nodes() -> dict[str, Any]:
+    import functools
+
+    from demonet.dht.node import DhtNode
+    from demonet.dht.streams import DhtOptions
+
+    _count_finds()
+
+    def opts(initial: tuple[str, ...] = ()) -> DhtOptions:
+        return DhtOptions(run="store", token=_TOKEN, initial_peers=initial, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                          exchange_timeout_s=5.0)
+
+    nodes: list[DhtNode] = []
+    out: dict[str, Any] = {}
+    try:
+        nodes.append(await DhtNode.start(opts(), "a"))
+        maddr = nodes[0].visible_maddrs()[0]
+        nodes += [await DhtNode.start(opts((maddr,)), name) for name in ("b", "c")]
+        for _ in range(100):  # each node meets the others (b and c through a)
+            tables = [await n.dht.run_coroutine(_table, return_future=True) for n in nodes]
+            if min(tables) == 2:
+                break
+            await asyncio.sleep(0.1)
+        out["tables"] = tables
+
+        async def finds() -> list[int]:
+            return [await n.dht.run_coroutine(_finds, return_future=True) for n in nodes]
+
+        before = await finds()
+        for n in nodes:
+            await n.store(n.key("members", 1), {"from": n.peer_id})
+        await nodes[1].store_many({nodes[1].key("state", 1): {"round": 1}, nodes[1].key("head"): {"round": 1}})
+        out["finds_direct"] = [x - y for x, y in zip(await finds(), before, strict=True)]
+        out["read_direct"] = [sorted(await n.get(n.key("members", 1))) for n in nodes]
+        out["read_many"] = [[await n.get(n.key(what, 1 if what == "state" else None)) for what in ("state", "head")]
+                            for n in nodes]
+
+        for n in nodes:
+            await n.dht.run_coroutine(functools.partial(_set_replicas, 2), return_future=True)
+        before = await finds()
+        await nodes[2].store(nodes[2].key("members", 2), {"from": "c"})
+        out["finds_search"] = [x - y for x, y in zip(await finds(), before, strict=True)]
+        out["read_search"] = [sorted(await n.get(n.key("members", 2))) for n in nodes]
+    finally:
+        for n in reversed(nodes):
+            await asyncio.wait_for(n.close(), 30)
+    return out
+
+
+def test_a_small_run_stores_without_a_search_and_every_node_reads_it(reap_children: Reaper) -> None:
+    code = ("import asyncio, json; from tests.integration.test_dht_store import _three_nodes; "
+            "print(json.dumps(asyncio.run(_three_nodes())))")
+    proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+                                              start_new_session=True), group=True)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    import json
+
+    found = json.loads(out.strip().splitlines()[-1])
+    assert found["tables"] == [2, 2, 2], found
+    assert found["finds_direct"] == [0, 0, 0], found  # no search: each store went to the table and itself
+    assert found["read_direct"] == [["a", "b", "c"]] * 3, found
+    assert found["read_many"] == [[{"b": {"round": 1}}, {"b": {"round": 1}}]] * 3, found  # two keys, one call each
+    assert found["finds_search"][2] > 0, found  # 2 replicas < 3 nodes: hivemind searches for the nearest
+    assert found["read_search"] == [["c"]] * 3, found
