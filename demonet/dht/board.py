@@ -93,12 +93,13 @@ class RoundBoard:
         await self._node.store_many({self._node.key("members", r - 1): {**self._announcements.get(r - 1, {}),
                                                                          "join": t} for r in rounds})
 
-    async def publish_state(self, round: int, digest: str) -> None:
-        """Say this peer starts `round` with `digest`, at its address, expecting `expected[round]`."""
+    def state_records(self, round: int, digest: str) -> dict[str, dict[str, Any]]:
+        """This peer's state in `round` (its digest, its address, the peers it expects: what a joiner
+        reads to be admitted and to find donors) and the head round, stored with its announcement."""
         expected = self.expected.get(round)
-        record = {"digest": digest, "address": self._node.address, "client": self._opts.client_mode,
-                  "expected": sorted(expected) if expected is not None else None}
-        await self._node.store_many({self._node.key("state", round): record, self._node.key("head"): {"round": round}})
+        state = {"digest": digest, "address": self._node.address, "client": self._opts.client_mode,
+                 "expected": sorted(expected) if expected is not None else None}
+        return {self._node.key("state", round): state, self._node.key("head"): {"round": round}}
 
     async def states(self, round: int) -> dict[str, dict[str, Any]]:
         """The states the peers published for `round`, by peer."""
@@ -129,8 +130,8 @@ class RoundBoard:
 
     async def enter(self, r: int, digest: str, loss: float | None = None
                     ) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
-        """Announce this peer in round `r` (with its loss, for the dashboards) and read the round's
-        announcements until its freeze is final.
+        """Announce this peer in round `r` (with its loss, for the dashboards; its state and the head
+        round in the same DHT call) and read the round's announcements until its freeze is final.
 
         Raises:
             NotMember: the round froze without this peer (it announced too late).
@@ -146,7 +147,7 @@ class RoundBoard:
         self._announcements[r] = announcement
         self._announcements.pop(r - 8, None)
         t0 = time.perf_counter()
-        await self._node.store(self._node.key("members", r), announcement)
+        await self._node.store_many({self._node.key("members", r): announcement, **self.state_records(r, digest)})
         t1 = time.perf_counter()
         frozen, announced = await self._freeze(r)
         self.timing = {"announce": t1 - t0, "freeze": time.perf_counter() - t1}

@@ -108,11 +108,10 @@ class DhtGatherer:
         """Ask to be admitted at these rounds (the members of the round before decide at its freeze)."""
         await self._board.register(rounds)
 
-    async def publish_state(self, round: int, digest: str,
-                            named_params: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
-        """Say this peer starts `round` with `digest`; serve its parameters until the round ends."""
+    def offer(self, round: int, named_params: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
+        """Serve this peer's parameters as those of `round` until the round ends (its state, which
+        joiners read to find donors, is stored with its announcement)."""
         self._donor.offer(round, named_params)
-        await self._board.publish_state(round, digest)
 
     async def admitted(self, round: int, timeout_s: float) -> bool | None:
         """Whether the members of `round` expect this peer (None: no member said so within `timeout_s`)."""

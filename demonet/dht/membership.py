@@ -6,8 +6,6 @@ DHT itself (records, freeze, exchange) lives there. Imports no grpc.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -38,7 +36,6 @@ class DhtMembership:
 
     def __init__(self, dht: DhtGatherer, info: JoinInfo) -> None:
         self.dht, self.info = dht, info
-        self.publishing: asyncio.Task[None] | None = None
 
     async def join(self) -> JoinInfo:
         """Where the run stands: a new run (no round frozen yet) starts from the seeded parameters."""
@@ -94,23 +91,12 @@ class DhtMembership:
 
     async def begin_round(self, round: int, digest: str,
                           named_parameters: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
-        """Tell the DHT this peer starts the round with its digest, and serve its parameters to joiners.
-
-        The records are stored while the peer trains (the previous round's stores are awaited first).
-        """
-        if self.publishing is not None:
-            try:
-                await self.publishing
-            except PeerUnavailable as e:
-                logger.warning("[%s round=%d] publishing the round's state: %s", self.info.peer_id, round, e)
-        self.publishing = asyncio.create_task(self.dht.publish_state(round, digest, named_parameters))
+        """Serve this peer's parameters to joiners as those of the round. Its state (digest, address, the
+        peers it expects) is stored with its announcement, in the same DHT call."""
+        self.dht.offer(round, named_parameters)
 
     async def agree(self, value: bool) -> bool:
         return value
 
     async def close(self) -> None:
-        if self.publishing is not None:
-            self.publishing.cancel()
-            with contextlib.suppress(asyncio.CancelledError, DemonetError):
-                await self.publishing
         await self.dht.close()

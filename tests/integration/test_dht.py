@@ -264,8 +264,8 @@ async def _wrong_token_nodes() -> None:
         with pytest.raises(PermissionError, match="wrong run token"):
             await bad.check_initial_peers()
         assert good.refused == 1
-        await good.publish_state(3, "d" * 32, lambda: [])
-        await bad.publish_state(7, "e" * 32, lambda: [])
+        for node, round, digest in ((good, 3, "d" * 32), (bad, 7, "e" * 32)):  # the records an announcement carries
+            await node._node.store_many(node._board.state_records(round, digest))
         assert await other.head_round() == 3  # the wrong-token record is not read
         assert await bad.head_round() == 7  # it sees only its own record, not the run's
     finally:

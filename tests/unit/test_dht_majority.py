@@ -155,7 +155,7 @@ def test_a_minority_waits_then_catches_up_once_the_majority_is_ahead(monkeypatch
         await healing
 
     asyncio.run(run())
-    assert node.stored == ["members/5"]  # nothing but its announcement
+    assert node.stored == ["members/5", "state/5", "head"]  # nothing but its announcement (with its state)
     assert told == [(5, True), (5, False)] and 5 not in board.waited
     assert node.reconnected and all(set(r) <= {"addr-a", "addr-b"} for r in node.reconnected)  # not itself
 
@@ -200,7 +200,7 @@ def test_registrations_are_read_with_the_freeze_and_keep_a_resyncing_peers_annou
         records["members/5"][p] = {"t": now(), "digest": "d", "address": "addr-" + p, "client": False}
     frozen, announced = asyncio.run(board.enter(5, "d"))
     assert frozen.members == ("a", "b", "c") and set(announced) == {"a", "b", "c"}  # the registration is no member
-    assert node.stored == ["members/5"]  # one store and no read but the freeze's
+    assert node.stored == ["members/5", "state/5", "head"]  # one store (of three keys), no read but the freeze's
     assert board.joiners(6, frozen.deadline) == {"j"}
     assert board.joiners(6, records["members/5"]["j"]["join"]) == set()  # registered too late for that freeze
     assert board.joiners(7, frozen.deadline) == set()  # round 6's records not read yet
