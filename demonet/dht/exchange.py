@@ -156,20 +156,24 @@ class SliceExchange:
 
     async def _exchange(self, r: int, st: _Round, payload: Payload, addresses: Mapping[str, str]
                         ) -> list[Payload | None]:
-        """Send each owner its slice, merge ours, fetch every merged slice; returns them (None: dropped)."""
+        """Send each owner its slice, merge ours, get every merged slice; returns them (None: dropped).
+
+        An owner answers the part it is sent with its merged slice, on the same stream: one stream per
+        other owner, and one per verified slice's verifier.
+        """
         assert st.plan is not None
         plan, me = st.plan, self.peer_id
+        parts = await asyncio.to_thread(lambda: [wire.encode(plan.cut(payload, s), step=r, index_coding=_PARTS_CODING)
+                                                 for s in range(plan.n)])
         sends = []
         for s, owner in enumerate(st.owners):
-            cut = plan.cut(payload, s)
             targets = [owner, st.verifiers[s]] if s in st.verifiers else [owner]
             if me in targets:
                 async with self._cond:
-                    st.parts.setdefault(s, {})[me] = (st.mdigest, wire.encode(cut, step=r, index_coding=_PARTS_CODING))
+                    st.parts.setdefault(s, {})[me] = (st.mdigest, parts[s])
                     self._cond.notify_all()
-            others = [addresses[p] for p in targets if p != me]
-            if others:
-                sends.append(self._send_part(r, st, s, cut, others))
+            if s in st.verifiers and st.verifiers[s] != me:
+                sends.append(self._send_part(r, st, s, parts[s], addresses[st.verifiers[s]]))
         t0 = time.perf_counter()
 
         async def verified(s: int, obtain: Any) -> None:
@@ -183,7 +187,7 @@ class SliceExchange:
             st.phases[name] = time.perf_counter() - t0
 
         merging = [verified(s, self._merge(r, st, s)) for s, owner in enumerate(st.owners) if owner == me]
-        fetches = [verified(s, self._fetch_from_owner(r, st, s, addresses[owner]))
+        fetches = [verified(s, self._part_and_slice(r, st, s, parts[s], addresses[owner]))
                    for s, owner in enumerate(st.owners) if owner != me]
         await asyncio.gather(timed("scatter", [*sends, *merging]), timed("gather", fetches))
         t1 = time.perf_counter()
@@ -207,23 +211,39 @@ class SliceExchange:
         st.phases["serve"] = time.perf_counter() - t2
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
 
-    async def _send_part(self, r: int, st: _Round, s: int, cut: Payload, addresses: Sequence[str]) -> None:
-        """Send this peer's rows of slice `s` to its owner (and its verifier)."""
-        data = await asyncio.to_thread(wire.encode, cut, step=r, index_coding=_PARTS_CODING)
+    async def _send_part(self, r: int, st: _Round, s: int, data: bytes, address: str) -> None:
+        """Send this peer's rows of slice `s` (encoded) to the slice's verifier."""
+        async def send(timeout_s: float) -> None:
+            await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest,
+                                     timeout_s=timeout_s)
 
-        async def send_to(address: str) -> None:
-            async def send(timeout_s: float) -> None:
-                await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest,
-                                         timeout_s=timeout_s)
+        error = await retry(send, st.rs_deadline)
+        if error:
+            logger.warning("[%s round=%d] slice %d: its verifier did not take the part: %s", self.peer_id, r, s, error)
+        else:
+            st.bytes_up += len(data)
 
-            error = await retry(send, st.rs_deadline)
-            if error:
-                logger.warning("[%s round=%d] slice %d: %s did not take the part: %s", self.peer_id, r, s,
-                               "its owner" if address == addresses[0] else "its verifier", error)
-            else:
+    async def _part_and_slice(self, r: int, st: _Round, s: int, data: bytes, address: str) -> None:
+        """Send this peer's rows of slice `s` (encoded) to its owner, which answers with the merged slice
+        once it has merged it. An answer without the slice (a peer that does not own it in its view of
+        the round) is followed by a fetch."""
+        taken = False
+
+        async def attempt(timeout_s: float) -> None:
+            nonlocal taken
+            reply, merged = await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data,
+                                                     members_digest=st.mdigest, timeout_s=timeout_s)
+            if not taken:  # a later attempt (the slice was bad) sends the part again; counted once
                 st.bytes_up += len(data)
+                taken = True
+            if merged:
+                await self._keep_slice(r, st, s, reply, merged)
+            else:
+                await self._fetch(r, st, s, address, timeout_s=max(0.1, st.ag_deadline - now()))
 
-        await asyncio.gather(*(send_to(a) for a in addresses))
+        error = await retry(attempt, st.ag_deadline)
+        if error:
+            logger.warning("[%s round=%d] slice %d: not from its owner: %s", self.peer_id, r, s, error)
 
     async def _parts(self, r: int, st: _Round, s: int, senders: Collection[str] | None = None
                      ) -> dict[str, Payload]:
@@ -319,11 +339,6 @@ class SliceExchange:
             logger.warning("[%s round=%d] slice %d: its owner %s and its verifier %s disagree; dropped this round, "
                            "both reported", self.peer_id, r, s, st.owners[s], verifier)
 
-    async def _fetch_from_owner(self, r: int, st: _Round, s: int, address: str) -> None:
-        error = await retry(lambda timeout_s: self._fetch(r, st, s, address, timeout_s=timeout_s), st.ag_deadline)
-        if error:
-            logger.warning("[%s round=%d] slice %d: not from its owner: %s", self.peer_id, r, s, error)
-
     async def _fetch_from_holders(self, r: int, st: _Round, s: int, addresses: list[str]) -> None:
         await asyncio.sleep(max(0.0, st.ag_deadline - now()))  # holders answer for good only after it
         for address in addresses:
@@ -333,6 +348,10 @@ class SliceExchange:
 
     async def _fetch(self, r: int, st: _Round, s: int, address: str, *, timeout_s: float) -> None:
         reply, data = await self._streams.call(address, pb.DHT_KIND_FETCH, r, slice=s, timeout_s=timeout_s)
+        await self._keep_slice(r, st, s, reply, data)
+
+    async def _keep_slice(self, r: int, st: _Round, s: int, reply: pb.DhtMessage, data: bytes) -> None:
+        """Check and keep merged slice `s` as `reply` and its `data` give it."""
         assert st.plan is not None
         if not set(reply.contributors) <= set(st.members):
             raise InvalidPayload(f"merged slice names contributors who are not members: {list(reply.contributors)}")
@@ -347,7 +366,8 @@ class SliceExchange:
     # -- serving ---------------------------------------------------------------------------------------
 
     async def _take_part(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
-        """A member's part of a slice this peer owns: kept for `_merge`."""
+        """A member's part of a slice this peer owns or verifies: kept for `_merge` (or the check). The
+        owner answers with its merged slice once it has it (`_serve_slice`); a verifier, with nothing."""
         r = head.round
         if data is None:
             return Reply(error="a part request without its payload")
@@ -358,6 +378,11 @@ class SliceExchange:
             st.parts.setdefault(head.slice, {})[head.sender] = (head.members_digest, data)
             st.bytes_down += len(data)
             self._cond.notify_all()
+            with contextlib.suppress(TimeoutError):  # the part can come before this peer froze the round
+                async with asyncio.timeout(self.opts.window_s + self.opts.exchange_timeout_s):
+                    await self._cond.wait_for(lambda: st.plan is not None)
+        if head.slice < len(st.owners) and st.owners[head.slice] == self.peer_id:
+            return await self._serve_slice(head, None)
         return Reply()
 
     async def _serve_slice(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
