@@ -198,7 +198,7 @@ def _demonet(encoding: str, overlap: int = 0, lookahead: bool = True) -> Launche
     return launch
 
 
-def _demonet_dht(encoding: str) -> Launcher:
+def _demonet_dht(encoding: str, verify: float | None = None) -> Launcher:
     def launch(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
         """demonet DHT mode: one host per peer and no coordinator; peer 0 starts the DHT, the others join it."""
         from hivemind.p2p import P2P, PeerID
@@ -210,6 +210,7 @@ def _demonet_dht(encoding: str) -> Launcher:
             "[train]", f"batch_size = {setup.batch_size}", f"seq_len = {setup.seq_len}", f"seed = {setup.seed}",
             "eval_every = 0",
             "[net]", f"round_timeout_s = {60 + setup.max_time_s / 10}", f"start_peers = {setup.peers}",
+            *([] if verify is None else [f"verify_slices = {verify}"]),
         ]) + "\n")
         env = {**os.environ, "DEMONET_TOKEN": secrets.token_urlsafe(16)}
         identity = out / "peer-0.identity"
@@ -253,6 +254,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("demonet-sign", "demonet coordinator (1-bit values)", _demonet("sign")),
     System("demonet-dht", "demonet DHT mode (fp32 values)", _demonet_dht("fp32")),
     System("demonet-dht-bf16", "demonet DHT mode (bf16 values)", _demonet_dht("bf16")),
+    System("demonet-dht-bf16-unverified", "demonet DHT mode (bf16 values, no verified slices)",
+           _demonet_dht("bf16", verify=0.0)),
     System("demonet-overlap", "demonet coordinator, overlapped rounds (fp32 values)", _demonet("fp32", overlap=1)),
     System("demonet-overlap-bf16", "demonet coordinator, overlapped rounds (bf16 values)", _demonet("bf16", overlap=1)),
     System("demonet-delay", "demonet coordinator, one-round delay without lookahead", _demonet("fp32", 1, False)),
