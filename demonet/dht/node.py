@@ -53,8 +53,8 @@ async def _store_records(records: list[tuple[str, str, str, float]], dht: Any, n
     every node it meets), then stores at them, one call per node and key. When this node's routing
     table holds fewer nodes than that, the search can only end with all of them and this node: its own
     start searched the DHT for its neighbours, and every node that met it since is in the table (a run
-    of a few peers). Then the records go to each of them in one call, and to this node, without the
-    search. A larger table takes hivemind's own store.
+    of up to `_REPLICAS` peers). Then the records go to each of them in one call, and to this node,
+    without the search. A larger table takes hivemind's own store.
     """
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord
@@ -116,6 +116,9 @@ class _DhtProcess(hivemind.DHT):  # type: ignore[misc]
 
 _READY_MIN_S = 30.0
 _READY_MAX_S = 60.0
+_REPLICAS = 8
+"""The nodes that hold each record (hivemind's default is 5): a run of up to 8 peers stores every record
+on every node, in one call each and without a search first (`_store_records`)."""
 """How long one start of the DHT process may take to be ready (bootstrap included) before it is killed
 and started again: a wait without a bound would hang the thread that waits, and the event loop that
 waits for that thread at exit, if the process never gets ready."""
@@ -193,7 +196,7 @@ class DhtNode:
                                               host_maddrs=list(opts.host_maddrs),
                                               announce_maddrs=list(opts.announce_maddrs) or None,
                                               client_mode=opts.client_mode, identity_path=opts.identity_path,
-                                              record_validators=validators)
+                                              num_replicas=_REPLICAS, record_validators=validators)
                 break
             except (P2PDaemonError, RuntimeError) as e:
                 # P2PDaemonError: no connection to the bootstrap peers; RuntimeError("DHTNode bootstrap
