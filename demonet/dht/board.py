@@ -31,6 +31,7 @@ _POLL_S = 0.05
 _WAIT_POLL_S = 1.0  # how often a peer without a majority looks again for the others
 _RECONNECT_EVERY = 3  # and every this many looks, it pings the base's members from its DHT node
 _START_TIMEOUT_S = 600.0  # how long the first round waits for its start_peers
+_KEEP_ROUNDS = 8  # rounds whose own announcements and read registrations are kept
 
 
 class RoundBoard:
@@ -144,8 +145,8 @@ class RoundBoard:
         self.reports = {o: q for o, q in self.reports.items() if q >= r - self._opts.exclude_rounds}
         if self.reports:
             announcement["reports"] = dict(self.reports)
+        self._announcements = {q: a for q, a in self._announcements.items() if q > r - _KEEP_ROUNDS}
         self._announcements[r] = announcement
-        self._announcements.pop(r - 8, None)
         t0 = time.perf_counter()
         await self._node.store_many({self._node.key("members", r): announcement, **self.state_records(r, digest)})
         t1 = time.perf_counter()
@@ -178,8 +179,8 @@ class RoundBoard:
                 announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
                                                   bool(v["client"]),
                                                   float(loss) if isinstance(loss, float | int) else None, reports)
+        self.joins = {q: j for q, j in self.joins.items() if q > r - _KEEP_ROUNDS}
         self.joins[r] = joins
-        self.joins.pop(r - 8, None)
         for p, a in announced.items():
             self.last_seen[p] = max(self.last_seen.get(p, -math.inf), a.t)
             if a.address:

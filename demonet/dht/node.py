@@ -116,12 +116,12 @@ class _DhtProcess(hivemind.DHT):  # type: ignore[misc]
 
 _READY_MIN_S = 30.0
 _READY_MAX_S = 60.0
-_REPLICAS = 8
-"""The nodes that hold each record (hivemind's default is 5): a run of up to 8 peers stores every record
-on every node, in one call each and without a search first (`_store_records`)."""
 """How long one start of the DHT process may take to be ready (bootstrap included) before it is killed
 and started again: a wait without a bound would hang the thread that waits, and the event loop that
 waits for that thread at exit, if the process never gets ready."""
+_REPLICAS = 8
+"""The nodes that hold each record (hivemind's default is 5): a run of up to 8 peers stores every record
+on every node, in one call each and without a search first (`_store_records`)."""
 
 
 def _start_process(ready_s: float, **kwargs: Any) -> _DhtProcess:
