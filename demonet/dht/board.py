@@ -28,6 +28,8 @@ __all__ = ["RoundBoard"]
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
+_LOOK_S = 0.025  # how often the freeze looks at this node's own storage (no DHT call) until it may be final
+_SEARCH_EVERY_S = 1.0  # and how often it searches the DHT all the same (a record stored before this node met its peer)
 _WAIT_POLL_S = 1.0  # how often a peer without a majority looks again for the others
 _RECONNECT_EVERY = 3  # and every this many looks, it pings the base's members from its DHT node
 _START_TIMEOUT_S = 600.0  # how long the first round waits for its start_peers
@@ -165,10 +167,12 @@ class RoundBoard:
         """
         return {p for p, t in self.joins.get(r - 1, {}).items() if t < freeze_deadline - self._opts.settle_s}
 
-    async def _announced(self, r: int) -> dict[str, rules.Announcement]:
-        """The announcements of round `r` read now; each counts as hearing from its peer."""
+    async def _announced(self, r: int, *, local: bool = False) -> dict[str, rules.Announcement]:
+        """The announcements of round `r` read now (`local`: from this node's storage alone, no search);
+        each counts as hearing from its peer."""
         announced, joins = {}, {}
-        for p, v in (await self._node.get(self._node.key("members", r))).items():
+        key = self._node.key("members", r)
+        for p, v in (await (self._node.get_local(key) if local else self._node.get(key))).items():
             if isinstance(v.get("join"), float | int):
                 joins[p] = float(v["join"])
             with contextlib.suppress(KeyError, TypeError, ValueError):
@@ -206,14 +210,27 @@ class RoundBoard:
         waits = 0
         for p in previous or ():  # a base member this peer never read (a joiner's donors' list) is heard from now
             self.last_seen.setdefault(p, now())
+        final = lambda f, at: f is not None and (f.settled or at >= f.deadline + opts.settle_s)  # noqa: E731
+        searched = time.monotonic()
         while minority is not None or time.monotonic() < limit:
-            read_at = now()
-            announced = await self._announced(r)
-            base = None if previous is None else rules.majority_base(previous, self.last_seen, now=read_at,
-                                                                     leave_after_s=opts.leave_after_s)
-            frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers, window_s=opts.window_s,
-                                  base=base)
-            if frozen is not None and (frozen.settled or read_at >= frozen.deadline + opts.settle_s):
+            # While the freeze cannot be final, this node's own storage is looked at: every peer stores its
+            # announcement on every node of its routing table at once (`DhtNode.store_many`), so the search
+            # is made once, when the records here say the freeze is final, and decides. It searches every
+            # `_SEARCH_EVERY_S` as well, for records stored before the storer knew this node. The first round
+            # (its peers meet while they announce) and a peer without a majority (across a partition nothing
+            # was stored here) search every time.
+            search = minority is not None or expected is None or time.monotonic() - searched >= _SEARCH_EVERY_S
+            for local in (False,) if search else (True, False):
+                searched = time.monotonic() if not local else searched
+                read_at = now()
+                announced = await self._announced(r, local=local)
+                base = None if previous is None else rules.majority_base(previous, self.last_seen, now=read_at,
+                                                                         leave_after_s=opts.leave_after_s)
+                frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers,
+                                      window_s=opts.window_s, base=base)
+                if not final(frozen, read_at):
+                    break
+            if final(frozen, read_at):
                 if frozen.majority:
                     if minority is not None:
                         self.waited.add(r)
@@ -255,9 +272,9 @@ class RoundBoard:
                     return rules.Frozen(deadline=read_at, members=late, complete=False, settled=True), announced
                 await asyncio.sleep(_WAIT_POLL_S)
                 continue
-            wait_s = _POLL_S
+            wait_s = _LOOK_S
             if frozen is not None and not frozen.settled:
-                wait_s = min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, 4 * _POLL_S)
+                wait_s = min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, _LOOK_S)
             elif expected is None:
                 wait_s = 4 * _POLL_S
             await asyncio.sleep(wait_s)

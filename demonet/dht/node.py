@@ -84,6 +84,29 @@ async def _store_records(records: list[tuple[str, str, str, float]], dht: Any, n
     return all(here or any(a and a[i] for a in answers) for i, here in enumerate(stored))
 
 
+async def _local_records(key: str, dht: Any, node: Any) -> Any:
+    """Run inside the DHT process: the records under `key` in this node's own storage, as `DHT.get` returns
+    them (a `ValueWithExpiration` of subkey -> `ValueWithExpiration`, signatures stripped), or None. No
+    call leaves the process: these are the records other nodes stored here (and this node's own)."""
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.timed_storage import ValueWithExpiration
+
+    protocol = node.protocol
+    key_id = DHTID.generate(source=key)
+    found = protocol.storage.get(key_id)
+    if found is None or not isinstance(found.value, DictionaryDHTValue):
+        return None
+    out = {}
+    for subkey, (value_bytes, expiration_time) in found.value.items():
+        if protocol.record_validator is not None:
+            record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), value_bytes, expiration_time)
+            value_bytes = protocol.record_validator.strip_value(record)
+        out[subkey] = ValueWithExpiration(protocol.serializer.loads(value_bytes), expiration_time)
+    return ValueWithExpiration(out, found.expiration_time)
+
+
 def _end(*_: object) -> None:
     """End the DHT process now, and its p2pd daemon with it."""
     for child in psutil.Process().children():
@@ -168,7 +191,7 @@ class DhtNode:
         self._ignored: set[tuple[str, bytes]] = set()  # (peer id, key) whose records were logged as ignored
         self._resolving: dict[tuple[str, int], asyncio.Task[bytes | None]] = {}  # one search per (peer id, round)
         self.gets = 0
-        """DHT searches so far (`get`), for the round's figures."""
+        """DHT searches so far (`get`), for the round's figures; `get_local` reads are not searches."""
         if not self.book.admits(peer_id, identity.public):
             logger.warning("[%s] this peer's key %s is not on the allowlist (as %s): the others ignore it", peer_id,
                            identity.fingerprint, peer_id)
@@ -294,8 +317,10 @@ class DhtNode:
     async def get(self, key: str) -> dict[str, dict[str, Any]]:
         """The valid records under `key` by peer id; nothing if the DHT does not answer within exchange_timeout_s.
 
-        A record counts only under the key `book` holds for its peer id (the first one read, or the
-        allowlist's); the records of other keys are ignored (logged once per peer id and key).
+        A search: every node that may hold the key is asked (in a run of a few peers, every node), and
+        their records are merged with this node's own. A record counts only under the key `book` holds
+        for its peer id (the first one read, or the allowlist's); the records of other keys are ignored
+        (logged once per peer id and key).
         """
         self.gets += 1
         try:
@@ -304,6 +329,22 @@ class DhtNode:
         except TimeoutError:
             logger.warning("[%s] the DHT did not answer a search for %s", self.peer_id, key)
             return {}
+        return self._valid(found)
+
+    async def get_local(self, key: str) -> dict[str, dict[str, Any]]:
+        """`get` from this node's own storage alone, without a search: the records the other peers stored
+        here. A store goes to every node of the storer's routing table at once (`_store_records`), so in
+        a run of a few peers this is what a search would find, less the stores that failed or are still
+        on their way: a cheap look that says when a search is worth making."""
+        try:
+            async with asyncio.timeout(self.opts.exchange_timeout_s):
+                found = await self.dht.run_coroutine(functools.partial(_local_records, key), return_future=True)
+        except TimeoutError:
+            return {}
+        return self._valid(found)
+
+    def _valid(self, found: Any) -> dict[str, dict[str, Any]]:
+        """The records of a `DHT.get` result by peer id, each under the key `book` holds for its peer id."""
         if found is None or not isinstance(found.value, dict):
             return {}
         claims: dict[str, dict[bytes, dict[str, Any]]] = {}  # peer id -> key -> its record

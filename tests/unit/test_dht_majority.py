@@ -108,6 +108,9 @@ class _FakeNode:
         self.opts = DhtOptions(run="r", token="t", window_s=0.2, settle_s=0.0, leave_after_s=0.6)
         self.stored: list[str] = []
         self.reconnected: list[list[str]] = []  # the addresses a waiting minority pinged
+        self.not_here: set[str] = set()  # peers whose stores never reached this node: only a search finds them
+        self.searches: list[str] = []  # `get` (a search of the DHT), by key
+        self.looks = 0  # `get_local` (this node's storage only)
 
     def key(self, *parts: object) -> str:
         return "/".join(str(p) for p in parts)
@@ -121,7 +124,12 @@ class _FakeNode:
             await self.store(key, value)
 
     async def get(self, key: str) -> dict[str, dict[str, Any]]:
+        self.searches.append(key)
         return dict(self.records.get(key, {}))
+
+    async def get_local(self, key: str) -> dict[str, dict[str, Any]]:
+        self.looks += 1
+        return {p: v for p, v in self.records.get(key, {}).items() if p not in self.not_here}
 
     async def reconnect(self, addresses: Any) -> None:
         self.reconnected.append(sorted(addresses))
@@ -209,3 +217,51 @@ def test_registrations_are_read_with_the_freeze_and_keep_a_resyncing_peers_annou
     asyncio.run(board.register([6]))
     mine = records["members/5"]["c"]
     assert mine["digest"] == "d" and mine["address"] == "addr-c" and mine["join"] >= mine["t"]
+
+
+# -- the freeze searches the DHT once a round ----------------------------------------------------------
+
+
+def _announce(records: dict[str, dict[str, dict[str, Any]]], peer: str, r: int) -> None:
+    from demonet.dht.streams import now
+
+    records.setdefault(f"members/{r}", {})[peer] = {"t": now(), "digest": "d", "address": "addr-" + peer,
+                                                     "client": False}
+
+
+@pytest.mark.timeout(5)
+def test_the_freeze_looks_here_while_it_waits_and_searches_once_when_it_is_final() -> None:
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    board, node = _board(records, 5)
+
+    async def run() -> Any:
+        async def others() -> None:  # a and b announce while c waits for them
+            await asyncio.sleep(0.1)
+            _announce(records, "a", 5)
+            await asyncio.sleep(0.05)
+            _announce(records, "b", 5)
+
+        arriving = asyncio.create_task(others())
+        frozen, _ = await board.enter(5, "d")
+        await arriving
+        return frozen
+
+    frozen = asyncio.run(run())
+    assert frozen.members == ("a", "b", "c") and frozen.complete
+    assert node.searches == ["members/5"]  # one search, once its own storage held every expected announcement
+    assert node.looks >= 3  # it looked at its own storage while a and b were missing
+
+
+@pytest.mark.timeout(5)
+def test_an_announcement_stored_elsewhere_only_is_found_by_the_search_at_the_deadline() -> None:
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    board, node = _board(records, 5)
+    node.not_here = {"b"}  # b's store to this node failed; the other nodes hold it
+    _announce(records, "a", 5)
+    _announce(records, "b", 5)
+    frozen, announced = asyncio.run(board.enter(5, "d"))
+    # Its own storage never looked complete: the search at the deadline finds b, and the round freezes
+    # with the members the others froze it with.
+    assert frozen.members == ("a", "b", "c") and set(announced) == {"a", "b", "c"}
+    assert node.searches == ["members/5"]
+
