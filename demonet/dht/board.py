@@ -70,6 +70,7 @@ class RoundBoard:
         """The last `enter`'s seconds: ``announce`` (the store) and ``freeze`` (reading until final)."""
         self.on_minority: Callable[[int, bool], None] = lambda round, minority: None
         """Told when this peer starts (True) and stops (False) waiting for a majority in a round."""
+        self._reconnecting: asyncio.Task[Any] | None = None  # a waiting peer's pings to its base
 
     @property
     def _opts(self) -> DhtOptions:
@@ -87,14 +88,24 @@ class RoundBoard:
         """Ask to be admitted at these rounds (the members of the round before decide at its freeze).
 
         A registration for round r is a ``join`` time in this peer's record among the announcements of
-        round r - 1, so that the members read it with their freeze, in the same DHT search. It keeps this
-        peer's own announcement of that round, if it made one (a peer that resyncs), which the record
-        replaces.
+        round r - 1, so that the members read it with their freeze. It keeps this peer's own announcement
+        of that round, if it made one (a peer that resyncs), which the record replaces.
+
+        The members decide from their own nodes' storage (`_freeze`), so the registration must reach every
+        member's node, and a store goes to the nodes this node knows. So it is stored at once, then this
+        node meets the members (the addresses it read in their announcements, or in the states of the
+        round before the first), and the same records are stored again, at the nodes it did not know.
         """
+        rounds = sorted(rounds)
         # At once: rounds of a small model last tens of milliseconds, less than a store takes.
         t = now()
-        await self._node.store_many({self._node.key("members", r - 1): {**self._announcements.get(r - 1, {}),
-                                                                         "join": t} for r in rounds})
+        records = {self._node.key("members", r - 1): {**self._announcements.get(r - 1, {}), "join": t} for r in rounds}
+        await self._node.store_many(records)
+        addresses = set(self.addresses.values())
+        if not addresses and rounds:
+            addresses = {str(v.get("address", "")) for v in (await self.states(rounds[0] - 1)).values()}
+        if await self._node.reconnect(addresses - {self._node.address}):
+            await self._node.store_many(records)
 
     def state_records(self, round: int, digest: str) -> dict[str, dict[str, Any]]:
         """This peer's state in `round` (its digest, its address, the peers it expects: what a joiner
@@ -107,6 +118,19 @@ class RoundBoard:
     async def states(self, round: int) -> dict[str, dict[str, Any]]:
         """The states the peers published for `round`, by peer."""
         return await self._node.get(self._node.key("state", round))
+
+    async def _aborted_ahead(self, r: int, head: int) -> bool:
+        """Whether the peers at `head` aborted round `r` too and wait for this peer in the round after: `head`
+        is that round, and a state there holds this peer's digest of `r` (nobody applied `r`) and expects it.
+
+        Of two members that waited in `r` for each other (one was held in the exchange of the round before
+        to its deadline), the one that saw the late majority first is a round ahead when the other looks.
+        """
+        digest = self._announcements.get(r, {}).get("digest")
+        if head != r + 1 or digest is None:
+            return False
+        return any(v.get("digest") == digest and isinstance(v.get("expected"), list)
+                   and self._node.peer_id in v["expected"] for v in (await self.states(head)).values())
 
     async def admitted(self, round: int, timeout_s: float) -> bool | None:
         """Whether the members of `round` expect this peer (None: no member said so within `timeout_s`)."""
@@ -197,7 +221,8 @@ class RoundBoard:
         Without a majority (`rules.has_majority`) this peer is on a minority side: it applies no round and
         writes no record beyond its announcement. It waits until either a peer's head round is past `r`
         (the majority went on: `NotMember`, and the loop catches up from the majority) or the round
-        holds a majority after all (`waited`: the others came back, or silent members left the base).
+        holds a majority after all (`waited`: the others came back, or silent members left the base; or
+        they found it first, aborted it and wait for this peer in the round after, `_aborted_ahead`).
 
         Raises:
             NotMember: the run went on past `r` without this peer.
@@ -213,12 +238,13 @@ class RoundBoard:
         final = lambda f, at: f is not None and (f.settled or at >= f.deadline + opts.settle_s)  # noqa: E731
         searched = time.monotonic()
         while minority is not None or time.monotonic() < limit:
-            # While the freeze cannot be final, this node's own storage is looked at: every peer stores its
-            # announcement on every node of its routing table at once (`DhtNode.store_many`), so the search
-            # is made once, when the records here say the freeze is final, and decides. It searches every
-            # `_SEARCH_EVERY_S` as well, for records stored before the storer knew this node. The first round
-            # (its peers meet while they announce) and a peer without a majority (across a partition nothing
-            # was stored here) search every time.
+            # This node's own storage is looked at first: every peer stores its announcement (and a joiner
+            # its registration, `register`) on every node of its routing table at once (`DhtNode.store_many`).
+            # When every expected peer's announcement is here, the freeze is decided without a DHT call.
+            # A freeze at the deadline is decided by a search, and a search is made every `_SEARCH_EVERY_S`
+            # while waiting, for records stored before the storer knew this node. The first round (its peers
+            # meet while they announce) and a peer without a majority (across a partition nothing was stored
+            # here) search every time.
             search = minority is not None or expected is None or time.monotonic() - searched >= _SEARCH_EVERY_S
             for local in (False,) if search else (True, False):
                 searched = time.monotonic() if not local else searched
@@ -228,7 +254,7 @@ class RoundBoard:
                                                                          leave_after_s=opts.leave_after_s)
                 frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers,
                                       window_s=opts.window_s, base=base)
-                if not final(frozen, read_at):
+                if not final(frozen, read_at) or frozen.complete:
                     break
             if final(frozen, read_at):
                 if frozen.majority:
@@ -251,17 +277,19 @@ class RoundBoard:
                     logger.warning("[%s round=%d] no majority: %d of the %d members of the round before (%s) "
                                    "are here; not applying rounds, waiting for the others", self._node.peer_id, r,
                                    len(base.intersection(frozen.members)), len(base), ", ".join(sorted(base)))
-                if waits % _RECONNECT_EVERY == 0:  # a partition may have healed: reach the base again
-                    await self._node.reconnect(self.addresses[p] for p in base if p in self.addresses
-                                               and p != self._node.peer_id)
+                if waits % _RECONNECT_EVERY == 0 and (self._reconnecting is None or self._reconnecting.done()):
+                    # A partition may have healed: reach the base again. Beside the looks: a ping to a member
+                    # still cut off lasts exchange_timeout_s, and a late announcement must be seen at once.
+                    self._reconnecting = asyncio.create_task(self._node.reconnect(
+                        [self.addresses[p] for p in base if p in self.addresses and p != self._node.peer_id]))
                 waits += 1
                 head = await self.head_round()
-                if head is not None and head > r:
-                    self.on_minority(r, False)
-                    raise NotMember(f"round {r}: no majority here, and the run went on to round {head}")
                 following = self.joiners(r + 1, read_at)  # a side a round behind gave up its own
                 late = rules.late_majority(announced, base, following)
-                if late is not None:  # the others are back, none went ahead: abort this round together
+                if head is not None and head > r and (late is None or not await self._aborted_ahead(r, head)):
+                    self.on_minority(r, False)
+                    raise NotMember(f"round {r}: no majority here, and the run went on to round {head}")
+                if late is not None:  # the others are back (or aborted it and wait): abort this round together
                     self.waited.add(r)
                     self.on_minority(r, False)
                     joining = sorted(base.intersection(following) - set(late))

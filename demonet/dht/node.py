@@ -35,14 +35,18 @@ __all__ = ["DhtNode"]
 logger = logging.getLogger(__name__)
 
 
-async def _ping_and_refresh(addresses: list[str], dht: Any, node: Any) -> None:
+async def _ping_and_refresh(addresses: list[str], dht: Any, node: Any) -> int:
     """Run inside the DHT's process (`hivemind.DHT.run_coroutine`): ping `addresses` (each ping adds both ends
-    to the other's routing table), then look up this node's nearest neighbours."""
+    to the other's routing table), then look up this node's nearest neighbours. Returns how many nodes the
+    routing table gained."""
     from hivemind.p2p import PeerID
 
+    table = node.protocol.routing_table
+    before = len(table.uid_to_peer_id)
     pings = [node.protocol.call_ping(PeerID.from_base58(a)) for a in addresses]
     await asyncio.gather(*pings, return_exceptions=True)
     await node.find_nearest_nodes([node.node_id])
+    return max(len(table.uid_to_peer_id) - before, 0)
 
 
 async def _store_records(records: list[tuple[str, str, str, float]], dht: Any, node: Any) -> bool:
@@ -280,17 +284,19 @@ class DhtNode:
         """How long a record lives: a few rounds, so that late readers still find it."""
         return 4 * (self.opts.window_s + 2 * self.opts.exchange_timeout_s)
 
-    async def reconnect(self, addresses: Iterable[str]) -> None:
+    async def reconnect(self, addresses: Iterable[str]) -> int:
         """Ping these libp2p peers from the DHT node and look up its neighbours again, so that its routing
         table holds them: after a partition, every DHT call that failed across it dropped the other side
         from the table, and nothing else brings them back. Bounded by exchange_timeout_s; failures are
-        the partition still being there."""
+        the partition still being there. Returns how many of them were not in the table before."""
         ids = sorted({a for a in addresses if a})
         if not ids or self.dht is None:
-            return
+            return 0
         with contextlib.suppress(TimeoutError, Exception):  # noqa: BLE001 - any failure: still cut off
             async with asyncio.timeout(self.opts.exchange_timeout_s):
-                await self.dht.run_coroutine(functools.partial(_ping_and_refresh, ids), return_future=True)
+                return int(await self.dht.run_coroutine(functools.partial(_ping_and_refresh, ids),
+                                                        return_future=True))
+        return 0
 
     async def store(self, key: str, value: dict[str, Any]) -> None:
         """Store this peer's record under `key` for `ttl_s`, waiting at most exchange_timeout_s for the replicas.

@@ -155,7 +155,7 @@ def test_up_dht_run_folder(tmp_path: Path, reap_children: Reaper) -> None:
     """`demonet up --dht`: three peers, every round with three contributors and one digest; peer-0 serves
     its view of the run on the dashboard that `demonet up` announces, in the coordinator's document."""
     (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=5.0))
-    out, steps = tmp_path / "run", 12
+    out, steps = tmp_path / "run", 60  # rounds of tens of milliseconds: long enough for the dashboard's reads
     proc = reap_children.add(subprocess.Popen(
         [sys.executable, "-m", "demonet", "up", "--dht", "--peers", "3", "--steps", str(steps), "--out", str(out),
          "--config", str(tmp_path / "run.toml"), "--no-progress"], stdout=subprocess.DEVNULL,
@@ -177,7 +177,12 @@ def test_up_dht_run_folder(tmp_path: Path, reap_children: Reaper) -> None:
     # Where the time went; a verified slice each round (the default fraction, 3 slices), and honest
     # mergers always agree.
     assert all({"announce", "freeze", "scatter", "gather", "dht_reads"} <= set(r["phases"]) for r in rows), rows[0]
-    assert all(r["phases"]["dht_reads"] >= 1 and r["phases"]["verified"] >= 1 for r in rows), rows
+    assert all(r["phases"]["verified"] >= 1 for r in rows), rows
+    # The first round searches the DHT for its start_peers; later ones decide from the announcements
+    # stored on the peer's own node, with no search once all of the round's members are there.
+    assert all(r["phases"]["dht_reads"] >= 1 for r in rows if r["round"] == 0), rows
+    later = [r["phases"]["dht_reads"] for r in rows if r["round"] > 0]
+    assert sum(n == 0 for n in later) >= 0.9 * len(later), later
     logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("*.log"))
     assert "disagree" not in logs and "own no slice" not in logs
     assert (out / "loss.png").stat().st_size > 0

@@ -131,8 +131,9 @@ class _FakeNode:
         self.looks += 1
         return {p: v for p, v in self.records.get(key, {}).items() if p not in self.not_here}
 
-    async def reconnect(self, addresses: Any) -> None:
+    async def reconnect(self, addresses: Any) -> int:
         self.reconnected.append(sorted(addresses))
+        return len(self.reconnected[-1])
 
 
 def _board(records: dict[str, dict[str, dict[str, Any]]], round: int) -> tuple[RoundBoard, _FakeNode]:
@@ -230,7 +231,7 @@ def _announce(records: dict[str, dict[str, dict[str, Any]]], peer: str, r: int) 
 
 
 @pytest.mark.timeout(5)
-def test_the_freeze_looks_here_while_it_waits_and_searches_once_when_it_is_final() -> None:
+def test_the_freeze_looks_here_while_it_waits_and_decides_without_a_search_once_all_are_here() -> None:
     records: dict[str, dict[str, dict[str, Any]]] = {}
     board, node = _board(records, 5)
 
@@ -248,7 +249,7 @@ def test_the_freeze_looks_here_while_it_waits_and_searches_once_when_it_is_final
 
     frozen = asyncio.run(run())
     assert frozen.members == ("a", "b", "c") and frozen.complete
-    assert node.searches == ["members/5"]  # one search, once its own storage held every expected announcement
+    assert node.searches == []  # its own storage held every expected announcement: no DHT search
     assert node.looks >= 3  # it looked at its own storage while a and b were missing
 
 
@@ -264,4 +265,32 @@ def test_an_announcement_stored_elsewhere_only_is_found_by_the_search_at_the_dea
     # with the members the others froze it with.
     assert frozen.members == ("a", "b", "c") and set(announced) == {"a", "b", "c"}
     assert node.searches == ["members/5"]
+
+
+@pytest.mark.timeout(5)
+def test_a_search_every_second_finds_what_was_stored_elsewhere_before_the_deadline(monkeypatch: pytest.MonkeyPatch
+                                                                                   ) -> None:
+    import demonet.dht.board as board_module
+
+    monkeypatch.setattr(board_module, "_SEARCH_EVERY_S", 0.1)
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    board, node = _board(records, 5)
+    node.opts = DhtOptions(run="r", token="t", window_s=30.0, settle_s=0.0, leave_after_s=60.0)
+    node.not_here = {"b"}
+    _announce(records, "a", 5)
+    _announce(records, "b", 5)
+    frozen, _ = asyncio.run(board.enter(5, "d"))  # long before the 30 s deadline
+    assert frozen.members == ("a", "b", "c") and frozen.complete and node.searches == ["members/5"]
+
+
+def test_a_registration_is_stored_again_once_this_node_met_the_members_it_did_not_know() -> None:
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    records["state/4"] = {p: {"digest": "d", "address": "addr-" + p, "client": False, "expected": ["a", "b"]}
+                          for p in ("a", "b")}
+    node = _FakeNode("j", records)
+    joiner = RoundBoard(node)  # type: ignore[arg-type]
+    asyncio.run(joiner.register([5, 6]))
+    # stored at once (before meeting anyone), then again after the members' nodes were met
+    assert node.stored == ["members/4", "members/5"] * 2
+    assert node.reconnected == [["addr-a", "addr-b"]] and node.searches == ["state/4"]
 
