@@ -28,7 +28,6 @@ __all__ = ["RoundBoard"]
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
-_LOOK_S = 0.025  # how often the freeze looks at this node's own storage (no DHT call) until it may be final
 _SEARCH_EVERY_S = 1.0  # and how often it searches the DHT all the same (a record stored before this node met its peer)
 _WAIT_POLL_S = 1.0  # how often a peer without a majority looks again for the others
 _RECONNECT_EVERY = 3  # and every this many looks, it pings the base's members from its DHT node
@@ -191,12 +190,14 @@ class RoundBoard:
         """
         return {p for p, t in self.joins.get(r - 1, {}).items() if t < freeze_deadline - self._opts.settle_s}
 
-    async def _announced(self, r: int, *, local: bool = False) -> dict[str, rules.Announcement]:
-        """The announcements of round `r` read now (`local`: from this node's storage alone, no search);
-        each counts as hearing from its peer."""
+    async def _announced(self, r: int, *, local: bool = False, wait_for: Iterable[str] = (), wait_s: float = 0.0
+                         ) -> dict[str, rules.Announcement]:
+        """The announcements of round `r` read now (`local`: from this node's storage alone, no search, as
+        soon as the peers `wait_for` are there or after `wait_s`); each counts as hearing from its peer."""
         announced, joins = {}, {}
         key = self._node.key("members", r)
-        for p, v in (await (self._node.get_local(key) if local else self._node.get(key))).items():
+        found = await (self._node.get_local(key, wait_for, wait_s) if local else self._node.get(key))
+        for p, v in found.items():
             if isinstance(v.get("join"), float | int):
                 joins[p] = float(v["join"])
             with contextlib.suppress(KeyError, TypeError, ValueError):
@@ -236,11 +237,12 @@ class RoundBoard:
         for p in previous or ():  # a base member this peer never read (a joiner's donors' list) is heard from now
             self.last_seen.setdefault(p, now())
         final = lambda f, at: f is not None and (f.settled or at >= f.deadline + opts.settle_s)  # noqa: E731
-        searched = time.monotonic()
+        searched, wait_s, missing = time.monotonic(), 0.0, set(expected or ())
         while minority is not None or time.monotonic() < limit:
             # This node's own storage is looked at first: every peer stores its announcement (and a joiner
             # its registration, `register`) on every node of its routing table at once (`DhtNode.store_many`).
-            # When every expected peer's announcement is here, the freeze is decided without a DHT call.
+            # When every expected peer's announcement is here, the freeze is decided without a DHT call; the
+            # look waits in the DHT process until they are (or until the deadline or the next search).
             # A freeze at the deadline is decided by a search, and a search is made every `_SEARCH_EVERY_S`
             # while waiting, for records stored before the storer knew this node. The first round (its peers
             # meet while they announce) and a peer without a majority (across a partition nothing was stored
@@ -249,7 +251,8 @@ class RoundBoard:
             for local in (False,) if search else (True, False):
                 searched = time.monotonic() if not local else searched
                 read_at = now()
-                announced = await self._announced(r, local=local)
+                announced = await self._announced(r, local=local, wait_for=missing, wait_s=wait_s)
+                wait_s, missing = 0.0, set(expected or ()) - set(announced)
                 base = None if previous is None else rules.majority_base(previous, self.last_seen, now=read_at,
                                                                          leave_after_s=opts.leave_after_s)
                 frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers,
@@ -300,10 +303,15 @@ class RoundBoard:
                     return rules.Frozen(deadline=read_at, members=late, complete=False, settled=True), announced
                 await asyncio.sleep(_WAIT_POLL_S)
                 continue
-            wait_s = _LOOK_S
+            if expected is None:  # the first round searches every time
+                await asyncio.sleep(4 * _POLL_S if frozen is None or frozen.settled else
+                                    min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, 4 * _POLL_S))
+                continue
+            # The next look waits for the missing (in the DHT process) until the deadline, or the next search.
+            wait_s = max(min(searched + _SEARCH_EVERY_S, limit) - time.monotonic(), 0.0) + 0.001
             if frozen is not None and not frozen.settled:
-                wait_s = min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, _LOOK_S)
-            elif expected is None:
-                wait_s = 4 * _POLL_S
-            await asyncio.sleep(wait_s)
+                wait_s = min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, wait_s)
+            if not missing:  # nobody to wait for (the round is not complete for another reason): sleep
+                await asyncio.sleep(wait_s)
+                wait_s = 0.0
         raise PeerUnavailable(f"round {r}: could not read its membership from the DHT")

@@ -88,10 +88,17 @@ async def _store_records(records: list[tuple[str, str, str, float]], dht: Any, n
     return all(here or any(a and a[i] for a in answers) for i, here in enumerate(stored))
 
 
-async def _local_records(key: str, dht: Any, node: Any) -> Any:
+_LOOK_EVERY_S = 0.002
+"""How often `_local_records` looks at the storage while it waits for peers' records (inside the DHT process)."""
+
+
+async def _local_records(key: str, wait_for: frozenset[str], wait_s: float, dht: Any, node: Any) -> Any:
     """Run inside the DHT process: the records under `key` in this node's own storage, as `DHT.get` returns
     them (a `ValueWithExpiration` of subkey -> `ValueWithExpiration`, signatures stripped), or None. No
-    call leaves the process: these are the records other nodes stored here (and this node's own)."""
+    call leaves the process: these are the records other nodes stored here (and this node's own).
+
+    It waits up to `wait_s` until a record of each peer id in `wait_for` is there (records arrive here
+    as the other nodes store them); `wait_for` empty: at once."""
     from hivemind.dht.routing import DHTID
     from hivemind.dht.storage import DictionaryDHTValue
     from hivemind.dht.validation import DHTRecord
@@ -99,7 +106,16 @@ async def _local_records(key: str, dht: Any, node: Any) -> Any:
 
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
-    found = protocol.storage.get(key_id)
+    until = time.monotonic() + wait_s
+    while True:
+        found = protocol.storage.get(key_id)
+        if not wait_for or time.monotonic() >= until:
+            break
+        items = found.value.items() if found is not None and isinstance(found.value, DictionaryDHTValue) else ()
+        here = {c[0] for c in (keys.parse_subkey(k) if isinstance(k, str) else None for k, _ in items) if c}
+        if wait_for <= here:
+            break
+        await asyncio.sleep(_LOOK_EVERY_S)
     if found is None or not isinstance(found.value, DictionaryDHTValue):
         return None
     out = {}
@@ -337,14 +353,16 @@ class DhtNode:
             return {}
         return self._valid(found)
 
-    async def get_local(self, key: str) -> dict[str, dict[str, Any]]:
+    async def get_local(self, key: str, wait_for: Iterable[str] = (), wait_s: float = 0.0) -> dict[str, dict[str, Any]]:
         """`get` from this node's own storage alone, without a search: the records the other peers stored
         here. A store goes to every node of the storer's routing table at once (`_store_records`), so in
         a run of a few peers this is what a search would find, less the stores that failed or are still
-        on their way: a cheap look that says when a search is worth making."""
+        on their way. It returns once the storage holds a record of each peer id in `wait_for` (their
+        keys not checked yet), or after `wait_s`."""
         try:
-            async with asyncio.timeout(self.opts.exchange_timeout_s):
-                found = await self.dht.run_coroutine(functools.partial(_local_records, key), return_future=True)
+            async with asyncio.timeout(wait_s + self.opts.exchange_timeout_s):
+                found = await self.dht.run_coroutine(functools.partial(_local_records, key, frozenset(wait_for),
+                                                                       wait_s), return_future=True)
         except TimeoutError:
             return {}
         return self._valid(found)
