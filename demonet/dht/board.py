@@ -66,10 +66,12 @@ class RoundBoard:
         """Owner -> the latest round in which this peer saw a slice of it disagree with its verifier; told
         to the others in its announcements for ``exclude_rounds`` rounds after."""
         self.timing: dict[str, float] = {}
-        """The last `enter`'s seconds: ``announce`` (the store) and ``freeze`` (reading until final)."""
+        """The last `enter`'s seconds: ``announce`` (the store, until every node confirmed it) and ``freeze``
+        (from the store's start until the freeze is final: the two overlap)."""
         self.on_minority: Callable[[int, bool], None] = lambda round, minority: None
         """Told when this peer starts (True) and stops (False) waiting for a majority in a round."""
         self._reconnecting: asyncio.Task[Any] | None = None  # a waiting peer's pings to its base
+        self._storing: asyncio.Task[None] | None = None  # the last announcement's store, beside its freeze
 
     @property
     def _opts(self) -> DhtOptions:
@@ -172,14 +174,26 @@ class RoundBoard:
             announcement["reports"] = dict(self.reports)
         self._announcements = {q: a for q, a in self._announcements.items() if q > r - _KEEP_ROUNDS}
         self._announcements[r] = announcement
+        await self.stored()
+        # The freeze does not wait for the store's confirmations: the record is on this node at once, and on
+        # the others as their calls arrive (the last peer to announce would otherwise wait for the answers
+        # before its exchange starts, on every round's critical path). `stored` awaits it.
         t0 = time.perf_counter()
-        await self._node.store_many({self._node.key("members", r): announcement, **self.state_records(r, digest)})
-        t1 = time.perf_counter()
+        self.timing = {}
+        self._storing = asyncio.create_task(self._node.store_many(
+            {self._node.key("members", r): announcement, **self.state_records(r, digest)}))
+        self._storing.add_done_callback(lambda _: self.timing.__setitem__("announce", time.perf_counter() - t0))
         frozen, announced = await self._freeze(r)
-        self.timing = {"announce": t1 - t0, "freeze": time.perf_counter() - t1}
+        self.timing["freeze"] = time.perf_counter() - t0
         if self._node.peer_id not in frozen.members:
             raise NotMember(f"round {r} froze without this peer (announced too late)")
         return frozen, announced
+
+    async def stored(self) -> None:
+        """Wait for the last announcement's store (a failed one is logged by `DhtNode.store_many`)."""
+        if self._storing is not None:
+            storing, self._storing = self._storing, None
+            await storing
 
     def joiners(self, r: int, freeze_deadline: float) -> set[str]:
         """The peers admitted at round `r`: registered for it before the previous round's freeze, less
@@ -309,7 +323,9 @@ class RoundBoard:
                 continue
             # The next look waits for the missing (in the DHT process) until the deadline, or the next search.
             wait_s = max(min(searched + _SEARCH_EVERY_S, limit) - time.monotonic(), 0.0) + 0.001
-            if frozen is not None and not frozen.settled:
+            if frozen is None:  # not even this peer's announcement yet (its store is on its way): no deadline
+                wait_s = min(_POLL_S, wait_s)
+            elif not frozen.settled:
                 wait_s = min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, wait_s)
             if not missing:  # nobody to wait for (the round is not complete for another reason): sleep
                 await asyncio.sleep(wait_s)

@@ -8,6 +8,7 @@ all-gather) and the parameter donor (donor). Must not import grpc or demonet.tra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
@@ -88,6 +89,8 @@ class DhtGatherer:
         return self._node.visible_maddrs()
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):  # noqa: BLE001 - a store that failed was logged; closing anyway
+            await self._board.stored()
         await self._node.close()
 
     async def check_initial_peers(self) -> int:
@@ -202,6 +205,7 @@ class DhtGatherer:
         if view is not None:
             view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners,
                            aborted=done.aggregate is None, bytes_up=done.bytes_up, bytes_down=done.bytes_down)
+        await board.stored()  # long done: the exchange took longer than the store
         phases = {**board.timing, **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
         if done.aggregate is None:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
