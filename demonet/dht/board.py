@@ -72,6 +72,7 @@ class RoundBoard:
         """Told when this peer starts (True) and stops (False) waiting for a majority in a round."""
         self._reconnecting: asyncio.Task[Any] | None = None  # a waiting peer's pings to its base
         self._storing: asyncio.Task[None] | None = None  # the last announcement's store, beside its freeze
+        self._steady = False  # the last freeze was complete, without a wait: its records all arrived here
 
     @property
     def _opts(self) -> DhtOptions:
@@ -180,8 +181,10 @@ class RoundBoard:
         # before its exchange starts, on every round's critical path). `stored` awaits it.
         t0 = time.perf_counter()
         self.timing = {}
+        peers = (self.expected.get(r) or set()) | self.previous.get(r, set())
         self._storing = asyncio.create_task(self._node.store_many(
-            {self._node.key("members", r): announcement, **self.state_records(r, digest)}))
+            {self._node.key("members", r): announcement, **self.state_records(r, digest)},
+            also=[self.addresses[p] for p in peers if p in self.addresses and p != self._node.peer_id]))
         self._storing.add_done_callback(lambda _: self.timing.__setitem__("announce", time.perf_counter() - t0))
         frozen, announced = await self._freeze(r)
         self.timing["freeze"] = time.perf_counter() - t0
@@ -251,22 +254,27 @@ class RoundBoard:
         for p in previous or ():  # a base member this peer never read (a joiner's donors' list) is heard from now
             self.last_seen.setdefault(p, now())
         final = lambda f, at: f is not None and (f.settled or at >= f.deadline + opts.settle_s)  # noqa: E731
-        searched, wait_s, missing = time.monotonic(), 0.0, set(expected or ())
+        searched, wait_s, absent = time.monotonic(), 0.0, set(expected or ())
+        steady, self._steady = self._steady, False  # True again only when this freeze is complete at once
         while minority is not None or time.monotonic() < limit:
-            # This node's own storage is looked at first: every peer stores its announcement (and a joiner
-            # its registration, `register`) on every node of its routing table at once (`DhtNode.store_many`).
-            # When every expected peer's announcement is here, the freeze is decided without a DHT call; the
-            # look waits in the DHT process until they are (or until the deadline or the next search).
-            # A freeze at the deadline is decided by a search, and a search is made every `_SEARCH_EVERY_S`
-            # while waiting, for records stored before the storer knew this node. The first round (its peers
-            # meet while they announce) and a peer without a majority (across a partition nothing was stored
-            # here) search every time.
-            search = minority is not None or expected is None or time.monotonic() - searched >= _SEARCH_EVERY_S
+            # In a run of a few peers every peer stores its announcement (and a joiner its registration,
+            # `register`) on every node it knows and on its members' at once (`DhtNode.store_many`), so
+            # this node's own storage is looked at first: when every expected peer's announcement is here,
+            # the freeze is decided without a DHT call; the look waits in the DHT process until they are
+            # (or until the deadline or the next search). A freeze at the deadline is decided by a search,
+            # and a search is made every `_SEARCH_EVERY_S` while waiting, for records stored before the
+            # storer knew this node. Every look is a search in the first round (its peers meet while they
+            # announce), without a majority (across a partition nothing was stored here), after a round
+            # that was not complete at once (a heal: routing tables still short of the other side), and in
+            # a run of more peers than `num_replicas` (a record is stored on the nodes nearest its key only).
+            local_ok = steady and minority is None and self._node.everywhere
+            search = (minority is not None or expected is None or not local_ok
+                      or time.monotonic() - searched >= _SEARCH_EVERY_S)
             for local in (False,) if search else (True, False):
                 searched = time.monotonic() if not local else searched
                 read_at = now()
-                announced = await self._announced(r, local=local, wait_for=missing, wait_s=wait_s)
-                wait_s, missing = 0.0, set(expected or ()) - set(announced)
+                announced = await self._announced(r, local=local, wait_for=absent, wait_s=wait_s)
+                wait_s, absent = 0.0, set(expected or ()) - set(announced)
                 base = None if previous is None else rules.majority_base(previous, self.last_seen, now=read_at,
                                                                          leave_after_s=opts.leave_after_s)
                 frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers,
@@ -285,6 +293,7 @@ class RoundBoard:
                         logger.info("[%s round=%d] froze at the deadline with %d members%s", self._node.peer_id,
                                     r, len(frozen.members), f" (not in: {', '.join(missing)})" if missing else "")
                     self.bases[r] = base
+                    self._steady = frozen.complete and minority is None
                     return frozen, announced
                 assert base is not None  # a round without a base always holds a majority
                 if minority != (frozen.members, base):  # once, then on change
@@ -317,9 +326,9 @@ class RoundBoard:
                     return rules.Frozen(deadline=read_at, members=late, complete=False, settled=True), announced
                 await asyncio.sleep(_WAIT_POLL_S)
                 continue
-            if expected is None:  # the first round searches every time
-                await asyncio.sleep(4 * _POLL_S if frozen is None or frozen.settled else
-                                    min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, 4 * _POLL_S))
+            if not local_ok:  # searching every time
+                await asyncio.sleep((4 * _POLL_S if expected is None else _POLL_S) if frozen is None or frozen.settled
+                                    else min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, 4 * _POLL_S))
                 continue
             # The next look waits for the missing (in the DHT process) until the deadline, or the next search.
             wait_s = max(min(searched + _SEARCH_EVERY_S, limit) - time.monotonic(), 0.0) + 0.001
@@ -327,7 +336,7 @@ class RoundBoard:
                 wait_s = min(_POLL_S, wait_s)
             elif not frozen.settled:
                 wait_s = min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, wait_s)
-            if not missing:  # nobody to wait for (the round is not complete for another reason): sleep
+            if not absent:  # nobody to wait for (the round is not complete for another reason): sleep
                 await asyncio.sleep(wait_s)
                 wait_s = 0.0
         raise PeerUnavailable(f"round {r}: could not read its membership from the DHT")

@@ -7,6 +7,7 @@ DHT itself (records, freeze, exchange) lives there. Imports no grpc.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["DhtMembership"]
 
 logger = logging.getLogger(__name__)
+
+_REGISTER_S = 0.3  # beside settle_s: from reading the head round until the registration is on the members' nodes
+_MAX_LEAD = 1000  # rounds ahead a registration names at most
 
 
 class DhtMembership:
@@ -69,14 +73,23 @@ class DhtMembership:
         # Bounded by time, not by tries: while rounds are shorter than a DHT store, a registration
         # can miss the rounds it names several times in a row before one lands in time.
         give_up_at = time.monotonic() + wait_s
-        tries = 0
+        tries, seen = 0, None
         while tries == 0 or time.monotonic() < give_up_at:
             tries += 1
             head = await self.dht.head_round()
             if head is None:
                 raise PeerUnavailable("the DHT knows no round of this run")
-            targets = [head + 1, head + 2, head + 3]
+            # A registration counts from a freeze `settle_s` after it: where rounds are shorter than that,
+            # it names rounds far enough ahead, at the pace the run went since the last try.
+            lead = 0
+            if seen is not None and head > seen[0]:
+                rate = (head - seen[0]) / max(time.monotonic() - seen[1], 1e-3)
+                lead = min(math.ceil(rate * (opts.settle_s + _REGISTER_S)), _MAX_LEAD)
+            seen = head, time.monotonic()
+            targets = [head + 1 + lead, head + 2 + lead, head + 3 + lead]
             await self.dht.register(targets)
+            logger.info("[%s] registered to join rounds %d-%d (the run's head round: %d)", self.info.peer_id,
+                        targets[0], targets[-1], head)
             for r in targets:
                 if await self.dht.admitted(r, wait_s):
                     try:

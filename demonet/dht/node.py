@@ -49,26 +49,30 @@ async def _ping_and_refresh(addresses: list[str], dht: Any, node: Any) -> int:
     return max(len(table.uid_to_peer_id) - before, 0)
 
 
-async def _store_records(records: list[tuple[str, str, str, float]], dht: Any, node: Any) -> bool:
+async def _store_records(records: list[tuple[str, str, str, float]], also: list[str], dht: Any, node: Any
+                         ) -> tuple[bool, bool]:
     """Run inside the DHT process (`hivemind.DHT.run_coroutine`): store records of dictionary values, each
-    (key, subkey, value, expiration time). Returns whether a node stored each one (all of them).
+    (key, subkey, value, expiration time). Returns whether a node stored each one (all of them), and
+    whether they went to every node of the routing table and of `also` (libp2p addresses) at once.
 
     hivemind's store first searches for the ``num_replicas`` nodes nearest to each key (a find call to
     every node it meets), then stores at them, one call per node and key. When this node's routing
     table holds fewer nodes than that, the search can only end with all of them and this node: its own
     start searched the DHT for its neighbours, and every node that met it since is in the table (a run
     of up to `_REPLICAS` peers). Then the records go to each of them in one call, and to this node,
-    without the search. A larger table takes hivemind's own store.
+    without the search, and to the nodes of `also` that the table lacks (after a partition, every call
+    that failed across it dropped the other side from the table). A larger table takes hivemind's own store.
     """
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord
+    from hivemind.p2p import PeerID
 
     protocol = node.protocol
     table = protocol.routing_table
     if len(table.uid_to_peer_id) >= node.num_replicas:
         done = await node.store_many([k for k, _, _, _ in records], [v for _, _, v, _ in records],
                                      [e for _, _, _, e in records], subkeys=[s for _, s, _, _ in records])
-        return all(done.values())
+        return all(done.values()), False
     key_ids, values = [], []
     stored = []
     for key, subkey, value, expiration_time in records:
@@ -81,11 +85,15 @@ async def _store_records(records: list[tuple[str, str, str, float]], dht: Any, n
         key_ids.append(key_id)
         values.append(record.value)
         stored.append(bool(protocol.storage.store(key_id, record.value, expiration_time, subkey=subkey)))
+    peers = {str(peer): peer for peer in table.uid_to_peer_id.values()}
+    for address in also:
+        if address not in peers and address != str(node.peer_id):
+            peers[address] = PeerID.from_base58(address)
     answers = await asyncio.gather(*(protocol.call_store(peer, keys=key_ids, values=values,
                                                          expiration_time=[e for _, _, _, e in records],
                                                          subkeys=[s for _, s, _, _ in records])
-                                     for peer in list(table.uid_to_peer_id.values())))
-    return all(here or any(a and a[i] for a in answers) for i, here in enumerate(stored))
+                                     for peer in peers.values()))
+    return all(here or any(a and a[i] for a in answers) for i, here in enumerate(stored)), True
 
 
 _LOOK_EVERY_S = 0.002
@@ -210,6 +218,9 @@ class DhtNode:
         self.streams = Streams(opts, peer_id, p2p, identity, self.book, self.resolve_key)
         self._ignored: set[tuple[str, bytes]] = set()  # (peer id, key) whose records were logged as ignored
         self._resolving: dict[tuple[str, int], asyncio.Task[bytes | None]] = {}  # one search per (peer id, round)
+        self.everywhere = False
+        """Whether the last store went to every node at once (a routing table of fewer than `_REPLICAS` nodes):
+        then the records of a run's peers arrive on each node without a search (`get_local`)."""
         self.gets = 0
         """DHT searches so far (`get`), for the round's figures; `get_local` reads are not searches."""
         if not self.book.admits(peer_id, identity.public):
@@ -322,13 +333,15 @@ class DhtNode:
         """
         await self.store_many({key: value})
 
-    async def store_many(self, values: dict[str, dict[str, Any]]) -> None:
-        """`store` for several keys at once: in a run of a few peers, one call to each node for all of them."""
+    async def store_many(self, values: dict[str, dict[str, Any]], also: Iterable[str] = ()) -> None:
+        """`store` for several keys at once: in a run of a few peers, one call to each node for all of them,
+        and to the nodes of `also` (libp2p addresses) as well. Sets `everywhere`."""
         subkey, expiration_time = keys.subkey(self.peer_id, self.identity.public), now() + self.ttl_s
         records = [(key, subkey, json.dumps(value), expiration_time) for key, value in values.items()]
         try:
             async with asyncio.timeout(self.opts.exchange_timeout_s):
-                ok = await self.dht.run_coroutine(functools.partial(_store_records, records), return_future=True)
+                ok, self.everywhere = await self.dht.run_coroutine(
+                    functools.partial(_store_records, records, sorted(set(also))), return_future=True)
         except TimeoutError:
             logger.warning("[%s] the DHT did not confirm storing %s within %s s (a node does not answer)",
                            self.peer_id, ", ".join(values), self.opts.exchange_timeout_s)

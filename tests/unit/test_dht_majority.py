@@ -112,6 +112,8 @@ class _FakeNode:
         self.not_here: set[str] = set()  # peers whose stores never reached this node: only a search finds them
         self.searches: list[str] = []  # `get` (a search of the DHT), by key
         self.looks = 0  # `get_local` (this node's storage only)
+        self.everywhere = True  # stores reach every node (a run of a few peers)
+        self.also: list[list[str]] = []  # the member addresses each store also went to
 
     def key(self, *parts: object) -> str:
         return "/".join(str(p) for p in parts)
@@ -120,7 +122,8 @@ class _FakeNode:
         self.stored.append(key)
         self.records.setdefault(key, {})[self.peer_id] = value
 
-    async def store_many(self, values: dict[str, dict[str, Any]]) -> None:
+    async def store_many(self, values: dict[str, dict[str, Any]], also: Any = ()) -> None:
+        self.also.append(sorted(also))
         for key, value in values.items():
             await self.store(key, value)
 
@@ -240,6 +243,7 @@ def _announce(records: dict[str, dict[str, dict[str, Any]]], peer: str, r: int) 
 def test_the_freeze_looks_here_while_it_waits_and_decides_without_a_search_once_all_are_here() -> None:
     records: dict[str, dict[str, dict[str, Any]]] = {}
     board, node = _board(records, 5)
+    board._steady = True  # its last round froze complete at once
 
     async def run() -> Any:
         async def others() -> None:  # a and b announce while c waits for them
@@ -263,6 +267,7 @@ def test_the_freeze_looks_here_while_it_waits_and_decides_without_a_search_once_
 def test_an_announcement_stored_elsewhere_only_is_found_by_the_search_at_the_deadline() -> None:
     records: dict[str, dict[str, dict[str, Any]]] = {}
     board, node = _board(records, 5)
+    board._steady = True  # its last round froze complete at once
     node.not_here = {"b"}  # b's store to this node failed; the other nodes hold it
     _announce(records, "a", 5)
     _announce(records, "b", 5)
@@ -281,6 +286,7 @@ def test_a_search_every_second_finds_what_was_stored_elsewhere_before_the_deadli
     monkeypatch.setattr(board_module, "_SEARCH_EVERY_S", 0.1)
     records: dict[str, dict[str, dict[str, Any]]] = {}
     board, node = _board(records, 5)
+    board._steady = True  # its last round froze complete at once
     node.opts = DhtOptions(run="r", token="t", window_s=30.0, settle_s=0.0, leave_after_s=60.0)
     node.not_here = {"b"}
     _announce(records, "a", 5)
@@ -300,3 +306,66 @@ def test_a_registration_is_stored_again_once_this_node_met_the_members_it_did_no
     assert node.stored == ["members/4", "members/5"] * 2
     assert node.reconnected == [["addr-a", "addr-b"]] and node.searches == ["state/4"]
 
+
+def test_after_a_round_that_was_not_complete_at_once_or_in_a_large_run_every_look_is_a_search() -> None:
+    for steady, everywhere in ((False, True), (True, False)):
+        records: dict[str, dict[str, dict[str, Any]]] = {}
+        board, node = _board(records, 5)
+        board._steady, node.everywhere = steady, everywhere
+        for p in ("a", "b"):
+            _announce(records, p, 5)
+        frozen, _ = asyncio.run(board.enter(5, "d"))
+        assert frozen.complete and node.looks == 0 and set(node.searches) == {"members/5"}, (steady, everywhere)
+        assert board._steady  # complete at once: the next round may decide from its own node
+
+
+def test_an_announcement_also_goes_to_the_nodes_of_the_members_it_expects() -> None:
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    board, node = _board(records, 5)
+    board.addresses = {"a": "addr-a", "b": "addr-b", "c": "addr-c", "gone": "addr-gone"}
+    for p in ("a", "b"):
+        _announce(records, p, 5)
+    asyncio.run(board.enter(5, "d"))
+    assert node.also == [["addr-a", "addr-b"]]  # not itself, not a peer outside the round
+
+
+
+# -- a registration names rounds far enough ahead of a fast run -----------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_a_rejoining_peer_registers_ahead_of_rounds_shorter_than_the_settle_time() -> None:
+    from demonet.dht.membership import DhtMembership
+    from demonet.transport import JoinInfo, Parameters
+
+    class _Run:
+        """Rounds of 20 ms; a registration counts only for a round that starts settle_s after it."""
+
+        opts = DhtOptions(run="r", token="t", window_s=2.0, exchange_timeout_s=1.0, settle_s=0.2)
+
+        def __init__(self) -> None:
+            self.start, self.registered = time.monotonic(), {}
+
+        def _head(self) -> int:
+            return int((time.monotonic() - self.start) / 0.02)
+
+        async def head_round(self) -> int:
+            return self._head()
+
+        async def register(self, rounds: list[int]) -> None:
+            self.registered.update({r: time.monotonic() for r in rounds})
+
+        async def admitted(self, r: int, timeout_s: float) -> bool:
+            while self._head() < r:
+                await asyncio.sleep(0.005)
+            return self.registered[r] < self.start + r * 0.02 - self.opts.settle_s
+
+        async def load_parameters(self, r: int, expected: Any) -> tuple[dict, int, list[str]]:
+            return {}, 0, ["a"]
+
+    run = _Run()
+    info = JoinInfo(peer_id="c", round=0, run_config={}, data_seed=0, round_timeout_s=2.0, heartbeat_interval_s=0.0,
+                    total_rounds=0)
+    got = asyncio.run(DhtMembership(run, info).rejoin({}))  # type: ignore[arg-type]
+    assert isinstance(got, Parameters) and got.round - min(run.registered) >= 10  # named 10+ rounds ahead
+    assert len(run.registered) <= 6  # found on its second try: the first one measured the pace
