@@ -73,8 +73,12 @@ def test_dht_a_peer_killed_mid_run_rejoins_from_the_others_and_agrees(dht: DhtCl
     # (The round it was killed in may hold its payload: it was sent before the kill.)
     without_c = [n for n in range(killed + 1, back) if set(by_round[n]) == {"a", "b"}]
     assert without_c, "no round went on without c"
+    # Where c died after it had served one of the two but not the other, that one was held to the killed
+    # round's exchange deadline and announced the next round late: both abort it (docs/dht.md).
+    aborted = [n for n in without_c if by_round[n]["a"]["aborted"]]
+    assert aborted in ([], [killed + 1]) and all(by_round[n]["b"]["aborted"] for n in aborted), aborted
     for n in without_c:
-        assert by_round[n]["a"]["contributors"] == 2, by_round[n]
+        assert n in aborted or by_round[n]["a"]["contributors"] == 2, by_round[n]
     # The restart loaded the parameters from the others: the digest they agreed on after the round before.
     loads = dht.loaded("c")
     assert loads and loads[0][0] <= back, loads
