@@ -173,7 +173,10 @@ class DhtGatherer:
             board.expected[r + 1] = set(members) | joiners
             raise Resync(f"round {r}: parameter digest {param_digest[:12]} is not the majority's {good[:12]}")
         if r in board.waited:  # a majority found after a wait, past its exchange: nobody applies the round
-            board.previous[r + 1] = set(members)  # they all announced it again: the next round counts over them
+            # Nobody contributed, so the base stays (`rules.next_base`): a late majority may count a far-side
+            # member whose announcement was stored before a cut, and a base cut down to it would let the
+            # near side hold a majority of it (2 of {b, c, d} when {a, b} | {c, d} split).
+            board.previous[r + 1] = set(rules.next_base(board.bases.get(r), members, ()))
             board.expected[r + 1] = set(members) | joiners
             self._donor.withdraw()
             if view is not None:
