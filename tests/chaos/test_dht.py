@@ -243,8 +243,12 @@ def test_dht_four_split_two_against_two_both_wait_and_go_on_together_after_the_h
     dht.wait_for(lambda: all(_minority_log(dht, p) for p in peers), "every peer to wait for a majority")
     time.sleep(10.0)  # five round windows: neither side applies a round
     during = {p: dht.last_round(p) for p in peers}
-    applied = max(during[p] - at_cut[p] for p in peers)
-    assert applied <= 1, (at_cut, during)  # at most the round the split cut into
+    # Applied while split: at most the round the split cut into. A side may also abort a round together
+    # (a late majority that counted a far-side announcement stored just before the cut), which applies
+    # nothing and keeps the base of four (docs/dht.md).
+    applied = max(sum(1 for r in dht.rows(p) if at_cut[p] < r["round"] <= during[p] and not r["aborted"])
+                  for p in peers)
+    assert applied <= 1, (at_cut, during, {p: [(r["round"], r["aborted"]) for r in dht.rows(p)[-4:]] for p in peers})
     _split(dht, ("a", "b"), ("c", "d"), heal=True)
     t_heal = time.monotonic()
     top = max(during.values())
@@ -254,7 +258,10 @@ def test_dht_four_split_two_against_two_both_wait_and_go_on_together_after_the_h
     first = together()[0]
     dht.wait_for(lambda: min(dht.last_round(p) for p in peers) >= first + 5, "rounds of the four after the heal")
     rounds = end(dht, procs)
-    by_round = _agree(dht, peers, rounds, skip=1)
+    # A pair may hold its own digest for two rows: the round the split cut into (one pair applied it, 3 of
+    # 4 with a far-side announcement stored before the cut; the other aborted it) and the round after the
+    # heal, which all four abort together; then the smaller digest wins and the other pair loads it.
+    by_round = _agree(dht, peers, rounds, skip=2)
     for n in range(first + 1, rounds):
         assert set(by_round[n]) == set(peers) and by_round[n]["a"]["contributors"] == 4, by_round[n]
     assert all(len(dht.peers[p].procs) == 1 for p in peers)  # no restart
