@@ -298,8 +298,11 @@ class SliceExchange:
 
     # -- verification ----------------------------------------------------------------------------------
 
-    def _digest_over(self, r: int, st: _Round, s: int, senders: tuple[str, ...]) -> asyncio.Task[bytes | None]:
-        """As the verifier of slice `s`: the SHA-256 of its merge over exactly `senders` (sorted), once."""
+    async def _digest_over(self, r: int, st: _Round, s: int, senders: tuple[str, ...]) -> bytes | None:
+        """As the verifier of slice `s`: the SHA-256 of its merge over exactly `senders` (sorted), once.
+
+        The merge is one task shared by this peer's own check and the members' requests: a request whose
+        caller goes away is cancelled, and must not cancel the merge the others wait for."""
         key = (s, senders)
         if key not in st.checks:
             async def digest() -> bytes | None:
@@ -312,7 +315,7 @@ class SliceExchange:
                 return hashlib.sha256(merged.data).digest()
 
             st.checks[key] = asyncio.create_task(digest())
-        return st.checks[key]
+        return await asyncio.shield(st.checks[key])
 
     async def _check(self, r: int, st: _Round, s: int, address: str) -> None:
         """Compare the merged slice `s` this peer holds with its verifier's merge over the same senders.
