@@ -165,11 +165,13 @@ class _DhtProcess(hivemind.DHT):  # type: ignore[misc]
         super().run()
 
 
-_READY_MIN_S = 30.0
-_READY_MAX_S = 60.0
+_READY_MIN_S = 10.0
+_READY_MAX_S = 20.0
 """How long one start of the DHT process may take to be ready (bootstrap included) before it is killed
 and started again: a wait without a bound would hang the thread that waits, and the event loop that
-waits for that thread at exit, if the process never gets ready."""
+waits for that thread at exit, if the process never gets ready. A start takes seconds; now and then
+one never gets ready (seen after a first start that found the initial peers not listening yet), and
+it must leave time for another start within ``bootstrap_timeout_s``."""
 _REPLICAS = 8
 """The nodes that hold each record (hivemind's default is 5): a run of up to 8 peers stores every record
 on every node, in one call each and without a search first (`_store_records`)."""

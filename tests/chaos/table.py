@@ -44,8 +44,8 @@ def _row(name: str, f: dict[str, Any]) -> tuple[str, str, str, str, str]:
         recover = f"back in round {f['back_in_round']} (killed in {f['killed_in_round']}), {f['rejoin_s']} s after " \
                   f"restart; {f['rounds_without_c']} rounds went on meanwhile"
     elif name == "dht_partition":
-        recover = f"{f['rounds_during_partition']}+ rounds went on without it; it applied {f['c_rounds_alone']} " \
-                  f"rounds alone (no majority: it waits)"
+        recover = f"{f['rounds_during_partition']}+ rounds went on without it; after the cut it applied " \
+                  f"{f['c_applied_after_cut']} rounds (with the others' payloads; then no majority: it waits)"
     elif name == "dht_partition_heal":
         recover = f"in sync {f['heal_to_sync_s']} s after the heal (round {f['c_back_in_round']}); it lost " \
                   f"{f['c_rounds_lost']} rounds, {f['majority_rounds_heal_to_sync']} went on meanwhile"
