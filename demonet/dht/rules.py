@@ -123,8 +123,8 @@ def next_base(base: Collection[str] | None, members: Iterable[str], contributors
     partition a side reads those of the far side stored before the cut. Two against two, {c, d}
     reading b's announcement freezes with b, c and d, 3 of 4, and gets the payloads of c and d only
     (2 of 4: it aborts the round, `DhtGatherer.gather`); were its next base {b, c, d}, c and d would
-    hold 2 of 3 and go on while a and b wait (or go on too, having read c's). A member that really left is out of the base at once as long as
-    the others, a majority, contributed.
+    hold 2 of 3 and go on while a and b wait (or go on too, having read c's). A member that really left
+    is out of the base at once as long as the others, a majority, contributed.
 
     Args:
         base: the base the round froze over (None: the first round, whose members are the next base).

@@ -17,7 +17,8 @@ from demonet.dht.streams import DhtOptions
 
 
 def _exchange() -> SliceExchange:
-    node = SimpleNamespace(opts=DhtOptions(run="r", token="t"), peer_id="a", streams=SimpleNamespace(serve=lambda *_: None))
+    streams = SimpleNamespace(serve=lambda *_: None)
+    node = SimpleNamespace(opts=DhtOptions(run="r", token="t"), peer_id="a", streams=streams)
     return SliceExchange(node)  # type: ignore[arg-type]
 
 
