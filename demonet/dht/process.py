@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -24,6 +25,8 @@ from . import keys
 
 __all__ = ["READY_MAX_S", "READY_MIN_S", "REPLICAS", "DhtProcess", "local_records", "ping_and_refresh",
            "start_process", "store_records"]
+
+logger = logging.getLogger(__name__)
 
 
 async def ping_and_refresh(addresses: list[str], dht: Any, node: Any) -> int:
@@ -168,6 +171,38 @@ REPLICAS = 8
 on every node, in one call each and without a search first (`store_records`)."""
 
 
+_EXIT_S = 5.0
+"""How long a DHT process that reported its failure to start has to end by itself before it is killed."""
+_LOCK_S = 1.0
+"""How long one of hivemind's cross-process locks may stay held before it counts as held by a process
+that is gone (`_free_hivemind_locks`)."""
+
+
+def _free_hivemind_locks() -> None:
+    """Make sure hivemind's cross-process locks are free before a DHT process is forked.
+
+    hivemind's futures (`hivemind.utils.mpfuture`) keep three `multiprocessing.Lock`s shared by this
+    process and every process forked from it; a DHT process takes `MPFuture._update_lock` to send a
+    result to this one, its readiness included. A process killed while it holds one leaves it held for
+    good: every DHT process started after that blocks on it when it reports ready, and never gets ready.
+    A lock still held after `_LOCK_S` is such a lock (what it guards takes microseconds to
+    milliseconds): it is replaced. Processes forked before keep the old one, as they must (they share
+    it with this one); none of them can take it anyway.
+    """
+    import multiprocessing as mp
+
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    for owner, name in ((MPFuture, "_update_lock"), (MPFuture, "_initialization_lock"), (SharedBytes, "_lock")):
+        lock = getattr(owner, name)
+        if lock.acquire(timeout=_LOCK_S):
+            lock.release()
+            continue
+        logger.warning("hivemind's %s.%s is held by a process that ended inside it: using a new one",
+                       owner.__name__, name)
+        setattr(owner, name, mp.Lock())
+
+
 def start_process(ready_s: float, **kwargs: Any) -> DhtProcess:
     """Start the DHT process and wait up to `ready_s` for it to be ready; kill it if it is not.
 
@@ -175,11 +210,17 @@ def start_process(ready_s: float, **kwargs: Any) -> DhtProcess:
         RuntimeError: the process failed to start, or was not ready in time ("bootstrap failed": worth
             another try while the initial peers start).
     """
+    _free_hivemind_locks()
     dht = DhtProcess(start=False, **kwargs)
     dht.run_in_background(await_ready=False)
     try:
         dht.wait_until_ready(timeout=ready_s)
     except BaseException as e:
+        if not isinstance(e, TimeoutError):
+            # It reported its failure and ends by itself: killed at once, it could die right after the
+            # report and before it let go of hivemind's update lock (`_free_hivemind_locks`). Seen: every
+            # start after one that found the initial peers not listening yet was never ready.
+            dht.join(_EXIT_S)
         if dht.is_alive():  # SIGTERM: `_end` takes its p2pd daemon with it
             dht.terminate()
             dht.join(5.0)
