@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,7 @@ def test_dht_a_peer_killed_mid_run_rejoins_from_the_others_and_agrees(dht: DhtCl
     rejoin_s = time.monotonic() - t_release
     back = [r["round"] for r in dht.rows("c") if r["round"] >= killed][0]
     dht.wait_for(lambda: dht.last_round("c") >= back + 5, "c's rounds after the restart")
-    rounds = end(dht, [a, b, spare])
+    rounds = end(dht, [a, b, spare], PEERS)
 
     by_round = dht.by_round(PEERS)  # one digest per round across the peers
     for p in ("a", "b"):
@@ -96,14 +97,14 @@ def test_dht_a_peer_killed_mid_run_rejoins_from_the_others_and_agrees(dht: DhtCl
         "loss_first5": round(sum(losses[:5]) / 5, 3), "loss_last5": round(sum(losses[-5:]) / 5, 3)})
 
 
-def end(dht: DhtCluster, procs: list) -> int:
-    """Stop the peers gracefully (SIGTERM: at a round boundary, exit 0); returns the rounds both a and b
-    did. The signals reach the peers one after the other, so one may do a round or two more than the
-    other (frozen without the stopped one): those are past the returned count."""
+def end(dht: DhtCluster, procs: list, peers: Sequence[str] = ("a", "b")) -> int:
+    """Stop the peers gracefully (SIGTERM: at a round boundary, exit 0); returns the rounds every one of
+    `peers` did. The signals reach the peers one after the other, so some may do a round or two more
+    than another (frozen without the stopped one, a majority without it): those are past the count."""
     for proc in procs:
         proc.send_signal(signal.SIGTERM)
     dht.finish(procs, timeout_s=60)
-    return min(dht.last_round("a"), dht.last_round("b")) + 1
+    return min(dht.last_round(p) for p in peers) + 1
 
 
 def _done(dht: DhtCluster, peer: str, rounds: int) -> list[int]:
@@ -205,7 +206,7 @@ def test_dht_a_partitioned_peer_heals_and_is_in_sync_again(dht: DhtCluster) -> N
     sync_s = time.monotonic() - t_heal
     back = back_rows()[0]["round"]
     dht.wait_for(lambda: dht.last_round("c") >= back + 5, "c's rounds after the heal")
-    rounds = end(dht, procs)
+    rounds = end(dht, procs, PEERS)
     by_round = _agree(dht, PEERS, rounds, skip=1)
     for p in ("a", "b"):
         assert _done(dht, p, rounds) == list(range(rounds)), p
@@ -267,9 +268,9 @@ def test_dht_four_split_two_against_two_both_wait_and_go_on_together_after_the_h
     heal_s = time.monotonic() - t_heal
     first = together()[0]
     dht.wait_for(lambda: min(dht.last_round(p) for p in peers) >= first + 5, "rounds of the four after the heal")
-    rounds = end(dht, procs)
-    # A pair may hold its own digest for two rows: the round the split cut into (one pair applied it, 3 of
-    # 4 with a far-side announcement stored before the cut; the other aborted it) and the round after the
+    rounds = end(dht, procs, peers)
+    # A pair may hold its own digest for two rows: the round the split cut into (one pair applied it, with
+    # the parts of a majority that crossed before the cut; the other aborted it) and the round after the
     # heal, which all four abort together; then the smaller digest wins and the other pair loads it.
     by_round = _agree(dht, peers, rounds, skip=2)
     for n in range(first + 1, rounds):
