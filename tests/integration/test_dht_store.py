@@ -101,17 +101,22 @@ async def _three_nodes() -> dict[str, Any]:
     return out
 
 
-def test_a_small_run_stores_without_a_search_and_every_node_reads_it(reap_children: Reaper) -> None:
-    code = ("import asyncio, json; from tests.integration.test_dht_store import _three_nodes; "
-            "print(json.dumps(asyncio.run(_three_nodes())))")
+def _in_a_fresh_interpreter(reap_children: Reaper, coroutine: str, timeout_s: float) -> tuple[dict[str, Any], str]:
+    """Run `asyncio.run(<coroutine>())` of this module in a new Python process; (what it returns, its stderr)."""
+    import json
+
+    code = (f"import asyncio, json; from tests.integration.test_dht_store import {coroutine}; "
+            f"print(json.dumps(asyncio.run({coroutine}())))")
     proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
                                               start_new_session=True), group=True)
-    out, err = proc.communicate(timeout=240)
+    out, err = proc.communicate(timeout=timeout_s)
     assert proc.returncode == 0, err[-3000:]
-    import json
+    return json.loads(out.strip().splitlines()[-1]), err
 
-    found = json.loads(out.strip().splitlines()[-1])
+
+def test_a_small_run_stores_without_a_search_and_every_node_reads_it(reap_children: Reaper) -> None:
+    found, _ = _in_a_fresh_interpreter(reap_children, "_three_nodes", 240)
     assert found["tables"] == [2, 2, 2], found
     assert found["finds_direct"] == [0, 0, 0], found  # no search: each store went to the table and itself
     assert found["read_direct"] == [["a", "b", "c"]] * 3, found
@@ -152,16 +157,7 @@ async def _start_after_a_death_in_the_lock() -> dict[str, Any]:
 def test_a_dht_process_gets_ready_after_another_died_inside_hiveminds_lock(reap_children: Reaper) -> None:
     """A DHT process killed inside hivemind's cross-process update lock left it held, and every DHT process
     started after it never got ready (seen in CI: three starts in a row, after a first one had failed)."""
-    code = ("import asyncio, json; from tests.integration.test_dht_store import _start_after_a_death_in_the_lock; "
-            "print(json.dumps(asyncio.run(_start_after_a_death_in_the_lock())))")
-    proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
-                                              start_new_session=True), group=True)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    import json
-
-    found = json.loads(out.strip().splitlines()[-1])
+    found, err = _in_a_fresh_interpreter(reap_children, "_start_after_a_death_in_the_lock", 120)
     assert found["held"], found  # the lock was left held
     assert found["ready_s"] < 10.0 and found["found"] == ["a"], found  # ready at the first start, and working
     assert "held by a process that ended inside it" in err, err[-3000:]
