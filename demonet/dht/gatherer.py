@@ -209,19 +209,18 @@ class DhtGatherer:
         # The slices this peer got must hold the payloads of a majority of the base, as the freeze must
         # hold its announcements: a peer cut off right after it froze with the others' announcements
         # merges its own slice from its own part alone, and would apply that round by itself.
-        cut_off = done.aggregate is not None and not rules.has_majority(done.contributors, base)
-        if cut_off:
+        applies = done.aggregate is not None and rules.has_majority(done.contributors, base)
+        if done.aggregate is not None and not applies:
             logger.warning("[%s round=%d] the slices this peer got hold the payloads of %s only, not a majority of "
                            "the %d members of the round before: applying nothing (cut off during the exchange?)",
                            self.peer_id, r, ", ".join(done.contributors), len(base or ()))
         self._donor.withdraw()
         if view is not None:
-            view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners,
-                           aborted=done.aggregate is None or cut_off, bytes_up=done.bytes_up,
-                           bytes_down=done.bytes_down)
+            view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners, aborted=not applies,
+                           bytes_up=done.bytes_up, bytes_down=done.bytes_down)
         await board.stored()  # long done: the exchange took longer than the store
         phases = {**board.timing, **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
-        if done.aggregate is None or cut_off:
+        if not applies:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
                                bytes_up=done.bytes_up, bytes_down=done.bytes_down, phases=phases)
         return RoundResult(round=r, aggregate=done.aggregate, contributors=done.contributors, param_digest="",
