@@ -44,7 +44,8 @@ def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = Fa
     if config:
         cmd += ["--config", config]
     root = (code or Path(__file__).resolve().parent.parent).resolve()
-    env = {**os.environ, **(env or {}), "PYTHONPATH": str(root)}
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)  # this tree first
+    env = {**os.environ, **(env or {}), "PYTHONPATH": path}
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
     return proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]

@@ -86,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                                                               "(default: the built-in byte-level GPT)")
     up.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens")
     up.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer (1)")
+    up.add_argument("--device", default="cpu", help="every peer's device: cpu, cuda or cuda:N (cpu)")
     up.add_argument("--no-progress", action="store_true", help="no progress bar")
     up.add_argument("--dht", action="store_true", help="no coordinator: the peers meet on a hivemind DHT on loopback")
     up.add_argument("--dashboard-port", type=int, default=0,

@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         logger.info("coordinator listening on %s; starting %d peers; logs in %s", address, args.peers, logs)
         for i in range(args.peers):
             peers.append(_spawn(f"peer-{i}", ["peer", "--coordinator", address, "--peer-id", f"peer-{i}",
-                                              "--out", str(out), "--threads", str(args.threads_per_peer)], logs, env))
+                                              "--out", str(out), "--threads", str(args.threads_per_peer),
+                                              "--device", args.device], logs, env))
         asyncio.run(_watch(address, token, coordinator, peers, args.steps,
                            not args.no_progress and sys.stderr.isatty()))
     except KeyboardInterrupt:
@@ -195,7 +196,8 @@ def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
     """`demonet up --dht`: N peers on a DHT over loopback; peer-0 starts it, the others bootstrap from it."""
     logs = out / "logs"
     argv = ["peer", "--dht", "--run", "up", "--steps", str(args.steps),
-            "--start-peers", str(args.peers), "--out", str(out), "--threads", str(args.threads_per_peer)]
+            "--start-peers", str(args.peers), "--out", str(out), "--threads", str(args.threads_per_peer),
+            "--device", args.device]
     if args.config:
         argv += ["--config", args.config]
     if args.task:

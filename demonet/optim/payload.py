@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ENCODINGS", "Compressed", "Payload", "matrix_shape", "num_chunks", "quantize"]
+__all__ = ["ENCODINGS", "Compressed", "Payload", "matrix_shape", "num_chunks", "quantize", "to_host"]
 
 ENCODINGS = ("fp32", "bf16", "fp16", "int8", "sign")
 """Value encodings. Each one is applied by the sender before error feedback, so what the sender
@@ -79,6 +79,52 @@ class Payload:
     def numel(self) -> int:
         """Number of (index, value) entries."""
         return sum(c.idx.numel() for c in self.tensors.values())
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+"""One side stream per CUDA device for `to_host`'s copies."""
+
+
+def to_host(payload: Payload) -> tuple[Payload, torch.cuda.Event | None]:
+    """A copy of a payload in pinned host memory, for the exchange to encode while training goes on.
+
+    On a CUDA device the copies run on a side stream that first waits for the work queued so far
+    (the compress that made the payload), and they do not wait for work queued after them: the next
+    round's forward and backward. Returns (the host payload, the event to wait for before reading it).
+    Encoding the device payload instead would copy on the device's default stream, behind every
+    kernel queued since, and the exchange would wait for the next round's compute. A payload already
+    on the CPU is returned as it is, with no event.
+
+    Call it on the thread that queued the compress. The device payload may be freed at once: the
+    allocator keeps its memory until the copies are done.
+    """
+    tensors = [t for c in payload.tensors.values() for t in (c.idx, c.val, c.scale) if t is not None]
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    if not devices:
+        return payload, None
+    if len(devices) > 1:
+        raise ValueError(f"a payload should be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(device))
+
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.device.type != "cuda":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        t.record_stream(stream)  # the allocator keeps `t` until the copy is done, whoever frees it
+        return out
+
+    with torch.cuda.stream(stream):
+        copied = {name: Compressed(idx=host(c.idx), val=host(c.val), shape=c.shape,  # type: ignore[arg-type]
+                                   chunk=c.chunk, scale=host(c.scale))
+                  for name, c in payload.tensors.items()}
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(stream)
+    return Payload(copied, encoding=payload.encoding), ready
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TextIO
 import torch
 
 from demonet.errors import DemonetError, PeerUnavailable
-from demonet.optim import Payload
+from demonet.optim import Payload, to_host
 from demonet.transport import Expected, Gatherer, JoinInfo, Membership, Parameters, Resync, RoundResult, keep_alive
 
 __all__ = ["STOP_GRACE_S", "Overlapping", "Replica", "RoundLog", "RoundLoop", "stop_on_signals", "warm_up"]
@@ -239,10 +239,21 @@ class RoundLoop:
             return None
         return gather.result()
 
-    def _submit(self, payload: Payload, loss: float, *, started: float, compute_s: float) -> _InFlight:
-        """Start the exchange of the open round's payload (a task: training may go on meanwhile)."""
-        gather = asyncio.create_task(self.gatherer.gather(self.round, payload, loss=loss, param_digest=self.digest))
+    def _submit(self, payload: Payload, loss: float, *, started: float, compute_s: float,
+                staged: tuple[Payload, torch.cuda.Event | None] | None = None) -> _InFlight:
+        """Start the exchange of the open round's payload (a task: training may go on meanwhile).
+
+        `staged`: the payload's host copy and the event that says it is there (`to_host`): the exchange
+        sends that copy, and `payload` stays on the device for the settle or the restore."""
+        sent, ready = staged if staged is not None else (payload, None)
+        gather = asyncio.create_task(self._gather(self.round, sent, ready, loss=loss, param_digest=self.digest))
         return _InFlight(self.round, payload, loss, gather, started, compute_s)
+
+    async def _gather(self, round: int, payload: Payload, ready: torch.cuda.Event | None, *, loss: float,
+                      param_digest: str) -> RoundResult:
+        if ready is not None:  # the host copy is made on a side stream: wait for it, not for the training
+            await asyncio.to_thread(ready.synchronize)
+        return await self.gatherer.gather(round, payload, loss=loss, param_digest=param_digest)
 
     def _settle(self, payload: Payload, result: RoundResult) -> str:
         """Restore and apply by the outcome, then the new digest (one trip to a worker thread)."""
@@ -286,10 +297,10 @@ class RoundLoop:
                         await asyncio.to_thread(replica.zero_grad)
                         break
                 t1 = time.perf_counter()
-                payload = await asyncio.to_thread(self._compress_and_hold, replica)
+                payload, staged = await asyncio.to_thread(self._compress_and_hold, replica)
                 await self.membership.begin_round(self.round, self.digest, replica.canonical_parameters)
                 compute_s += time.perf_counter() - t1
-                flight = self._submit(payload, loss, started=t0, compute_s=compute_s)
+                flight = self._submit(payload, loss, started=t0, compute_s=compute_s, staged=staged)
                 if self.lookahead:  # while the payload travels: the next round trains from here
                     t2 = time.perf_counter()
                     await asyncio.to_thread(replica.lookahead, payload, self.round)
@@ -305,13 +316,15 @@ class RoundLoop:
                     await flight.gather
                 await asyncio.to_thread(replica.restore, flight.payload)
 
-    def _compress_and_hold(self, replica: Overlapping) -> Payload:
-        """The round's payload; with the lookahead, a copy of the parameters first: they are the round's
-        canonical ones, which a DHT peer serves to joiners while the lookahead changes the live ones."""
+    def _compress_and_hold(self, replica: Overlapping) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
+        """The round's payload and its host copy on its way (`to_host`: on a GPU the exchange must not wait
+        for the next round's kernels); with the lookahead, a copy of the parameters first: they are the
+        round's canonical ones, which a DHT peer serves to joiners while the lookahead changes the live ones."""
         payload = replica.compress()
+        staged = to_host(payload)
         if self.lookahead:
             replica.hold()
-        return payload
+        return payload, staged
 
     async def _land(self, flight: _InFlight, metrics: TextIO | None) -> str:
         """Wait for an in-flight round's outcome and settle it; write its metrics row.
