@@ -82,17 +82,26 @@ def make_aggregates(opt: DeMo, device: str = "cpu") -> list[Payload]:
     return aggregates
 
 
-def apply_digests(device: str = "cpu") -> dict[str, str]:
-    """{base: digest of the parameters and the base optimizer's state after ROUNDS applies}."""
+def apply_digests(device: str = "cpu", trace: list[str] | None = None) -> dict[str, str]:
+    """{base: digest of the parameters and the base optimizer's state after ROUNDS applies}.
+
+    `trace`: a list that gets one line per base, round and tensor ("base round name digest"), to find
+    where two settings part."""
     out = {}
     for base in BASES:
         params = make_params(device)
         opt = make_optimizer(params, base)
-        for agg in make_aggregates(opt, device):
+
+        def state() -> list[tuple[str, torch.Tensor]]:
+            return [(f"{name}.{key}", opt.state[p][key]) for name, p in params.items()  # noqa: B023
+                    for key in ("exp_avg", "exp_avg_sq") if key in opt.state[p]]  # noqa: B023
+
+        for r, agg in enumerate(make_aggregates(opt, device)):
             opt.apply(agg)
-        state = [(f"{name}.{key}", opt.state[p][key]) for name, p in params.items()
-                 for key in ("exp_avg", "exp_avg_sq") if key in opt.state[p]]
-        out[base] = param_digest([*params.items(), *state])
+            if trace is not None:
+                named = [*params.items(), *state()]
+                trace += [f"{base} {r} {name} {param_digest([(name, t)])[:12]}" for name, t in named]
+        out[base] = param_digest([*params.items(), *state()])
     return out
 
 
@@ -102,12 +111,17 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--matmul-precision", default="highest", choices=("highest", "high", "medium"),
                         help="torch.set_float32_matmul_precision: below highest, the sign base takes its exact path")
+    parser.add_argument("--trace", action="store_true", help="first a line per base, round and tensor with its digest")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_float32_matmul_precision(args.matmul_precision)
+    trace: list[str] | None = [] if args.trace else None
+    digests = apply_digests(args.device, trace)
+    for line in trace or []:
+        print(line)
     print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-                      "digests": apply_digests(args.device)}))
+                      "digests": digests}))
 
 
 if __name__ == "__main__":

@@ -265,8 +265,9 @@ class DeMo(torch.optim.Optimizer):
         d_h, d_w = bucket.exact_bases
         parts = [agg.tensors[s.name] for s in bucket.slots]
         width = max(c.k for c in parts)
-        idx_BS = torch.cat([_pad_cols(c.idx, width, c.idx[:, :1]) for c in parts])
-        val_BS = torch.cat([_pad_cols(c.val, width, 0.0) for c in parts])
+        # an aggregate decoded from the wire is on the CPU: it goes to the parameters' device
+        idx_BS = torch.cat([_pad_cols(c.idx, width, c.idx[:, :1]) for c in parts]).to(u_BHW.device)
+        val_BS = torch.cat([_pad_cols(c.val, width, 0.0) for c in parts]).to(u_BHW.device)
         need = bucket.num_blocks * (width * (bucket.h + bucket.w) + bucket.h * bucket.w)
         work = self._exact_work.get(u_BHW.device)
         if work is None or work.numel() < need:
@@ -382,14 +383,15 @@ class DeMo(torch.optim.Optimizer):
         for slot in self._slots:
             c = payload.tensors[slot.name]
             m_CN = self._bucket_of[slot.name].momentum_BN[slot.start:slot.stop]
-            back_CK = c.val.to(m_CN.dtype) * self.options.alpha
+            idx_CK = c.idx.to(m_CN.device)  # an aggregate decoded from the wire is on the CPU
+            back_CK = c.val.to(m_CN.device, m_CN.dtype) * self.options.alpha
             if kept is not None:
                 a = kept.tensors[slot.name]
                 # Count, not assign: padding repeats a real index with value 0 and must not unset it.
                 held_CN = torch.zeros(m_CN.shape, dtype=torch.int32, device=m_CN.device)
-                held_CN.scatter_add_(1, a.idx, (a.val != 0).to(torch.int32))
-                back_CK = torch.where(held_CN.gather(1, c.idx) > 0, 0.0, back_CK)
-            m_CN.scatter_add_(1, c.idx, back_CK)
+                held_CN.scatter_add_(1, a.idx.to(m_CN.device), (a.val != 0).to(m_CN.device, torch.int32))
+                back_CK = torch.where(held_CN.gather(1, idx_CK) > 0, 0.0, back_CK)
+            m_CN.scatter_add_(1, idx_CK, back_CK)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

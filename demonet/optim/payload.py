@@ -95,8 +95,8 @@ def to_host(payload: Payload) -> tuple[Payload, torch.cuda.Event | None]:
     kernel queued since, and the exchange would wait for the next round's compute. A payload already
     on the CPU is returned as it is, with no event.
 
-    Call it on the thread that queued the compress. The device payload may be freed at once: the
-    allocator keeps its memory until the copies are done.
+    Call it on the thread that queued the compress, and keep the device payload until the event has
+    completed (the round in flight holds it, to settle or restore it).
     """
     tensors = [t for c in payload.tensors.values() for t in (c.idx, c.val, c.scale) if t is not None]
     devices = {t.device for t in tensors if t.device.type == "cuda"}
@@ -110,20 +110,24 @@ def to_host(payload: Payload) -> tuple[Payload, torch.cuda.Event | None]:
         stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream(device))
 
-    def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or t.device.type != "cuda":
-            return t
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        out.copy_(t, non_blocking=True)
-        t.record_stream(stream)  # the allocator keeps `t` until the copy is done, whoever frees it
-        return out
-
+    # One pinned buffer and one copy per dtype (the indices, the values), not one per tensor: a payload
+    # has a few tensors per parameter, and each copy is a launch on the training thread.
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    views: dict[int, torch.Tensor] = {}
     with torch.cuda.stream(stream):
-        copied = {name: Compressed(idx=host(c.idx), val=host(c.val), shape=c.shape,  # type: ignore[arg-type]
-                                   chunk=c.chunk, scale=host(c.scale))
-                  for name, c in payload.tensors.items()}
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([t.reshape(-1).to(device) for t in group])  # made on the side stream, freed there
+            buffer = torch.empty(flat.numel(), dtype=dtype, device="cpu", pin_memory=True)
+            buffer.copy_(flat, non_blocking=True)
+            for t, view in zip(group, buffer.split([t.numel() for t in group]), strict=True):
+                views[id(t)] = view.view(t.shape)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(stream)
+    copied = {name: Compressed(idx=views[id(c.idx)], val=views[id(c.val)], shape=c.shape, chunk=c.chunk,
+                               scale=None if c.scale is None else views[id(c.scale)])
+              for name, c in payload.tensors.items()}
     return Payload(copied, encoding=payload.encoding), ready
 
 
