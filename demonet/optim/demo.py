@@ -23,7 +23,7 @@ import torch
 from .aggregate import aggregate
 from .buckets import Bucket, Slot, build_buckets, local_tensor
 from .dct import add_blocks_, block_view, encode, to_blocks
-from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow
+from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow, sqrt_exact
 from .gather import gather_payloads, world_size
 from .options import DeMoOptions, check_args
 from .payload import Compressed, Payload, quantize
@@ -300,7 +300,7 @@ class DeMo(torch.optim.Optimizer):
         torch.mul(u_BN, u_BN, out=t_BN).mul_(as_opmath(1.0 - beta2, dtype))
         v_BN.mul_(as_opmath(beta2, dtype)).add_(t_BN)
         inv_bias2 = as_opmath(1.0 / math.sqrt(1.0 - ipow(beta2, step)), dtype)  # math.sqrt is correctly rounded
-        torch.sqrt(v_BN, out=t_BN).mul_(inv_bias2).add_(as_opmath(self.options.eps, dtype))
+        sqrt_exact(v_BN, out=t_BN).mul_(inv_bias2).add_(as_opmath(self.options.eps, dtype))
         torch.div(m_BN, t_BN, out=u_BN).mul_(as_opmath(1.0 / (1.0 - ipow(beta1, step)), dtype))
 
     # -- the lookahead of overlapped rounds -----------------------------------------------------------

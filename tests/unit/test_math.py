@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from demonet.optim import Compressed, Payload, aggregate, chunk_size, dct_matrix, merge_tensor, quantize
 from demonet.optim.chunking import divisors, reference_chunk_size
 from demonet.optim.dct import BASIS_BITS, add_blocks_, encode, to_blocks
-from demonet.optim.exact import decode_exact, decode_sign
+from demonet.optim.exact import decode_exact, decode_sign, sqrt_exact
 from demonet.optim.topk import topk_abs
 
 
@@ -273,3 +273,22 @@ def test_aggregate_batches_tensors_exactly_like_one_merge_each(topk: int | None)
         one = merge_tensor([p.tensors[name] for p in payloads], topk=topk)
         dense = lambda c: torch.zeros(c.idx.shape[0], c.totalk).scatter_add_(1, c.idx, c.val)  # noqa: E731
         assert torch.equal(dense(agg.tensors[name]), dense(one)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sqrt_exact_is_the_correctly_rounded_root(dtype: torch.dtype) -> None:
+    """Against the root in float64 rounded once to the dtype (correctly rounded: float64 has more than twice
+    the precision plus 2 bits), over every binade that Adam's second moments reach, 0 and subnormals."""
+    g = torch.Generator().manual_seed(3)
+    finfo = torch.finfo(dtype)
+    exps = torch.randint(-40 if dtype == torch.float16 else -126, 30 if dtype != torch.float16 else 15, (200_000,),
+                         generator=g).double()
+    x = ((1 + torch.rand(200_000, generator=g, dtype=torch.float64)) * torch.pow(2.0, exps)).to(dtype)
+    x = torch.cat([x, torch.tensor([0.0, finfo.tiny, finfo.tiny / 4, 1.0, 4.0, 2.0], dtype=dtype)])
+    out = torch.empty_like(x)
+    assert sqrt_exact(x, out) is out
+    want = torch.sqrt(x.double()).to(dtype)
+    assert torch.equal(out, want), f"{(out != want).sum()} of {x.numel()} roots off"
+    # the float64 reference agrees with Python's (the C library's, correctly rounded) on a sample
+    assert all(float(w) == float(torch.tensor(math.sqrt(float(v)), dtype=torch.float64).to(dtype))
+               for v, w in zip(x[:500], want[:500], strict=True))
