@@ -264,8 +264,8 @@ class RoundLoop:
         """Train, gather and settle one round; False when the peer should stop (SIGTERM)."""
         await self.membership.begin_round(self.round, self.digest, self.replica.named_parameters)
         t0 = time.perf_counter()
-        loss, payload = await asyncio.to_thread(self.replica.train_step)
-        flight = self._submit(payload, loss, started=t0, compute_s=time.perf_counter() - t0)
+        loss, payload, staged = await asyncio.to_thread(self._train_step)
+        flight = self._submit(payload, loss, started=t0, compute_s=time.perf_counter() - t0, staged=staged)
         return await self._land(flight, metrics) != "stopped"
 
     async def _overlapped(self, metrics: TextIO | None, beats: asyncio.Task[None] | None) -> None:
@@ -315,6 +315,12 @@ class RoundLoop:
                 with contextlib.suppress(asyncio.CancelledError, DemonetError):
                     await flight.gather
                 await asyncio.to_thread(replica.restore, flight.payload)
+
+    def _train_step(self) -> tuple[float, Payload, tuple[Payload, torch.cuda.Event | None]]:
+        """A plain round's training: its loss, its payload, and the payload's host copy (`to_host`: the
+        exchange always gets a host payload, on a GPU too)."""
+        loss, payload = self.replica.train_step()
+        return loss, payload, to_host(payload)
 
     def _compress_and_hold(self, replica: Overlapping) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
         """The round's payload and its host copy on its way (`to_host`: on a GPU the exchange must not wait
