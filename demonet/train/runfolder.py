@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,18 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _pace(rows: Sequence[dict[str, Any]]) -> float:
+    """Wall-clock seconds per round between a peer's first and last rows (NaN with fewer than 2 timed rows)."""
+    timed = sorted((int(r["round"]), float(r["time"])) for r in rows if "time" in r)
+    if len(timed) < 2 or timed[-1][0] == timed[0][0]:
+        return float("nan")
+    return (timed[-1][1] - timed[0][1]) / (timed[-1][0] - timed[0][0])
+
+
 def summarize_run(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """What a run folder's metrics say: losses, bytes, and whether the peers' digests agreed.
 
@@ -68,7 +81,10 @@ def summarize_run(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         rounds and peers seen; first and last loss (mean over peers, then over the first and last
         max(1, min(10, rounds // 4)) rounds); mean bytes up/down per peer per round, overall and by
         peer; mean compute and wait seconds per round by peer (wait: the time its training was blocked
-        on the network); digests_agree (every round's peers reported one digest) and the rounds where not.
+        on the network); s_per_round, by peer and overall (the median peer's), the wall-clock seconds
+        between its rows (`time`) per round after its first (an overlapped round's `round_time_s` spans the
+        next round's forward and backward: this is its pace); digests_agree (every round's peers reported
+        one digest) and the rounds where not.
     """
     by_round: dict[int, list[dict[str, Any]]] = {}
     by_peer: dict[str, list[dict[str, Any]]] = {}
@@ -89,8 +105,10 @@ def summarize_run(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "per_peer": {peer_id: {"rounds": len(rs), "bytes_up_per_round": _mean([r["bytes_up"] for r in rs]),
                                "bytes_down_per_round": _mean([r["bytes_down"] for r in rs]),
                                "compute_s": _mean([r["compute_s"] for r in rs if "compute_s" in r]),
-                               "wait_s": _mean([r["wait_s"] for r in rs if "wait_s" in r])}
+                               "wait_s": _mean([r["wait_s"] for r in rs if "wait_s" in r]),
+                               "s_per_round": _pace(rs)}
                      for peer_id, rs in sorted(by_peer.items())},
+        "s_per_round": _median([x for x in map(_pace, by_peer.values()) if not math.isnan(x)]),
         "digests_agree": bool(rows) and not disagree,
         "disagreeing_rounds": disagree,
     }

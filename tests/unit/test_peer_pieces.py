@@ -93,6 +93,18 @@ def test_compute_and_wait_per_peer_and_their_plot(tmp_path: Path) -> None:
     assert (tmp_path / "compute_wait.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_pace_is_wall_clock_seconds_per_round_from_the_rows_times() -> None:
+    """An overlapped round's round_time_s spans the next round's compute; the pace comes from the rows' times."""
+    rows = [{**_row(r, p, 1.0), "time": 1000.0 + r * (0.5 if p == "a" else 0.7), "round_time_s": 9.9}
+            for r in range(3, 8) for p in ("a", "b", "c")]
+    rows = [r for r in rows if not (r["peer"] == "c" and r["round"] > 3)]  # c: one row, no pace
+    s = runfolder.summarize_run(rows)
+    assert s["per_peer"]["a"]["s_per_round"] == pytest.approx(0.5)
+    assert s["per_peer"]["b"]["s_per_round"] == pytest.approx(0.7)
+    assert s["s_per_round"] == pytest.approx(0.6)  # the median of the peers that have a pace
+    assert json.loads(runfolder.to_json(s))["per_peer"]["c"]["s_per_round"] is None
+
+
 # -- flags and token -------------------------------------------------------------------------------------
 
 
