@@ -9,7 +9,8 @@ The exchange encodes the payload on another thread. Two ways are timed, round-ro
   the exchange waits only for that copy.
 
 Prints, per way, the median milliseconds from the submit until the payload's bytes are ready, next to a
-forward and backward alone; with `staged` that should be a small fraction of it. Needs a CUDA device.
+forward and backward alone: a way that waits for the next round's compute takes about as long as it.
+Needs a CUDA device.
 Run from the repo root: `python bench/host_stage.py`. Prints a table; not a test.
 """
 
