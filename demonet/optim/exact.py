@@ -52,16 +52,22 @@ def sqrt_exact(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     (float32 has more than twice their precision plus 2 bits)."""
     if x.dtype == torch.float64:
         return torch.sqrt(x, out=out)
-    x32 = x.float()
-    s = torch.sqrt(x32)
-    x64, s64 = x32.double(), s.double()
-    up = torch.nextafter(s, torch.full_like(s, float("inf")))
-    mid = (s64 + up.double()) * 0.5  # exact: both have 24 bits and exponents at most one apart
-    s = torch.where(x64 > mid * mid, up, s)
-    down = torch.nextafter(s, torch.zeros_like(s))
-    mid = (s.double() + down.double()) * 0.5
-    s = torch.where(x64 < mid * mid, down, s)
-    return out.copy_(s)
+    flat_x, flat_out = x.reshape(-1), out.view(-1)  # in pieces: the float64 temporaries stay small
+    for start in range(0, flat_x.numel(), _SQRT_PIECE):
+        x32 = flat_x[start:start + _SQRT_PIECE].float()
+        s = torch.sqrt(x32)
+        x64 = x32.double()
+        up = torch.nextafter(s, torch.full_like(s, float("inf")))
+        mid = (s.double() + up.double()) * 0.5  # exact: both have 24 bits and exponents at most one apart
+        s = torch.where(x64 > mid * mid, up, s)
+        down = torch.nextafter(s, torch.zeros_like(s))
+        mid = (s.double() + down.double()) * 0.5
+        flat_out[start:start + _SQRT_PIECE] = torch.where(x64 < mid * mid, down, s)
+    return out
+
+
+_SQRT_PIECE = 1 << 22
+"""`sqrt_exact` works on pieces of this many values (float64 temporaries of 32 MiB each)."""
 
 
 def pow2(exponent: torch.Tensor) -> torch.Tensor:

@@ -292,3 +292,13 @@ def test_sqrt_exact_is_the_correctly_rounded_root(dtype: torch.dtype) -> None:
     # the float64 reference agrees with Python's (the C library's, correctly rounded) on a sample
     assert all(float(w) == float(torch.tensor(math.sqrt(float(v)), dtype=torch.float64).to(dtype))
                for v, w in zip(x[:500], want[:500], strict=True))
+
+
+def test_sqrt_exact_in_pieces_covers_every_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    import demonet.optim.exact as exact
+
+    monkeypatch.setattr(exact, "_SQRT_PIECE", 1000)  # several pieces and a ragged last one
+    x = (torch.rand(10_537, generator=torch.Generator().manual_seed(5)) * 3).view(41, 257)
+    out = torch.full_like(x, float("nan"))
+    sqrt_exact(x, out)
+    assert torch.equal(out, torch.sqrt(x.double()).float())
