@@ -44,26 +44,31 @@ def sqrt_exact(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = sqrt(x)`` correctly rounded, for x >= 0 in float32, bfloat16 or float16 (float64: `torch.sqrt`).
 
     ``torch.sqrt`` of float32 is not correctly rounded on every machine: a CPU build of torch 2.13 was
-    seen 1 ulp off on about one value in six, the same at every kernel level, while CUDA's is correctly
-    rounded. So the float32 root is taken as a first guess s (within 1 ulp), and s moves to the
-    neighbour whose rounding interval holds sqrt(x): the midpoints between s and its neighbours have
-    25 significant bits, so their squares, and the comparisons with x, are exact in float64. A half-
+    seen 1 ulp off on about one value in five, the same at every kernel level, while CUDA's is correctly
+    rounded. So the float64 root rounded to float32 is a first guess, within 1 ulp even if that root is
+    a few of its own ulps off, and `_nearest_root` moves it to the correctly rounded root. A half-
     precision result is the float32 root rounded once more, which gives the correctly rounded root
     (float32 has more than twice their precision plus 2 bits)."""
     if x.dtype == torch.float64:
         return torch.sqrt(x, out=out)
     flat_x, flat_out = x.reshape(-1), out.view(-1)  # in pieces: the float64 temporaries stay small
     for start in range(0, flat_x.numel(), _SQRT_PIECE):
-        x32 = flat_x[start:start + _SQRT_PIECE].float()
-        s = torch.sqrt(x32)
-        x64 = x32.double()
-        up = torch.nextafter(s, torch.full_like(s, float("inf")))
-        mid = (s.double() + up.double()) * 0.5  # exact: both have 24 bits and exponents at most one apart
-        s = torch.where(x64 > mid * mid, up, s)
-        down = torch.nextafter(s, torch.zeros_like(s))
-        mid = (s.double() + down.double()) * 0.5
-        flat_out[start:start + _SQRT_PIECE] = torch.where(x64 < mid * mid, down, s)
+        x64 = flat_x[start:start + _SQRT_PIECE].double()
+        flat_out[start:start + _SQRT_PIECE] = _nearest_root(x64, torch.sqrt(x64).float())
     return out
+
+
+def _nearest_root(x64: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The float32 nearest to sqrt(x), from a float32 guess `s` within 1 ulp of it (x: float32 values
+    held in float64). s moves to the neighbour whose rounding interval holds sqrt(x): the midpoints
+    between s and its neighbours have 25 significant bits, so their squares, and the comparisons with
+    x, are exact in float64 (and a root is never a midpoint)."""
+    up = torch.nextafter(s, torch.full_like(s, float("inf")))
+    mid = (s.double() + up.double()) * 0.5  # exact: both have 24 bits and exponents at most one apart
+    s = torch.where(x64 > mid * mid, up, s)
+    down = torch.nextafter(s, torch.zeros_like(s))
+    mid = (s.double() + down.double()) * 0.5
+    return torch.where(x64 < mid * mid, down, s)
 
 
 _SQRT_PIECE = 1 << 22

@@ -302,3 +302,17 @@ def test_sqrt_exact_in_pieces_covers_every_value(monkeypatch: pytest.MonkeyPatch
     out = torch.full_like(x, float("nan"))
     sqrt_exact(x, out)
     assert torch.equal(out, torch.sqrt(x.double()).float())
+
+
+def test_a_root_one_ulp_off_moves_to_the_nearest() -> None:
+    """The correction `sqrt_exact` relies on, from guesses 1 ulp above and below the correctly rounded root."""
+    from demonet.optim.exact import _nearest_root
+
+    g = torch.Generator().manual_seed(9)
+    x = (torch.rand(100_000, generator=g, dtype=torch.float64) * torch.pow(2.0, torch.randint(-100, 100, (100_000,),
+                                                                                                 generator=g))).float()
+    x64 = x.double()
+    want = torch.sqrt(x64).float()
+    for guess in (want, torch.nextafter(want, torch.full_like(want, float("inf"))),
+                  torch.nextafter(want, torch.zeros_like(want))):
+        assert torch.equal(_nearest_root(x64, guess), want)
