@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from round_overhead import measure, run_up  # noqa: E402  (a sibling script, not a package)
+from round_overhead import COORDINATOR_PHASES, measure, phase_means, print_phases, run_up  # noqa: E402  (a sibling script, not a package)
 
 GOAL_DOWN_UP = 2.0
 GOAL_PEERS = 8
@@ -66,21 +65,16 @@ def main() -> None:
                     print(err, file=sys.stderr)
                     continue
                 m = results[(mode, n)] = measure(rows)
-                phased = [r["phases"] for r in rows if r["round"] > 0 and r.get("phases")]
-                m["phases"] = {k: statistics.fmean(p.get(k, 0.0) for p in phased) for k in phased[0]} if phased else {}
+                m["phases"] = phase_means(rows)
                 print(f"| {mode} | {n} | {m['round_s']:.3f} | {m['slowest_s']:.3f} | {m['overhead_slowest']:.2f}x "
                       f"| {m['up']:,.0f} | {m['down']:,.0f} | {m['down_up']:.2f}x | {'yes' if m['agree'] else 'NO'} "
                       f"| {wall:.0f} |", flush=True)
 
-    print()
-    print("## where a DHT round's time goes (mean seconds per peer and round, from the rows' phases; scatter and "
-          "gather run at once)")
-    names = ["announce", "freeze", "scatter", "gather", "recover", "serve", "dht_reads", "verified"]
-    print("| mode | peers | " + " | ".join(names) + " |")
-    print("|---|---|" + "---|" * len(names))
-    for (mode, n), m in results.items():
-        if m.get("phases"):
-            print(f"| {mode} | {n} | " + " | ".join(f"{m['phases'].get(k, 0.0):.3f}" for k in names) + " |")
+    dht_names = ("announce", "freeze", "scatter", "gather", "recover", "serve", "dht_reads", "verified")
+    print_phases("where a DHT round's time goes (scatter and gather run at once)", dht_names,
+                 {key: m for key, m in results.items() if key[0] != "coordinator"})
+    print_phases("where a coordinator round's exchange goes", COORDINATOR_PHASES,
+                 {key: m for key, m in results.items() if key[0] == "coordinator"})
 
     print()
     print("## goals")

@@ -51,6 +51,28 @@ def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = Fa
     return proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]
 
 
+COORDINATOR_PHASES = ("encode", "submit", "wait", "download", "decode")
+"""A coordinator-mode round's exchange, as its peers' rows break it down (`GrpcClient.gather`)."""
+
+
+def phase_means(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The mean of each phase over the rows that have phases (round 0 left out)."""
+    phased = [r["phases"] for r in rows if r["round"] > 0 and r.get("phases")]
+    return {k: statistics.fmean(p.get(k, 0.0) for p in phased) for k in phased[0]} if phased else {}
+
+
+def print_phases(title: str, names: tuple[str, ...], results: dict[Any, dict[str, Any]]) -> None:
+    """A table of the phases' means (seconds per peer and round) by result key."""
+    print()
+    print(f"## {title} (mean seconds per peer and round, from the rows' phases)")
+    print("| run | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for key, m in results.items():
+        if m.get("phases"):
+            label = " ".join(map(str, key)) if isinstance(key, tuple) else f"{key} peers"
+            print(f"| {label} | " + " | ".join(f"{m['phases'].get(k, 0.0):.4f}" for k in names) + " |")
+
+
 def measure(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians of round and compute time (round 0 left out), bytes per peer per round, digests."""
     timed = [r for r in rows if r["round"] > 0] or rows
@@ -114,10 +136,14 @@ def main() -> None:
                 print(err, file=sys.stderr)
                 continue
             m = results[n] = measure(rows)
+            m["phases"] = phase_means(rows)
             print(f"| {n} | {m['rounds']} | {m['round_s']:.3f} | {m['compute_s']:.3f} | {m['overhead']:.2f}x "
                   f"| {m['slowest_s']:.3f} | {m['overhead_slowest']:.2f}x "
                   f"| {m['up']:,.0f} | {m['down']:,.0f} | {m['down_up']:.2f}x | {'yes' if m['agree'] else 'NO'} "
                   f"| {wall:.0f} |")
+
+    print_phases("where a round's exchange goes: encode, submit, wait for the aggregate's header (the other "
+                 "peers, then the close), download, decode", COORDINATOR_PHASES, results)
 
     if args.baseline is not None:
         print()

@@ -360,11 +360,15 @@ class GrpcClient:
         See `demonet.transport.Gatherer.gather`. The aggregate is validated against the payload's
         own tensors (names, shapes, chunks), which are the model's.
         """
+        t0 = time.perf_counter()
         data = await asyncio.to_thread(wire.encode, payload, step=round)
+        t1 = time.perf_counter()
         await self._submit(round, data, loss=loss, param_digest=param_digest)
+        t2 = time.perf_counter()
         for attempt in range(_RESUBMITS + 1):
             try:
-                header, agg_data = await self._call(f"GetAggregate({round})", lambda: self._aggregate(round))
+                header, agg_data, header_at = await self._call(f"GetAggregate({round})",
+                                                               lambda: self._aggregate(round))
                 break
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt < _RESUBMITS:
@@ -376,15 +380,20 @@ class GrpcClient:
                     raise
                 raise await self._lost(round, e.details() or e.code().name) from None
         aggregate = None
+        t3 = time.perf_counter()
         if not header.aborted:
             assert agg_data is not None  # _aggregate checked
             expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
             step, aggregate = await asyncio.to_thread(wire.decode, agg_data, expected=expected)
             if step != round:
                 raise InvalidPayload(f"GetAggregate({round}): the aggregate is for round {step}")
+        # Where the round's exchange went (seconds): "wait" is from the submit's reply to the aggregate's
+        # header (the other peers, then the coordinator's close), "download" the rest of its stream.
+        phases = {"encode": t1 - t0, "submit": t2 - t1, "wait": header_at - t2, "download": t3 - header_at,
+                  "decode": time.perf_counter() - t3}
         return RoundResult(round=round, aggregate=aggregate, contributors=tuple(header.contributors),
                            param_digest=header.param_digest, aborted=bool(header.aborted), bytes_up=len(data),
-                           bytes_down=len(agg_data or b""), data=agg_data or b"")
+                           bytes_down=len(agg_data or b""), data=agg_data or b"", phases=phases)
 
     async def _lost(self, round: int, reason: str) -> Rejected:
         """What a lost round (its aggregate is gone) means for this peer, asked with a heartbeat."""
@@ -422,9 +431,10 @@ class GrpcClient:
             raise StaleRound(f"round {round}: {reply.reason}", open_round=int(reply.open_round))
         raise RuntimeError(f"the coordinator refused this peer's payload for round {round}: {reply.reason}")
 
-    async def _aggregate(self, round: int) -> tuple[Any, bytes | None]:
-        """One GetAggregate stream: the header, then the parts of the aggregate (none if aborted)."""
-        header = None
+    async def _aggregate(self, round: int) -> tuple[Any, bytes | None, float]:
+        """One GetAggregate stream: the header, then the parts of the aggregate (none if aborted); and the
+        `time.perf_counter()` when the header came."""
+        header, header_at = None, 0.0
         parts = wire.Reassembler()
         data = None
         call = self._stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round),
@@ -432,7 +442,7 @@ class GrpcClient:
         async for chunk in call:
             kind = chunk.WhichOneof("kind")
             if kind == "header" and header is None:
-                header = chunk.header
+                header, header_at = chunk.header, time.perf_counter()
             elif kind == "part" and header is not None and not header.aborted:
                 data = parts.add(chunk.part)
             else:
@@ -441,7 +451,7 @@ class GrpcClient:
             raise InvalidPayload(f"GetAggregate({round}): the stream ended before the aggregate was whole")
         if header.round != round:
             raise InvalidPayload(f"GetAggregate({round}): the header is for round {header.round}")
-        return header, data
+        return header, data, header_at
 
     async def close(self) -> None:
         """Close the channel; calls still open are cancelled."""
