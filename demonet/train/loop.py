@@ -217,10 +217,6 @@ class RoundLoop:
 
     # -- one round -----------------------------------------------------------------------------------
 
-    async def gather_or_stop(self, payload: Payload, loss: float) -> RoundResult | None:
-        """The round's outcome; None if `stop` came and the round did not end within `stop_grace_s`."""
-        return await self._outcome(self._submit(payload, loss, started=time.perf_counter(), compute_s=0.0).gather)
-
     async def _outcome(self, gather: asyncio.Task[RoundResult]) -> RoundResult | None:
         if self.stop_grace_s is None:
             return await gather
@@ -239,13 +235,13 @@ class RoundLoop:
             return None
         return gather.result()
 
-    def _submit(self, payload: Payload, loss: float, *, started: float, compute_s: float,
-                staged: tuple[Payload, torch.cuda.Event | None] | None = None) -> _InFlight:
+    def _submit(self, payload: Payload, staged: tuple[Payload, torch.cuda.Event | None], loss: float, *,
+                started: float, compute_s: float) -> _InFlight:
         """Start the exchange of the open round's payload (a task: training may go on meanwhile).
 
         `staged`: the payload's host copy and the event that says it is there (`to_host`): the exchange
         sends that copy, and `payload` stays on the device for the settle or the restore."""
-        sent, ready = staged if staged is not None else (payload, None)
+        sent, ready = staged
         gather = asyncio.create_task(self._gather(self.round, sent, ready, loss=loss, param_digest=self.digest))
         return _InFlight(self.round, payload, loss, gather, started, compute_s)
 
@@ -265,7 +261,7 @@ class RoundLoop:
         await self.membership.begin_round(self.round, self.digest, self.replica.named_parameters)
         t0 = time.perf_counter()
         loss, payload, staged = await asyncio.to_thread(self._train_step)
-        flight = self._submit(payload, loss, started=t0, compute_s=time.perf_counter() - t0, staged=staged)
+        flight = self._submit(payload, staged, loss, started=t0, compute_s=time.perf_counter() - t0)
         return await self._land(flight, metrics) != "stopped"
 
     async def _overlapped(self, metrics: TextIO | None, beats: asyncio.Task[None] | None) -> None:
@@ -300,7 +296,7 @@ class RoundLoop:
                 payload, staged = await asyncio.to_thread(self._compress_and_hold, replica)
                 await self.membership.begin_round(self.round, self.digest, replica.canonical_parameters)
                 compute_s += time.perf_counter() - t1
-                flight = self._submit(payload, loss, started=t0, compute_s=compute_s, staged=staged)
+                flight = self._submit(payload, staged, loss, started=t0, compute_s=compute_s)
                 if self.lookahead:  # while the payload travels: the next round trains from here
                     t2 = time.perf_counter()
                     await asyncio.to_thread(replica.lookahead, payload, self.round)
