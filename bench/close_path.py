@@ -6,9 +6,11 @@ directory (as `demonet coordinator --state-dir`): N members submit a payload eac
 step's, made once and reused), then the round closes as `tick_forever` closes it, holding the
 condition. It times `_close_round` from its start to its return: the aggregate is published and the
 waiters woken by then, so that is the round's critical path (merge, apply, and whatever else the code
-does before it publishes). Between closes it sleeps --gap-s, the peers' compute, when a background
-write has the machine to itself. Also timed: one `CanonicalState.save` alone (the write of the state),
-and, where the code writes in the background, the writes themselves (`demonet_persist_seconds`).
+does before it publishes). Where the code publishes before it applies, `_close_round` returns the apply,
+which is timed apart (the canonical digest peers get at the end of the aggregate's stream). Between
+closes it sleeps --gap-s, the peers' compute, when a background write has the machine to itself.
+Also timed: one `CanonicalState.save` alone (the write of the state), and, where the code writes in
+the background, the writes themselves (`demonet_persist_seconds`).
 With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base REV`) the same
 measurement runs on DIR's code first, then on this tree's, and one table shows them side by side.
 Run from the repo root: `python bench/close_path.py`. Prints a table; not a test.
@@ -53,7 +55,7 @@ async def _measure(peers: int, rounds: int, gap_s: float, config: str | None) ->
             payloads[f"p{i}"] = decode_contribution(data, expected=state.specs, rules=state.rules)[1]
         for p in payloads:
             servicer.rounds.join(p, time.monotonic())
-        close_s = []
+        close_s, apply_s = [], []
         for _ in range(rounds):
             async with servicer.cond:
                 r = servicer.rounds.round
@@ -61,8 +63,12 @@ async def _measure(peers: int, rounds: int, gap_s: float, config: str | None) ->
                     servicer.rounds.submit(p, r, time.monotonic())
                     servicer.payloads[p], servicer.losses[p] = payload, 1.0
                 t0 = time.perf_counter()
-                await servicer._close_round()
+                advance = await servicer._close_round()
                 close_s.append(time.perf_counter() - t0)
+            if advance is not None:  # code that publishes before it applies: the apply, off the critical path
+                t0 = time.perf_counter()
+                await advance
+                apply_s.append(time.perf_counter() - t0)
             await asyncio.sleep(gap_s)
         persister = getattr(servicer, "persister", None)
         if persister is not None:
@@ -76,7 +82,8 @@ async def _measure(peers: int, rounds: int, gap_s: float, config: str | None) ->
     timed = close_s[1:] or close_s  # the first close pays one-time costs
     return {"close_median_s": statistics.median(timed), "close_p90_s": statistics.quantiles(timed, n=10)[-1],
             "save_alone_s": save_alone_s, "writes": writes, "write_mean_s": write_sum / writes if writes else None,
-            "coalesced": coalesced, "rounds": rounds, "params": sum(p.numel() for p in state.params.values())}
+            "coalesced": coalesced, "apply_median_s": statistics.median(apply_s[1:] or apply_s) if apply_s else None,
+            "rounds": rounds, "params": sum(p.numel() for p in state.params.values())}
 
 
 def _run_child(code: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -111,13 +118,14 @@ def main() -> None:
     print(f"# round close critical path: {args.peers} members, {args.rounds} rounds, {args.gap_s} s between "
           f"closes, {'config ' + args.config if args.config else 'the embedded default model'}, one torch thread")
     print()
-    print("| code | close ms, median | close ms, p90 | state write alone ms | background writes | "
-          "background write ms, mean | snapshots coalesced |")
-    print("|---|---|---|---|---|---|---|")
+    print("| code | close ms, median | close ms, p90 | apply after the publish ms, median | state write alone ms | "
+          "background writes | background write ms, mean | snapshots coalesced |")
+    print("|---|---|---|---|---|---|---|---|")
     results = {}
     for name, code in runs:
         m = results[name] = _run_child(code, args)
-        print(f"| {name} ({code}) | {_ms(m['close_median_s'])} | {_ms(m['close_p90_s'])} | {_ms(m['save_alone_s'])} "
+        print(f"| {name} ({code}) | {_ms(m['close_median_s'])} | {_ms(m['close_p90_s'])} "
+              f"| {_ms(m.get('apply_median_s'))} | {_ms(m['save_alone_s'])} "
               f"| {'-' if m['writes'] is None else int(m['writes'])} | {_ms(m['write_mean_s'])} "
               f"| {'-' if m['coalesced'] is None else m['coalesced']} |")
     if "baseline" in results:

@@ -51,7 +51,7 @@ def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = Fa
     return proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]
 
 
-COORDINATOR_PHASES = ("encode", "submit", "wait", "download", "decode")
+COORDINATOR_PHASES = ("encode", "submit", "wait", "download", "decode", "digest")
 """A coordinator-mode round's exchange, as its peers' rows break it down (`GrpcClient.gather`)."""
 
 
@@ -143,7 +143,8 @@ def main() -> None:
                   f"| {wall:.0f} |")
 
     print_phases("where a round's exchange goes: encode, submit, wait for the aggregate's header (the other "
-                 "peers, then the close), download, decode", COORDINATOR_PHASES, results)
+                 "peers, then the close), download, decode, the wait for the canonical digest after the decode",
+                 COORDINATOR_PHASES, results)
 
     if args.baseline is not None:
         print()

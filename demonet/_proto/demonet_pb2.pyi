@@ -263,24 +263,30 @@ class AggregateRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class AggregateHeader(_message.Message):
-    __slots__ = ("round", "aborted", "contributors", "param_digest")
+    __slots__ = ("round", "aborted", "contributors")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
-    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     round: int
     aborted: bool
     contributors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., aborted: bool = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AggregateTrailer(_message.Message):
+    __slots__ = ("param_digest",)
+    PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     param_digest: str
-    def __init__(self, round: _Optional[int] = ..., aborted: bool = ..., contributors: _Optional[_Iterable[str]] = ..., param_digest: _Optional[str] = ...) -> None: ...
+    def __init__(self, param_digest: _Optional[str] = ...) -> None: ...
 
 class AggregateChunk(_message.Message):
-    __slots__ = ("header", "part")
+    __slots__ = ("header", "part", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: AggregateHeader
     part: PayloadPart
-    def __init__(self, header: _Optional[_Union[AggregateHeader, _Mapping]] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ...) -> None: ...
+    trailer: AggregateTrailer
+    def __init__(self, header: _Optional[_Union[AggregateHeader, _Mapping]] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., trailer: _Optional[_Union[AggregateTrailer, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("detail",)

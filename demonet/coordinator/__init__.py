@@ -144,6 +144,8 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for task in (ticker, finished, stopped):
             task.cancel()
+        if servicer.advancing is not None:  # a published round's apply (shielded): its digest and its state
+            await asyncio.wait({servicer.advancing})
         if web is not None:
             web[0].close()
         await server.stop(grace=3.0)

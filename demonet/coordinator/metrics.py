@@ -45,7 +45,7 @@ class Metrics:
         self.round = Gauge("demonet_round", "The open round", registry=r)
         self.members = Gauge("demonet_members", "Members of the open round", registry=r)
         self.submitted = Gauge("demonet_submitted", "Payloads in for the open round", registry=r)
-        self.phase = _Phase(Gauge("demonet_phase", "0: the round is open; 1: closing (merge, apply, snapshot)",
+        self.phase = _Phase(Gauge("demonet_phase", "0: the round is open; 1: closing (its merge, until the publish)",
                                   registry=r))
         self.loss = Gauge("demonet_loss", "Mean training loss of the last applied round", registry=r)
         self._counters = {
@@ -69,7 +69,7 @@ class Metrics:
         self.totals = dict.fromkeys(self._counters, 0)
         """The counters' values, for `demonet status` and for persistence across restarts."""
         self.round_time = Histogram("demonet_close_seconds", "Time to close a round and publish its aggregate "
-                                    "(merge, apply, snapshot); the state is written after, in the background",
+                                    "(the merge); the apply and the state write come after",
                                     registry=r, buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10))
         self.persist_time = Histogram("demonet_persist_seconds", "Time to write the state file of a round "
                                       "(in the background)", registry=r, buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10))
@@ -111,7 +111,7 @@ class Metrics:
 
     def closed(self, aborted: bool, seconds: float, loss: float | None, *, round: int = -1,
                members: Iterable[str] = (), contributors: Iterable[str] = (), round_s: float | None = None) -> None:
-        """A round closed in `seconds` (merge, apply, persist); `round_s`: since it opened."""
+        """A round closed in `seconds` (its merge, until the publish); `round_s`: since it opened."""
         self.add("rounds_closed")
         if aborted:
             self.add("rounds_aborted")

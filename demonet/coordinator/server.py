@@ -13,8 +13,8 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from .identities import Identities, NotJoined, Refused, read_allowlist
 from .limits import DEFAULT_INFLIGHT_FLOOR_BYTES, Busy, Limits, LimitsConfig, RateLimits, submission_bound
 from .metrics import Metrics
 from .persist import Persister, Snapshot
-from .rounds import ClosedRound, RoundConfig, Rounds, SubmitRejected
+from .rounds import RoundConfig, Rounds, SubmitRejected
 from .state import CanonicalState, ClosedAggregate
 from .status import status_document
 
@@ -122,6 +122,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Peer -> the round of its last resync, so that a retried call is not counted twice."""
         self.cond = asyncio.Condition()
         self.finished = asyncio.Event()
+        self.applying: int | None = None
+        """The round whose aggregate is published and being applied to the canonical parameters (guarded by
+        `cond`): until it is applied, `state.digest` and `state.params` are still those it started from."""
+        self.advancing: asyncio.Task[None] | None = None
+        """That apply, the state write it hands over, and the run's end after the last round."""
         self._param_specs = json.dumps(param_specs(self.state.params))
         net = cfg.net
         self.identities = Identities(net.admission, read_allowlist(Path(net.allowlist)) if net.allowlist else None)
@@ -339,7 +344,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self._resynced(await self._peer_id(request.peer_id, context), request.round,
                            f"its digest after applying round {request.round - 1} differed from the canonical one")
         async with self.cond:
-            await self._wait(lambda: self.rounds.round >= request.round, self._wait_s, context,
+            await self._wait(lambda: self.rounds.round >= request.round and self._applied(), self._wait_s, context,
                              f"round {request.round} to open")
             round_ = self.rounds.round
             blob = await asyncio.to_thread(self.state.parameters_blob, round_)
@@ -401,6 +406,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if head is not None:
                 self.limits.slots.release(head.peer_id, ends)
         async with self.cond:
+            await self._wait(self._applied, self._wait_s, context, f"round {head.round - 1} to be applied")
             if head.param_digest != self.state.digest and head.round == self.rounds.round:
                 self._resynced(head.peer_id, head.round, f"it submitted with digest {head.param_digest[:12]}, "
                                f"the canonical one is {self.state.digest[:12]}")
@@ -468,15 +474,30 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                 f"round {request.round} is too old; download the parameters again")
             return
         yield pb.AggregateChunk(header=pb.AggregateHeader(round=closed.round, aborted=closed.aborted,
-                                                          contributors=list(closed.contributors),
-                                                          param_digest=closed.param_digest))
+                                                          contributors=list(closed.contributors)))
         self.metrics.add("bytes_down", len(closed.data), peer=request.peer_id)
         if closed.data:
             for part in wire.split(closed.data):
                 yield pb.AggregateChunk(part=part)
+        digest = closed.param_digest
+        if not digest:  # published before it was applied: the digest follows once it is
+            async with self.cond:
+                await self._wait(lambda: request.round not in self.aggregates
+                                 or bool(self.aggregates[request.round].param_digest), self._wait_s, context,
+                                 f"round {request.round} to be applied")
+                if request.round not in self.aggregates:  # gone 8 rounds later (a stalled stream): unreachable
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"round {request.round} is too old")
+                digest = self.aggregates[request.round].param_digest
+        yield pb.AggregateChunk(trailer=pb.AggregateTrailer(param_digest=digest))
+
+    def _applied(self) -> bool:
+        """Whether the parameters are those at the start of the open round (no apply in flight)."""
+        return self.applying is None
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.StatusReply:
         await self._admit(request, context)
+        async with self.cond:  # the digest at the open round's start: after its apply
+            await self._wait(self._applied, self._wait_s, context, f"round {self.rounds.round - 1} to be applied")
         r, t = self.rounds, self.metrics.totals
         detail = json.dumps(self.status_document(), allow_nan=False) if request.detail else ""
         return pb.StatusReply(round=r.round, phase="closing" if self.metrics.phase.value else "open",
@@ -488,7 +509,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def status_document(self, since: int | None = None) -> dict[str, Any]:
         """The dashboard's document (docs/dashboard.md): `/status.json` and `Status` with `detail`."""
-        return status_document(self.rounds, self.metrics, now=_now(), param_digest=self.state.digest,
+        return status_document(self.rounds, self.metrics, now=_now(),
+                               param_digest=self.state.digest if self._applied() else "",
                                total_rounds=self.opts.total_rounds, since=since,
                                keys={p: b.fingerprint for p, b in self.identities.bindings.items()})
 
@@ -499,63 +521,94 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
         It sleeps on the condition until the deadline (at most `max_sleep_s`, so silent peers are
         dropped in time); a submission notifies it, so a round whose members are all in closes at
-        once instead of at the next poll.
+        once instead of at the next poll. A closed round is published at once; its apply (`_advance`)
+        runs without holding `cond`, and the next close waits for it. Cancelling this leaves an apply in
+        flight to finish: `advancing` is shielded (the shutdown awaits it before its last state write).
         """
         while not self.finished.is_set():
+            advance = None
             async with self.cond:
                 if self.rounds.due(_now()):
-                    await self._close_round()
-                    continue
-                sleep_s = min(max_sleep_s, self.rounds.seconds_left(_now()) if self.rounds.started else max_sleep_s)
-                try:
-                    async with asyncio.timeout(max(sleep_s, 0.001)):
-                        await self.cond.wait()
-                except TimeoutError:
-                    pass
+                    advance = await self._close_round()
+                else:
+                    sleep_s = min(max_sleep_s, self.rounds.seconds_left(_now()) if self.rounds.started else max_sleep_s)
+                    try:
+                        async with asyncio.timeout(max(sleep_s, 0.001)):
+                            await self.cond.wait()
+                    except TimeoutError:
+                        pass
+            if advance is not None:
+                self.advancing = asyncio.create_task(advance)
+                await asyncio.shield(self.advancing)
 
-    async def _close_round(self) -> None:
-        """Close the open round, holding `cond`: merge and apply it, publish it (record its aggregate, open
-        the next round, wake the waiters), then hand the snapshot taken at its close to the background
-        writer (`Persister`). Writing the state is off the round's critical path; a crash before the write
-        completes loses the rounds published since the last one, and the peers that had gone ahead get
-        back in step (a Submit or GetAggregate for a round that has not opened sends them to catch up)."""
+    async def _close_round(self) -> Coroutine[Any, Any, None]:
+        """Close and publish the open round, holding `cond`: merge it, record its aggregate (its digest
+        still empty), open the next round and wake the waiters. Returns what is left, for after `cond` is
+        released: `_advance`, the apply to the canonical parameters.
+
+        Peers download and decode the aggregate while the coordinator applies it: its canonical digest
+        reaches them at the end of the GetAggregate stream. Until the apply is done (`applying`), a Submit,
+        GetParameters or Status that needs the parameters of the open round waits for it."""
         r = self.rounds
         started = _now()
         self.metrics.phase.set(1)
         outcome = r.outcome()  # Rounds alone decides: the state applies (or not) what it says
         contributors = outcome.contributors
         payloads = [self.payloads[p] for p in contributors]
-        closed, body = await asyncio.to_thread(self._apply, outcome, payloads)
+        closed, applied = await asyncio.to_thread(self.state.merge_round, outcome, payloads)
         members, opened_at = tuple(r.members), r.opened_at  # for the dashboard's record, before they change
         decided = r.close(_now())
         for ends in self.limits.slots.outlived(r.round):
             ends.end_now()
-        assert decided == outcome, "the round changed while it was applied; submissions should wait on `cond`"
+        assert decided == outcome, "the round changed while it was merged; submissions should wait on `cond`"
         self.aggregates[closed.round] = closed
         while len(self.aggregates) > _KEEP_AGGREGATES:
             self.aggregates.popitem(last=False)
         losses = [self.losses[p] for p in contributors if p in self.losses]
         self.payloads, self.losses, self.accepted_digests = {}, {}, {}
-        close_s = _now() - started  # the critical path: from here on, nothing waits
+        if applied is not None:
+            self.applying = closed.round
+        close_s = _now() - started  # the critical path: from here on, nothing waits for the apply but its digest
         self.metrics.closed(closed.aborted, close_s, sum(losses) / len(losses) if losses else None,
                             round=closed.round, members=members, contributors=contributors, round_s=_now() - opened_at)
         if closed.clipped:
             self.metrics.add("clipped", len(closed.clipped))
         self.metrics.set_round(r.round, len(r.members), 0)
         self.metrics.phase.set(0)
-        logger.info("[coordinator round=%d] %s with %d payloads (%s); digest %s%s; published in %.1f ms",
-                    closed.round, "aborted" if closed.aborted else "applied", len(contributors),
-                    ", ".join(contributors), closed.param_digest[:12],
-                    f"; clipped {', '.join(closed.clipped)}" if closed.clipped else "", 1e3 * close_s)
-        if self.opts.total_rounds and r.round >= self.opts.total_rounds:
-            self.finished.set()
         self.cond.notify_all()
-        if self.persister is not None and body is not None:
-            self.persister.submit(Snapshot(r.round, {**body, "rounds": r.state_dict(), "aggregates": [closed],
-                                                     "counters": self.metrics.counters(),
-                                                     "identities": self.identities.state_dict()}))
+        # The state file's rounds, counters and keys as of this close, whatever arrives during the apply.
+        extra = {"rounds": r.state_dict(), "counters": self.metrics.counters(),
+                 "identities": self.identities.state_dict()}
+        return self._advance(closed, applied, extra, close_s)
 
-    def _apply(self, outcome: ClosedRound, payloads: list[Payload]) -> tuple[ClosedAggregate, dict[str, Any] | None]:
-        """`CanonicalState.close`, then (when persisting) the snapshot of its result, in one worker thread."""
-        closed = self.state.close(outcome, payloads)
-        return closed, self.state.snapshot() if self.persister is not None else None
+    async def _advance(self, closed: ClosedAggregate, applied: Payload | None, extra: dict[str, Any],
+                       close_s: float) -> None:
+        """Apply a published round (`CanonicalState.advance`), set its digest and wake who waits for it,
+        then hand the snapshot of the result to the background writer (`Persister`). Writing the state is
+        off the round's critical path; a crash before the write completes loses the rounds published since
+        the last one, and the peers that had gone ahead get back in step (a Submit or GetAggregate for a
+        round that has not opened sends them to catch up)."""
+        started = _now()
+        digest, body = await asyncio.to_thread(self._apply, closed.round, applied)
+        async with self.cond:
+            if applied is not None:
+                closed = replace(closed, param_digest=digest)
+                if closed.round in self.aggregates:
+                    self.aggregates[closed.round] = closed
+                self.applying = None
+            self.cond.notify_all()
+        logger.info("[coordinator round=%d] %s with %d payloads (%s); digest %s%s; published in %.1f ms, "
+                    "applied %.1f ms later", closed.round, "aborted" if closed.aborted else "applied",
+                    len(closed.contributors), ", ".join(closed.contributors), closed.param_digest[:12],
+                    f"; clipped {', '.join(closed.clipped)}" if closed.clipped else "", 1e3 * close_s,
+                    1e3 * (_now() - started))
+        if self.persister is not None and body is not None:
+            self.persister.submit(Snapshot(closed.round + 1, {**body, **extra, "aggregates": [closed]}))
+        if self.opts.total_rounds and closed.round + 1 >= self.opts.total_rounds:
+            self.finished.set()
+
+    def _apply(self, round: int, applied: Payload | None) -> tuple[str, dict[str, Any] | None]:
+        """`CanonicalState.advance` (unless the round was aborted), then (when persisting) the snapshot of
+        its result, in one worker thread."""
+        digest = self.state.advance(round, applied) if applied is not None else self.state.digest
+        return digest, self.state.snapshot() if self.persister is not None else None

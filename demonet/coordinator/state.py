@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ class ClosedAggregate:
     round: int
     aborted: bool
     contributors: tuple[str, ...]
-    param_digest: str  # canonical, after applying
+    param_digest: str  # canonical, after applying ("" from `merge_round` until `advance`)
     data: bytes  # the serialized aggregate Payload (empty when aborted)
     clipped: tuple[str, ...] = ()  # contributors whose payload norm was clipped to the round's median
 
@@ -79,23 +79,35 @@ class CanonicalState:
         return self._blob[1]
 
     def close(self, outcome: ClosedRound, payloads: list[Payload]) -> ClosedAggregate:
-        """Apply the round as `Rounds.outcome` decided it: an aborted round changes nothing; otherwise merge
-        the contributors' payloads (in `outcome.contributors` order), round the values as peers will decode
-        them, apply, return it."""
+        """`merge_round`, then `advance`: the closed round with its digest (the in-process coordinator)."""
+        closed, applied = self.merge_round(outcome, payloads)
+        if applied is None:
+            return closed
+        return replace(closed, param_digest=self.advance(closed.round, applied))
+
+    def merge_round(self, outcome: ClosedRound, payloads: list[Payload]) -> tuple[ClosedAggregate, Payload | None]:
+        """The round as `Rounds.outcome` decided it, as peers download it, and what `advance` applies;
+        changes no state. An aborted round applies nothing (None) and keeps the digest; otherwise the
+        contributors' payloads are merged (in `outcome.contributors` order), the values rounded as peers
+        will decode them, and the aggregate's `param_digest` is empty until `advance` computes it."""
         round, contributors = outcome.round, outcome.contributors
         if outcome.aborted:
-            return ClosedAggregate(round, True, contributors, self.digest, b"")
+            return ClosedAggregate(round, True, contributors, self.digest, b""), None
         merged = merge(payloads, step=round, rules=self.rules, expected=self.specs)
         clipped = tuple(p for p, f in zip(contributors, merged.factors, strict=True) if f < 1.0)
         for peer, factor in zip(contributors, merged.factors, strict=True):
             if factor < 0.01:  # far above the others: worth a line in the log
                 logger.warning("[coordinator round=%d] %s's payload norm is %.3g times the median: clipped",
                                round, peer, 1 / factor)
-        data, applied = merged.data, merged.payload
+        return ClosedAggregate(round, False, contributors, "", merged.data, clipped), merged.payload
+
+    def advance(self, round: int, applied: Payload) -> str:
+        """Apply round `round`'s merged aggregate (`merge_round`'s payload) to the parameters, with that
+        round's learning rate; returns the new canonical digest."""
         self.opt.apply(applied, lr=self.lr(round))
         self.digest = param_digest(self.params.items())
         self._blob = None
-        return ClosedAggregate(round, False, contributors, self.digest, data, clipped)
+        return self.digest
 
     def snapshot(self) -> dict[str, Any]:
         """The state file's body as of now, its tensors cloned: the next round's apply changes the live

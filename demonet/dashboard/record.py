@@ -105,7 +105,7 @@ class RunRecord:
         Args:
             members: the round's members (contributors included).
             round_s: the round's wall time, open to aggregate.
-            close_s: the time to build the aggregate (coordinator: merge, apply, persist; DHT: the exchange).
+            close_s: the time to build the aggregate (coordinator: the merge, until the publish; DHT: the exchange).
             bytes_up, bytes_down: bytes received and sent during the round.
         """
         contributed = set(contributors)

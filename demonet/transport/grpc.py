@@ -55,6 +55,20 @@ _BUSY_FIRST_S = 0.1
 """The first wait before a Submit refused BUSY is sent again; each next one doubles, up to 1 s."""
 
 
+@dataclass(frozen=True)
+class _Aggregate:
+    """A GetAggregate stream as it came: what it carried, and `time.perf_counter()` at each of its steps."""
+
+    header: Any  # pb.AggregateHeader
+    data: bytes  # the serialized aggregate (empty when aborted)
+    digest: str  # the trailer's canonical digest
+    aggregate: Payload | None  # `data` decoded (None when aborted)
+    header_at: float
+    parts_at: float  # the last part came (the header's time when aborted)
+    decoded_at: float
+    trailer_at: float
+
+
 def _retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
     """The wait a RESOURCE_EXHAUSTED refusal advertises ("retry-after-s"), or None if it names none."""
     if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -365,10 +379,10 @@ class GrpcClient:
         t1 = time.perf_counter()
         await self._submit(round, data, loss=loss, param_digest=param_digest)
         t2 = time.perf_counter()
+        expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
         for attempt in range(_RESUBMITS + 1):
             try:
-                header, agg_data, header_at = await self._call(f"GetAggregate({round})",
-                                                               lambda: self._aggregate(round))
+                got = await self._call(f"GetAggregate({round})", lambda: self._aggregate(round, expected))
                 break
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt < _RESUBMITS:
@@ -379,21 +393,16 @@ class GrpcClient:
                 if e.code() not in _LOST_CODES:
                     raise
                 raise await self._lost(round, e.details() or e.code().name) from None
-        aggregate = None
-        t3 = time.perf_counter()
-        if not header.aborted:
-            assert agg_data is not None  # _aggregate checked
-            expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
-            step, aggregate = await asyncio.to_thread(wire.decode, agg_data, expected=expected)
-            if step != round:
-                raise InvalidPayload(f"GetAggregate({round}): the aggregate is for round {step}")
         # Where the round's exchange went (seconds): "wait" is from the submit's reply to the aggregate's
-        # header (the other peers, then the coordinator's close), "download" the rest of its stream.
-        phases = {"encode": t1 - t0, "submit": t2 - t1, "wait": header_at - t2, "download": t3 - header_at,
-                  "decode": time.perf_counter() - t3}
-        return RoundResult(round=round, aggregate=aggregate, contributors=tuple(header.contributors),
-                           param_digest=header.param_digest, aborted=bool(header.aborted), bytes_up=len(data),
-                           bytes_down=len(agg_data or b""), data=agg_data or b"", phases=phases)
+        # header (the other peers, then the coordinator's close), "download" the rest of its parts, "decode"
+        # its decode, and "digest" the wait for the canonical digest after the decode (the coordinator
+        # applies the aggregate while its peers download and decode it).
+        phases = {"encode": t1 - t0, "submit": t2 - t1, "wait": got.header_at - t2,
+                  "download": got.parts_at - got.header_at, "decode": got.decoded_at - got.parts_at,
+                  "digest": max(0.0, got.trailer_at - got.decoded_at)}
+        return RoundResult(round=round, aggregate=got.aggregate, contributors=tuple(got.header.contributors),
+                           param_digest=got.digest, aborted=bool(got.header.aborted), bytes_up=len(data),
+                           bytes_down=len(got.data), data=got.data, phases=phases)
 
     async def _lost(self, round: int, reason: str) -> Rejected:
         """What a lost round (its aggregate is gone) means for this peer, asked with a heartbeat."""
@@ -431,27 +440,48 @@ class GrpcClient:
             raise StaleRound(f"round {round}: {reply.reason}", open_round=int(reply.open_round))
         raise RuntimeError(f"the coordinator refused this peer's payload for round {round}: {reply.reason}")
 
-    async def _aggregate(self, round: int) -> tuple[Any, bytes | None, float]:
-        """One GetAggregate stream: the header, then the parts of the aggregate (none if aborted); and the
-        `time.perf_counter()` when the header came."""
-        header, header_at = None, 0.0
+    async def _aggregate(self, round: int, expected: Mapping[str, tuple[tuple[int, ...], tuple[int, int]]],
+                         ) -> _Aggregate:
+        """One GetAggregate stream: the header, the parts of the aggregate (none if aborted), the trailer with
+        the canonical digest. The aggregate is decoded (in a thread) as soon as its parts are in, while the
+        trailer is still to come."""
+        header, data, digest = None, b"", None
+        header_at = parts_at = trailer_at = 0.0
         parts = wire.Reassembler()
-        data = None
+        decoding: asyncio.Task[tuple[int, Payload]] | None = None
         call = self._stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round),
                                        metadata=self._metadata, timeout=self.wait_timeout_s)
-        async for chunk in call:
-            kind = chunk.WhichOneof("kind")
-            if kind == "header" and header is None:
-                header, header_at = chunk.header, time.perf_counter()
-            elif kind == "part" and header is not None and not header.aborted:
-                data = parts.add(chunk.part)
-            else:
-                raise InvalidPayload(f"GetAggregate({round}): unexpected {kind} in the stream")
-        if header is None or (not header.aborted and data is None):
-            raise InvalidPayload(f"GetAggregate({round}): the stream ended before the aggregate was whole")
-        if header.round != round:
-            raise InvalidPayload(f"GetAggregate({round}): the header is for round {header.round}")
-        return header, data, header_at
+        try:
+            async for chunk in call:
+                kind = chunk.WhichOneof("kind")
+                if kind == "header" and header is None:
+                    header, header_at = chunk.header, time.perf_counter()
+                    if header.round != round:
+                        raise InvalidPayload(f"GetAggregate({round}): the header is for round {header.round}")
+                    if header.aborted:
+                        parts_at = header_at
+                elif kind == "part" and header is not None and not header.aborted and decoding is None:
+                    whole = parts.add(chunk.part)
+                    if whole is not None:
+                        data, parts_at = whole, time.perf_counter()
+                        decoding = asyncio.create_task(asyncio.to_thread(wire.decode, data, expected=expected))
+                elif kind == "trailer" and digest is None and (parts_at or decoding is not None):
+                    digest, trailer_at = chunk.trailer.param_digest, time.perf_counter()
+                else:
+                    raise InvalidPayload(f"GetAggregate({round}): unexpected {kind} in the stream")
+            if header is None or digest is None:
+                raise InvalidPayload(f"GetAggregate({round}): the stream ended before the aggregate and its "
+                                     "digest were whole")
+            aggregate, decoded_at = None, parts_at
+            if decoding is not None:
+                step, aggregate = await decoding
+                decoded_at = time.perf_counter()
+                if step != round:
+                    raise InvalidPayload(f"GetAggregate({round}): the aggregate is for round {step}")
+            return _Aggregate(header, data, digest, aggregate, header_at, parts_at, decoded_at, trailer_at)
+        finally:
+            if decoding is not None and not decoding.done():  # an error before it was awaited
+                decoding.cancel()
 
     async def close(self) -> None:
         """Close the channel; calls still open are cancelled."""

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -82,6 +83,16 @@ def coordinator(tmp_path: Path, reap_children: Reaper) -> Coordinator:
     return c
 
 
+@dataclass(frozen=True)
+class Closed:
+    """A GetAggregate stream's header and its trailer's canonical digest."""
+
+    round: int
+    aborted: bool
+    contributors: tuple[str, ...]
+    param_digest: str
+
+
 class Peer:
     """A minimal honest peer, written against the protocol (demonet.peer is the real one)."""
 
@@ -130,7 +141,7 @@ class Peer:
                              param_digest=digest or self.digest(), loss=1.0)
         return await self.stub.Submit(iter(parts), metadata=self.md, timeout=30)
 
-    async def step(self, round_: int) -> tuple[pb.SubmitReply, pb.AggregateHeader]:
+    async def step(self, round_: int) -> tuple[pb.SubmitReply, Closed]:
         x, y = next(self.batches)
         _, loss = self.model(x, y)
         assert loss is not None
@@ -146,17 +157,21 @@ class Peer:
         self.opt.zero_grad()
         return reply, header
 
-    async def aggregate(self, round_: int) -> tuple[pb.AggregateHeader, object]:
-        header, data, parts = None, None, wire.Reassembler()
+    async def aggregate(self, round_: int) -> tuple[Closed, object]:
+        header, data, digest, parts = None, None, None, wire.Reassembler()
         async for chunk in self.stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round_),
                                                   metadata=self.md, timeout=60):
-            if chunk.HasField("header"):
+            kind = chunk.WhichOneof("kind")
+            if kind == "header":
                 header = chunk.header
-            else:
+            elif kind == "part":
                 data = parts.add(chunk.part)
-        assert header is not None
+            else:
+                assert kind == "trailer" and digest is None, kind
+                digest = chunk.trailer.param_digest
+        assert header is not None and digest, "a stream ends with the trailer and its digest"
         agg = wire.decode(data, expected=self.opt.param_specs())[1] if data else None
-        return header, agg
+        return Closed(header.round, header.aborted, tuple(header.contributors), digest), agg
 
     async def status(self) -> pb.StatusReply:
         return await self.stub.Status(pb.StatusRequest(), metadata=self.md, timeout=10)

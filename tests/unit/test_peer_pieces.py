@@ -255,11 +255,12 @@ def _client(stub: _FakeStub) -> GrpcClient:
 
 def _chunks(round: int, agg: Payload | None, contributors: tuple[str, ...]) -> list[Any]:
     header = pb.AggregateChunk(header=pb.AggregateHeader(round=round, aborted=agg is None,
-                                                         contributors=list(contributors), param_digest="abc"))
+                                                         contributors=list(contributors)))
+    trailer = pb.AggregateChunk(trailer=pb.AggregateTrailer(param_digest="abc"))
     if agg is None:
-        return [header]
+        return [header, trailer]
     return [header] + [pb.AggregateChunk(part=p)
-                       for p in wire.split(wire.encode(agg, step=round), part_bytes=300)]
+                       for p in wire.split(wire.encode(agg, step=round), part_bytes=300)] + [trailer]
 
 
 async def test_gather_submits_parts_and_returns_the_aggregate() -> None:
@@ -284,6 +285,25 @@ async def test_gather_of_an_aborted_round_has_no_aggregate() -> None:
     result = await client.gather(3, payload, loss=1.0, param_digest="pd")
     await client.close()
     assert result.aborted and result.aggregate is None and result.bytes_down == 0
+
+
+def _cut(chunks: list[Any], how: str) -> list[Any]:
+    """A GetAggregate stream gone wrong."""
+    head, parts, trailer = chunks[0], chunks[1:-1], chunks[-1]
+    return {"no trailer": [head, *parts], "trailer before the last part": [head, *parts[:-1], trailer, parts[-1]],
+            "two trailers": [head, *parts, trailer, trailer], "no header": [*parts, trailer],
+            "trailer alone": [head, trailer]}[how]
+
+
+@pytest.mark.parametrize("how", ["no trailer", "trailer before the last part", "two trailers", "no header",
+                                 "trailer alone"])
+async def test_gather_refuses_an_aggregate_stream_out_of_order(how: str) -> None:
+    _, _, payload = _replica()
+    stream = _cut(_chunks(3, aggregate([payload]), ("me",)), how)
+    client = _client(_FakeStub(pb.SubmitReply(accepted=True), aggregate=stream))
+    with pytest.raises(InvalidPayload, match="GetAggregate"):
+        await client.gather(3, payload, loss=1.0, param_digest="pd")
+    await client.close()
 
 
 @pytest.mark.parametrize(("stub", "error"), [

@@ -33,6 +33,8 @@ backward of 4 x 64 tokens stays near 0.1 s on one CPU core."""
 
 _PORT = 29500
 _WORKERS = [sys.executable, "-m", "demonet.lab.evidence.workers"]
+_FINAL_PARAMS_S = 30.0
+"""How long a finished run may take to write its final parameters (a peer's exit checkpoint, rank 0's file)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +100,13 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     """The JSON lines written to `path` so far: none if it is missing, and not a last line still being written."""
     text = path.read_text() if path.exists() else ""
     return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
+def _wait_for(path: Path, timeout_s: float) -> None:
+    """Until `path` exists (every system writes its final parameters whole, by a rename), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _read_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
@@ -305,8 +314,8 @@ def run_system(system: System, setup: BenchSetup, mbit: float, out: Path, *,
                 if any(p.poll() not in (None, 0) for p in procs):
                     break  # a process failed: the logs say why
                 time.sleep(1.0)
-            if run.finished and system.name.startswith("demonet"):
-                time.sleep(3)  # the peers' exit checkpoint holds the final parameters
+            if run.finished and launched.final_params:  # written after the last step's record
+                _wait_for(launched.final_params, _FINAL_PARAMS_S)
             run.peers = launched.records()
             if run.finished and launched.final_params and launched.final_params.exists():
                 run.final_params = launched.final_params

@@ -39,6 +39,14 @@ def _setup(args: argparse.Namespace) -> tuple[GPT, Batches, IO[str]]:
     return model, batches, open(out / f"steps-{args.rank}.jsonl", "w")
 
 
+def _save_final(model: torch.nn.Module, out: Path) -> None:
+    """``final.pt``, whole or not at all (a temp file renamed): the bench reads it once the steps are done,
+    and may tear the lab down while a rank is still writing."""
+    tmp = out / "final.pt.tmp"
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, out / "final.pt")
+
+
 def _record(log: IO[str], step: int, loss: float, batches: int = 1) -> None:
     log.write(json.dumps({"step": step, "time": time.time(), "loss": loss, "batches": batches}) + "\n")
     log.flush()
@@ -75,7 +83,7 @@ def _ddp(args: argparse.Namespace) -> int:
             opt.zero_grad(set_to_none=True)
             _record(log, step, float(loss.detach()))
         if args.rank == 0:
-            torch.save(model.state_dict(), Path(args.out) / "final.pt")
+            _save_final(model, Path(args.out))
     finally:
         dist.destroy_process_group()
         log.close()
@@ -118,7 +126,7 @@ def _hivemind(args: argparse.Namespace) -> int:
                 _record(log, epoch, sum(losses) / len(losses), len(losses))
                 losses = []
         if args.rank == 0:
-            torch.save(model.state_dict(), Path(args.out) / "final.pt")
+            _save_final(model, Path(args.out))
     finally:
         log.close()
         opt.shutdown()
