@@ -508,9 +508,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                               rejected=t["rejected"], resyncs=t["resyncs"], detail_json=detail)
 
     def status_document(self, since: int | None = None) -> dict[str, Any]:
-        """The dashboard's document (docs/dashboard.md): `/status.json` and `Status` with `detail`."""
-        return status_document(self.rounds, self.metrics, now=_now(),
-                               param_digest=self.state.digest if self._applied() else "",
+        """The dashboard's document (docs/dashboard.md): `/status.json` and `Status` with `detail`. Its digest is
+        the newest applied round's: for the few ms while the round just published is applied, the one before's."""
+        return status_document(self.rounds, self.metrics, now=_now(), param_digest=self.state.digest,
                                total_rounds=self.opts.total_rounds, since=since,
                                keys={p: b.fingerprint for p, b in self.identities.bindings.items()})
 
