@@ -119,14 +119,15 @@ def _encode_batch(
     return list(zip((CODING_PB[c] for c in codings), *blobs, strict=True))
 
 
-def encode(payload: Payload, *, step: int, index_coding: str = "packed") -> bytes:
+def encode(payload: Payload, *, step: int, index_coding: str = "entropy") -> bytes:
     """Serialize a payload for the wire.
 
     Args:
         payload: what `DeMo.compress()` or `aggregate()` returned; `val` float32, on the grid of
             `payload.encoding` (what `quantize` returned), on any device.
         step: the step (round) it belongs to, >= 0.
-        index_coding: one of `INDEX_CODINGS`. ``entropy`` sends each chunk's entries sorted by index.
+        index_coding: one of `INDEX_CODINGS`. ``entropy`` (the default: 7.9 bits an index at k = 32 of 4096
+            instead of 12, lossless) sends each chunk's entries sorted by index; ``packed`` keeps their order.
 
     Returns:
         A serialized ``demonet.v1.Payload`` ending with its SHA-256 digest.

@@ -275,8 +275,10 @@ async def test_gather_submits_parts_and_returns_the_aggregate() -> None:
     assert (result.round, result.contributors, result.param_digest, result.aborted) == (3, ("me",), "abc", False)
     assert result.bytes_up == len(wire.encode(payload, step=3)) and result.bytes_down == len(wire.encode(agg, step=3))
     assert result.aggregate is not None
-    for name, c in agg.tensors.items():
-        assert torch.equal(result.aggregate.tensors[name].val, c.val)
+    for name, c in agg.tensors.items():  # entropy-coded indices travel sorted by index, the values along
+        order = c.idx.argsort(dim=1)
+        got = result.aggregate.tensors[name]
+        assert torch.equal(got.idx, c.idx.gather(1, order)) and torch.equal(got.val, c.val.gather(1, order))
 
 
 async def test_gather_of_an_aborted_round_has_no_aggregate() -> None:

@@ -235,7 +235,7 @@ def test_packed_index_width(chunk: tuple[int, int], width: int) -> None:
     gen = torch.Generator().manual_seed(4)
     k = min(3, chunk[0] * chunk[1])
     c = make_compressed((chunk[0] * 2, chunk[1]), chunk, k, "fp32", gen)
-    msg = parse(wire.encode(Payload(tensors={"w": c}, encoding="fp32"), step=0))
+    msg = parse(wire.encode(Payload(tensors={"w": c}, encoding="fp32"), step=0, index_coding="packed"))
     assert len(msg.tensors[0].indices) == math.ceil(2 * k * width / 8)
 
 
