@@ -20,6 +20,7 @@ Run from the repo root: `python bench/round_overhead.py`. Prints a table; not a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,9 +37,12 @@ GOAL_BYTES = 1.5
 
 
 def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = False,
-           code: Path | None = None, env: dict[str, str] | None = None) -> tuple[int, float, str]:
+           code: Path | None = None, env: dict[str, str] | None = None,
+           coordinator_cpu: int | None = None) -> tuple[int, float, str]:
     """`demonet up [--dht]` with N peers (on the demonet in `code`, default this tree; `env`: more
-    variables, e.g. DEMONET_NET_* settings); returns (exit code, wall seconds, the tail of its stderr)."""
+    variables, e.g. DEMONET_NET_* settings); returns (exit code, wall seconds, the tail of its stderr).
+    `coordinator_cpu`: the coordinator alone on that CPU and every other process on the others, as if it
+    ran on a machine of its own (Linux affinity)."""
     cmd = [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", str(steps), "--out",
            str(out), "--no-progress", *(["--dht"] if dht else [])]
     if config:
@@ -46,9 +50,28 @@ def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = Fa
     root = (code or Path(__file__).resolve().parent.parent).resolve()
     path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)  # this tree first
     env = {**os.environ, **(env or {}), "PYTHONPATH": path}
+    others = None if coordinator_cpu is None else os.sched_getaffinity(0) - {coordinator_cpu}
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root)
-    return proc.returncode, time.perf_counter() - start, proc.stderr[-2000:]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
+                            preexec_fn=None if others is None else lambda: os.sched_setaffinity(0, others))
+    if coordinator_cpu is not None:
+        _pin_coordinator(proc.pid, coordinator_cpu)
+    _, stderr = proc.communicate()
+    return proc.returncode, time.perf_counter() - start, stderr[-2000:]
+
+
+def _pin_coordinator(up_pid: int, cpu: int, for_s: float = 15.0) -> None:
+    """Move every thread of `demonet up`'s coordinator child to `cpu`, while the run starts (threads it
+    makes later inherit the mask of the thread that makes them)."""
+    deadline = time.monotonic() + for_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            for child in Path(f"/proc/{up_pid}/task/{up_pid}/children").read_text().split():
+                if b"demonet coordinator" in Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" "):
+                    for task in os.listdir(f"/proc/{child}/task"):
+                        with contextlib.suppress(OSError):
+                            os.sched_setaffinity(int(task), {cpu})
+        time.sleep(0.05)
 
 
 COORDINATOR_PHASES = ("encode", "submit", "wait", "download", "decode", "digest")
@@ -100,6 +123,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="rounds per run (30)")
     parser.add_argument("--config", help="TOML run config (default: the embedded default model)")
     parser.add_argument("--baseline", type=Path, help="a checkout of another commit: run it too, side by side")
+    parser.add_argument("--coordinator-cpu", type=int, help="the coordinator alone on this CPU, the peers on the "
+                        "others: as on a machine of its own (Linux)")
     args = parser.parse_args()
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
 
@@ -108,7 +133,11 @@ def main() -> None:
     cores = os.cpu_count()
     print(f"# demonet round overhead: `demonet up`, {args.steps} rounds, "
           f"{'config ' + args.config if args.config else 'the embedded default model'} (torch {torch.__version__})")
-    print(f"# All N peers and the coordinator share this machine's {cores} cores, one torch thread per peer,")
+    if args.coordinator_cpu is None:
+        print(f"# All N peers and the coordinator share this machine's {cores} cores, one torch thread per peer,")
+    else:
+        print(f"# The coordinator alone on CPU {args.coordinator_cpu}, the N peers on the other {cores - 1}, one torch "
+              "thread per peer,")
     print("# so compute_s itself grows with N once N exceeds the cores; round 0 is left out of the medians.")
     print()
     print("| peers | rounds | round s (median) | compute s (median) | round / compute | slowest peer's compute s "
@@ -121,14 +150,15 @@ def main() -> None:
         for n in counts:
             if args.baseline is not None:
                 out = Path(tmp) / f"baseline-{n}"
-                code, _, err = run_up(n, args.steps, args.config, out, code=args.baseline)
+                code, _, err = run_up(n, args.steps, args.config, out, code=args.baseline,
+                                     coordinator_cpu=args.coordinator_cpu)
                 metrics = out / "metrics.jsonl"
                 if code == 0 and metrics.exists():
                     baseline[n] = measure([json.loads(line) for line in metrics.read_text().splitlines()])
                 else:
                     print(err, file=sys.stderr)
             out = Path(tmp) / f"peers-{n}"
-            code, wall, err = run_up(n, args.steps, args.config, out)
+            code, wall, err = run_up(n, args.steps, args.config, out, coordinator_cpu=args.coordinator_cpu)
             metrics = out / "metrics.jsonl"
             rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
             if code != 0 or not rows:

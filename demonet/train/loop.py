@@ -354,19 +354,27 @@ class RoundLoop:
             return "stopped"
         t1 = time.perf_counter()
         self.digest = await asyncio.to_thread(self._settle, flight.payload, result)
+        settled = time.perf_counter()
+        try:  # the coordinator applies the round while this peer does: its digest may come only now
+            canonical = await result.canonical_digest()
+        except DemonetError as e:  # a coordinator that died after its publish: the next Submit's check stands in
+            self.log.warning("%s; the coordinator checks the digest again at the next submit", e)
+            canonical = ""
         row: dict[str, Any] = {
             "round": self.round, "peer": self.peer_id, "loss": flight.loss, "bytes_up": result.bytes_up,
             "bytes_down": result.bytes_down, "param_digest": self.digest,
             "round_time_s": time.perf_counter() - flight.started,
-            "compute_s": flight.compute_s + time.perf_counter() - t1, "wait_s": wait_s,
+            "compute_s": flight.compute_s + settled - t1, "wait_s": wait_s + time.perf_counter() - settled,
             "contributors": len(result.contributors), "aborted": result.aborted,
-            "canonical_digest": result.param_digest, "overlap": self.overlap, **self.row_extra}
+            "canonical_digest": canonical, "overlap": self.overlap, **self.row_extra}
         if result.phases:
             row["phases"] = dict(result.phases)
+        if result.digest_later is not None:  # after this peer's settle, the wait for the coordinator's digest
+            row.setdefault("phases", {})["digest"] = time.perf_counter() - settled
         landed = "applied"
-        if await self.membership.agree(bool(result.param_digest) and self.digest != result.param_digest):
+        if await self.membership.agree(bool(canonical) and self.digest != canonical):
             self.log.warning("digest %s after applying, the run has %s: downloading parameters", self.digest[:12],
-                             result.param_digest[:12])
+                             canonical[:12])
             await self._load(await self.membership.parameters(self.round + 1, self.replica.expected(), resync=True))
             self.resyncs += 1
             row["param_digest"], row["resynced"] = self.digest, True

@@ -85,6 +85,19 @@ class RoundResult:
     phases: Mapping[str, float] = field(default_factory=dict)
     """Where the round's time went in the transport (name -> seconds, or a count), for the metrics rows;
     empty: not measured (DHT mode: docs/dht.md#where-the-time-goes)."""
+    digest_later: asyncio.Task[str] | None = field(default=None, repr=False, compare=False)
+    """The canonical digest when it comes after the aggregate (coordinator mode: the GetAggregate stream's
+    trailer, sent once the coordinator applied the round); `param_digest` is "" then. Settle first, then
+    `canonical_digest`: the coordinator's apply runs while this peer decodes and applies."""
+
+    async def canonical_digest(self) -> str:
+        """`param_digest`, or what `digest_later` gives once it comes.
+
+        Raises:
+            DemonetError: the digest could not be had (the stream broke or was malformed): the peer cannot
+                tell whether it is on the canonical parameters.
+        """
+        return self.param_digest if self.digest_later is None else await self.digest_later
 
 
 class Gatherer(Protocol):

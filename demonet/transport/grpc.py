@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -57,16 +57,16 @@ _BUSY_FIRST_S = 0.1
 
 @dataclass(frozen=True)
 class _Aggregate:
-    """A GetAggregate stream as it came: what it carried, and `time.perf_counter()` at each of its steps."""
+    """A GetAggregate stream up to its decoded aggregate, with `time.perf_counter()` at each step; the
+    trailer (the canonical digest) is still being read by `trailer`."""
 
     header: Any  # pb.AggregateHeader
     data: bytes  # the serialized aggregate (empty when aborted)
-    digest: str  # the trailer's canonical digest
     aggregate: Payload | None  # `data` decoded (None when aborted)
     header_at: float
     parts_at: float  # the last part came (the header's time when aborted)
     decoded_at: float
-    trailer_at: float
+    trailer: asyncio.Task[str]
 
 
 def _retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
@@ -111,6 +111,12 @@ class CoordinatorStatus:
     rejected: int
     resyncs: int
     """Members that downloaded the whole parameters again because their digest differed."""
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A trailer task nobody awaited (the round was abandoned): its error is not worth a warning."""
+    if not task.cancelled():
+        task.exception()
 
 
 class GrpcClient:
@@ -394,15 +400,14 @@ class GrpcClient:
                     raise
                 raise await self._lost(round, e.details() or e.code().name) from None
         # Where the round's exchange went (seconds): "wait" is from the submit's reply to the aggregate's
-        # header (the other peers, then the coordinator's close), "download" the rest of its parts, "decode"
-        # its decode, and "digest" the wait for the canonical digest after the decode (the coordinator
-        # applies the aggregate while its peers download and decode it).
+        # header (the other peers, then the coordinator's close), "download" the rest of its parts. The
+        # canonical digest comes after (the coordinator applies the round meanwhile): `RoundLoop` waits for
+        # it once it has applied the aggregate itself.
         phases = {"encode": t1 - t0, "submit": t2 - t1, "wait": got.header_at - t2,
-                  "download": got.parts_at - got.header_at, "decode": got.decoded_at - got.parts_at,
-                  "digest": max(0.0, got.trailer_at - got.decoded_at)}
+                  "download": got.parts_at - got.header_at, "decode": got.decoded_at - got.parts_at}
         return RoundResult(round=round, aggregate=got.aggregate, contributors=tuple(got.header.contributors),
-                           param_digest=got.digest, aborted=bool(got.header.aborted), bytes_up=len(data),
-                           bytes_down=len(got.data), data=got.data, phases=phases)
+                           param_digest="", aborted=bool(got.header.aborted), bytes_up=len(data),
+                           bytes_down=len(got.data), data=got.data, phases=phases, digest_later=got.trailer)
 
     async def _lost(self, round: int, reason: str) -> Rejected:
         """What a lost round (its aggregate is gone) means for this peer, asked with a heartbeat."""
@@ -442,46 +447,60 @@ class GrpcClient:
 
     async def _aggregate(self, round: int, expected: Mapping[str, tuple[tuple[int, ...], tuple[int, int]]],
                          ) -> _Aggregate:
-        """One GetAggregate stream: the header, the parts of the aggregate (none if aborted), the trailer with
-        the canonical digest. The aggregate is decoded (in a thread) as soon as its parts are in, while the
-        trailer is still to come."""
-        header, data, digest = None, b"", None
-        header_at = parts_at = trailer_at = 0.0
+        """One GetAggregate stream: the header and the parts of the aggregate (none if aborted), decoded; a
+        task goes on reading its trailer (`_trailer`), which comes once the coordinator applied the round."""
+        header, data, header_at, parts_at = None, b"", 0.0, 0.0
         parts = wire.Reassembler()
-        decoding: asyncio.Task[tuple[int, Payload]] | None = None
         call = self._stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round),
                                        metadata=self._metadata, timeout=self.wait_timeout_s)
+        stream = aiter(call)
+        while header is None or not (header.aborted or data):
+            chunk = await anext(stream, None)
+            kind = None if chunk is None else chunk.WhichOneof("kind")
+            if kind == "header" and header is None:
+                header, header_at = chunk.header, time.perf_counter()
+                if header.round != round:
+                    raise InvalidPayload(f"GetAggregate({round}): the header is for round {header.round}")
+                parts_at = header_at
+            elif kind == "part" and header is not None and not header.aborted:
+                whole = parts.add(chunk.part)
+                if whole is not None:
+                    data, parts_at = whole, time.perf_counter()
+            elif chunk is None:
+                raise InvalidPayload(f"GetAggregate({round}): the stream ended before the aggregate was whole")
+            else:
+                raise InvalidPayload(f"GetAggregate({round}): unexpected {kind} in the stream")
+        trailer = asyncio.create_task(self._trailer(round, stream))
+        trailer.add_done_callback(_retrieved)
         try:
-            async for chunk in call:
-                kind = chunk.WhichOneof("kind")
-                if kind == "header" and header is None:
-                    header, header_at = chunk.header, time.perf_counter()
-                    if header.round != round:
-                        raise InvalidPayload(f"GetAggregate({round}): the header is for round {header.round}")
-                    if header.aborted:
-                        parts_at = header_at
-                elif kind == "part" and header is not None and not header.aborted and decoding is None:
-                    whole = parts.add(chunk.part)
-                    if whole is not None:
-                        data, parts_at = whole, time.perf_counter()
-                        decoding = asyncio.create_task(asyncio.to_thread(wire.decode, data, expected=expected))
-                elif kind == "trailer" and digest is None and (parts_at or decoding is not None):
-                    digest, trailer_at = chunk.trailer.param_digest, time.perf_counter()
-                else:
-                    raise InvalidPayload(f"GetAggregate({round}): unexpected {kind} in the stream")
-            if header is None or digest is None:
-                raise InvalidPayload(f"GetAggregate({round}): the stream ended before the aggregate and its "
-                                     "digest were whole")
-            aggregate, decoded_at = None, parts_at
-            if decoding is not None:
-                step, aggregate = await decoding
-                decoded_at = time.perf_counter()
+            aggregate = None
+            if not header.aborted:
+                step, aggregate = await asyncio.to_thread(wire.decode, data, expected=expected)
                 if step != round:
                     raise InvalidPayload(f"GetAggregate({round}): the aggregate is for round {step}")
-            return _Aggregate(header, data, digest, aggregate, header_at, parts_at, decoded_at, trailer_at)
-        finally:
-            if decoding is not None and not decoding.done():  # an error before it was awaited
-                decoding.cancel()
+        except BaseException:
+            trailer.cancel()
+            raise
+        return _Aggregate(header, data, aggregate, header_at, parts_at, time.perf_counter(), trailer)
+
+    async def _trailer(self, round: int, stream: AsyncIterator[Any]) -> str:
+        """The rest of a GetAggregate stream: the trailer's canonical digest, then the stream's end.
+
+        Raises:
+            InvalidPayload: the stream broke off or was malformed; the caller cannot tell whether it is on
+                the canonical parameters (a coordinator that restarted between its publish and its apply).
+        """
+        try:
+            chunk = await anext(stream, None)
+            if chunk is None or chunk.WhichOneof("kind") != "trailer" or not chunk.trailer.param_digest:
+                raise InvalidPayload(f"GetAggregate({round}): no canonical digest after the aggregate")
+            async for extra in stream:
+                raise InvalidPayload(f"GetAggregate({round}): unexpected {extra.WhichOneof('kind')} after the "
+                                     "trailer")
+        except grpc.aio.AioRpcError as e:
+            raise InvalidPayload(f"GetAggregate({round}): the stream broke off before the canonical digest "
+                                 f"({e.code().name}: {e.details()})") from None
+        return str(chunk.trailer.param_digest)
 
     async def close(self) -> None:
         """Close the channel; calls still open are cancelled."""

@@ -272,7 +272,8 @@ async def test_gather_submits_parts_and_returns_the_aggregate() -> None:
     await client.close()
     assert {(p.peer_id, p.round, p.param_digest, p.loss) for p in stub.submitted} == {("me", 3, "pd", 1.5)}
     assert dict(stub.metadata)["authorization"] == "Bearer tok"
-    assert (result.round, result.contributors, result.param_digest, result.aborted) == (3, ("me",), "abc", False)
+    assert (result.round, result.contributors, result.aborted) == (3, ("me",), False)
+    assert result.param_digest == "" and await result.canonical_digest() == "abc"  # the trailer's
     assert result.bytes_up == len(wire.encode(payload, step=3)) and result.bytes_down == len(wire.encode(agg, step=3))
     assert result.aggregate is not None
     for name, c in agg.tensors.items():  # entropy-coded indices travel sorted by index, the values along
@@ -297,14 +298,26 @@ def _cut(chunks: list[Any], how: str) -> list[Any]:
             "trailer alone": [head, trailer]}[how]
 
 
-@pytest.mark.parametrize("how", ["no trailer", "trailer before the last part", "two trailers", "no header",
-                                 "trailer alone"])
+@pytest.mark.parametrize("how", ["trailer before the last part", "no header", "trailer alone"])
 async def test_gather_refuses_an_aggregate_stream_out_of_order(how: str) -> None:
     _, _, payload = _replica()
     stream = _cut(_chunks(3, aggregate([payload]), ("me",)), how)
     client = _client(_FakeStub(pb.SubmitReply(accepted=True), aggregate=stream))
     with pytest.raises(InvalidPayload, match="GetAggregate"):
         await client.gather(3, payload, loss=1.0, param_digest="pd")
+    await client.close()
+
+
+@pytest.mark.parametrize("how", ["no trailer", "two trailers"])
+async def test_a_stream_without_one_canonical_digest_after_the_aggregate_leaves_it_unknown(how: str) -> None:
+    """The aggregate itself is whole and is returned; the digest that should follow it is refused."""
+    _, _, payload = _replica()
+    stream = _cut(_chunks(3, aggregate([payload]), ("me",)), how)
+    client = _client(_FakeStub(pb.SubmitReply(accepted=True), aggregate=stream))
+    result = await client.gather(3, payload, loss=1.0, param_digest="pd")
+    assert result.aggregate is not None
+    with pytest.raises(InvalidPayload, match="GetAggregate"):
+        await result.canonical_digest()
     await client.close()
 
 

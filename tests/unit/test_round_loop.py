@@ -10,6 +10,7 @@ the same payloads either way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 
 from demonet.config import Config, load_config
 from demonet.coordinator.local import LocalCoordinator
+from demonet.errors import InvalidPayload
 from demonet.optim import Payload
 from demonet.train.loop import RoundLoop
 from demonet.train.trainer import Trainer
@@ -45,8 +47,8 @@ class _Run:
     """Two peers and their coordinator; `restored[peer]` lists the rounds whose whole payload went back."""
 
     def __init__(self, tmp_path: Path, faults: dict[tuple[str, int], str], *, overlap: int,
-                 stop_at: int | None = None, hold: int | None = None) -> None:
-        self.tmp_path, self.stop_at, self.overlap, self.hold = tmp_path, stop_at, overlap, hold
+                 stop_at: int | None = None, hold: int | None = None, wrap: Any = None) -> None:
+        self.tmp_path, self.stop_at, self.overlap, self.hold, self.wrap = tmp_path, stop_at, overlap, hold, wrap
         self.hub = LocalCoordinator(_cfg(), total_rounds=ROUNDS, faults=faults, on_close=self._closed)
         self.loops: dict[str, RoundLoop] = {}
         self.restored: dict[str, list[int]] = {}
@@ -60,6 +62,8 @@ class _Run:
         client = self.hub.client(peer_id)
         if peer_id != FAULTY and self.hold is not None:
             self._hold(client, self.hold)
+        if peer_id == FAULTY and self.wrap is not None:
+            self.wrap(client)
         membership = CoordinatorMembership(client)
         info = await membership.join()
         trainer = Trainer.for_run(self.hub.cfg, data_seed=info.data_seed, device=torch.device("cpu"),
@@ -167,3 +171,40 @@ async def test_a_stop_during_a_gather_abandons_the_round_after_the_grace(tmp_pat
 def test_a_fault_plan_names_known_faults() -> None:
     with pytest.raises(ValueError, match="fault 'lost' for"):
         LocalCoordinator(_cfg(), total_rounds=1, faults={("p0", 1): "lost"})
+
+
+@pytest.mark.parametrize("later", ["comes", "lost"])
+async def test_a_canonical_digest_that_comes_after_the_aggregate_is_checked_after_the_settle(
+        tmp_path: Path, overlap: int, later: str) -> None:
+    """As the gRPC coordinator sends it (the GetAggregate stream's trailer): the peer applies the aggregate,
+    then waits for the digest. One that never comes (the stream broke off: a coordinator that died after
+    its publish) is not checked there; the coordinator checks the peer's digest at its next Submit."""
+    def wrap(client: Any) -> None:
+        gather = client.gather
+
+        async def later_digest(r: int, payload: Payload, **kwargs: Any) -> Any:
+            result = await gather(r, payload, **kwargs)
+            if r != 2:
+                return result
+
+            async def digest() -> str:
+                await asyncio.sleep(0.05)
+                if later == "lost":
+                    raise InvalidPayload("GetAggregate(2): the stream broke off before the canonical digest")
+                return str(result.param_digest)
+            return dataclasses.replace(result, param_digest="", digest_later=asyncio.create_task(digest()))
+
+        client.gather = later_digest
+
+    run = _Run(tmp_path, {}, overlap=overlap, wrap=wrap)
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    path = tmp_path / f"metrics-{FAULTY}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["round"] for r in rows] == list(range(ROUNDS))
+    assert rows[2]["phases"]["digest"] >= 0.04  # the wait for it, after the settle
+    assert rows[-1]["resyncs"] == 0 and not any(r.get("resynced") for r in rows)
+    assert rows[2]["canonical_digest"] == ("" if later == "lost" else rows[2]["param_digest"])
+    assert all(r["param_digest"] == r["canonical_digest"] for r in rows if r["round"] != 2)
+    assert run.restored == {"p0": [], FAULTY: []}  # the aggregate was applied: nothing went back whole
+    assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
