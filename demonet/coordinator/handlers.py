@@ -1,10 +1,13 @@
-"""The coordinator's gRPC method table: request parsers that never raise, and size caps checked before parsing.
+"""The coordinator's gRPC method table: request parsers that never raise, size caps checked before parsing,
+and the deadline of a Submit stream's parts.
 
 Imports grpc and the generated messages; the servicer (demonet.coordinator.server) answers what they give it.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +18,7 @@ from demonet._proto import demonet_pb2 as pb
 if TYPE_CHECKING:
     from .server import CoordinatorServicer
 
-__all__ = ["Malformed", "add_to_server"]
+__all__ = ["Malformed", "StreamEnd", "add_to_server", "parts_until"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,31 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> Non
     }
     name = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+
+
+class StreamEnd:
+    """When one Submit stream ends at the latest (event-loop time); `end_now` when its round closes."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.waiting: asyncio.Timeout | None = None  # the wait for the stream's next part
+
+    def end_now(self) -> None:
+        self.at = asyncio.get_running_loop().time()
+        if self.waiting is not None:
+            self.waiting.reschedule(self.at)
+
+
+async def parts_until(parts: AsyncIterator[Any], ends: StreamEnd) -> AsyncIterator[Any]:
+    """The parts of a Submit stream until `ends`: then TimeoutError, and the stream (and its bytes) let go.
+    Each wait is bounded on its own, so that nothing but the wait for a part is ever interrupted."""
+    iterator = aiter(parts)
+    while True:
+        try:
+            async with asyncio.timeout_at(ends.at) as ends.waiting:
+                part = await anext(iterator)
+        except StopAsyncIteration:
+            return
+        finally:
+            ends.waiting = None
+        yield part

@@ -32,7 +32,7 @@ from demonet.wire.identity import heartbeat_statement, parameters_statement, sub
 from demonet.wire.merge import decode_contribution
 
 from . import weights
-from .handlers import Malformed
+from .handlers import Malformed, StreamEnd, parts_until
 from .identities import Identities, NotJoined, Refused, read_allowlist
 from .limits import DEFAULT_INFLIGHT_FLOOR_BYTES, Busy, Limits, LimitsConfig, RateLimits, submission_bound
 from .metrics import Metrics
@@ -75,34 +75,6 @@ class CoordinatorOptions:
 
 def _now() -> float:
     return time.monotonic()
-
-
-class _StreamEnd:
-    """When one Submit stream ends at the latest (event-loop time); `end_now` when its round closes."""
-
-    def __init__(self, at: float) -> None:
-        self.at = at
-        self.waiting: asyncio.Timeout | None = None  # the wait for the stream's next part
-
-    def end_now(self) -> None:
-        self.at = asyncio.get_running_loop().time()
-        if self.waiting is not None:
-            self.waiting.reschedule(self.at)
-
-
-async def _until(parts: AsyncIterator[Any], ends: _StreamEnd) -> AsyncIterator[Any]:
-    """The parts of a Submit stream until `ends`: then TimeoutError, and the stream (and its bytes) let go.
-    Each wait is bounded on its own, so that nothing but the wait for a part is ever interrupted."""
-    iterator = aiter(parts)
-    while True:
-        try:
-            async with asyncio.timeout_at(ends.at) as ends.waiting:
-                part = await anext(iterator)
-        except StopAsyncIteration:
-            return
-        finally:
-            ends.waiting = None
-        yield part
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -252,7 +224,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                 f"{peer_id!r} is not a member of the run: Join first")
         await self._limit(self.limits.downloads, peer_id, "GetParameters", context)
 
-    def _open_stream(self, head: pb.SubmitPart, ends: _StreamEnd) -> pb.SubmitReply | None:
+    def _open_stream(self, head: pb.SubmitPart, ends: StreamEnd) -> pb.SubmitReply | None:
         """At a Submit's first part: refuse a size no valid payload has (INVALID), or a second stream of the
         peer or one over the bytes in flight (BUSY); else reserve the peer's slot until `ends`."""
         r = self.rounds
@@ -359,9 +331,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         head: pb.SubmitPart | None = None
         reassembler = wire.Reassembler(max_bytes=self.limits.cfg.max_submission_bytes)
         data: bytes | None = None
-        ends = _StreamEnd(asyncio.get_running_loop().time() + self._wait_s)
+        ends = StreamEnd(asyncio.get_running_loop().time() + self._wait_s)
         try:
-            async for part in _until(request_iterator, ends):
+            async for part in parts_until(request_iterator, ends):
                 if isinstance(part, Malformed):
                     raise InvalidPayload(str(part))
                 if head is None:
