@@ -276,13 +276,18 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
 def _sampler(lab: Lab, samples: dict[str, list[tuple[float, int, int]]], stop: threading.Event,
              every_s: float) -> None:
     while not stop.is_set():
-        for name, host in list(lab.hosts.items()):
-            try:
-                tx, rx = host.counters()
-            except Exception:  # noqa: BLE001 - a host being torn down; the next sample is taken after it
-                continue
-            samples.setdefault(name, []).append((time.time(), tx, rx))
+        _sample(lab, samples)
         stop.wait(every_s)
+
+
+def _sample(lab: Lab, samples: dict[str, list[tuple[float, int, int]]]) -> None:
+    """Every host's link counters, now."""
+    for name, host in list(lab.hosts.items()):
+        try:
+            tx, rx = host.counters()
+        except Exception:  # noqa: BLE001 - a host being torn down; the next sample is taken after it
+            continue
+        samples.setdefault(name, []).append((time.time(), tx, rx))
 
 
 def run_system(system: System, setup: BenchSetup, mbit: float, out: Path, *,
@@ -322,6 +327,7 @@ def run_system(system: System, setup: BenchSetup, mbit: float, out: Path, *,
         finally:
             stop.set()
             sampler.join(timeout=10)
+            _sample(lab, run.samples)  # one after the last step, however soon the run ended after it
             run.ended_at = time.time()
     return run
 
