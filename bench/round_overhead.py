@@ -173,7 +173,8 @@ def main() -> None:
                   f"| {wall:.0f} |")
 
     print_phases("where a round's exchange goes: encode, submit, wait for the aggregate's header (the other "
-                 "peers, then the close), download, decode, the wait for the canonical digest after the decode",
+                 "peers, then the close), download, decode, the wait for the canonical digest after the peer's "
+                 "own apply",
                  COORDINATOR_PHASES, results)
 
     if args.baseline is not None:
