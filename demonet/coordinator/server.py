@@ -457,7 +457,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 await self._wait(lambda: request.round not in self.aggregates
                                  or bool(self.aggregates[request.round].param_digest), self._wait_s, context,
                                  f"round {request.round} to be applied")
-                if request.round not in self.aggregates:  # gone 8 rounds later (a stalled stream): unreachable
+                if request.round not in self.aggregates:  # cannot be: a digest is set before the next close
                     await context.abort(grpc.StatusCode.NOT_FOUND, f"round {request.round} is too old")
                 digest = self.aggregates[request.round].param_digest
         yield pb.AggregateChunk(trailer=pb.AggregateTrailer(param_digest=digest))

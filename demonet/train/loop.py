@@ -360,17 +360,18 @@ class RoundLoop:
         except DemonetError as e:  # a coordinator that died after its publish: the next Submit's check stands in
             self.log.warning("%s; the coordinator checks the digest again at the next submit", e)
             canonical = ""
+        digest_wait_s = time.perf_counter() - settled
         row: dict[str, Any] = {
             "round": self.round, "peer": self.peer_id, "loss": flight.loss, "bytes_up": result.bytes_up,
             "bytes_down": result.bytes_down, "param_digest": self.digest,
             "round_time_s": time.perf_counter() - flight.started,
-            "compute_s": flight.compute_s + settled - t1, "wait_s": wait_s + time.perf_counter() - settled,
+            "compute_s": flight.compute_s + settled - t1, "wait_s": wait_s + digest_wait_s,
             "contributors": len(result.contributors), "aborted": result.aborted,
             "canonical_digest": canonical, "overlap": self.overlap, **self.row_extra}
         if result.phases:
             row["phases"] = dict(result.phases)
         if result.digest_later is not None:  # after this peer's settle, the wait for the coordinator's digest
-            row.setdefault("phases", {})["digest"] = time.perf_counter() - settled
+            row.setdefault("phases", {})["digest"] = digest_wait_s
         landed = "applied"
         if await self.membership.agree(bool(canonical) and self.digest != canonical):
             self.log.warning("digest %s after applying, the run has %s: downloading parameters", self.digest[:12],
