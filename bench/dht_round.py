@@ -7,7 +7,9 @@ the median round time, the median slowest peer's compute per round, their ratio 
 overhead), the bytes up and down per peer per round and their ratio, and whether every round's
 digests agreed (`bench/round_overhead.py` measures the same way; round 0 is left out). DHT mode runs
 once per `--verify` fraction (`[net] verify_slices`: 0 is off, 0.25 the default, 1 every slice merged
-by a second owner), so the cost of verified slices is measured in the same run. Goals:
+by a second owner), so the cost of verified slices is measured in the same run. With --baseline DIR
+(a checkout of another commit), every run is made on that code too, right after the same run on this
+tree. Goals:
 - DHT mode: per-peer download at most 2x upload at 8 peers;
 - DHT mode's round overhead comparable to coordinator mode's (the ratio of the two is printed).
 Run from the repo root: `python bench/dht_round.py`. Prints a table; not a test.
@@ -35,12 +37,15 @@ def main() -> None:
     parser.add_argument("--peers-list", default="2,4,8", help="peer counts, comma-separated (2,4,8)")
     parser.add_argument("--steps", type=int, default=30, help="rounds per run (30)")
     parser.add_argument("--config", help="TOML run config (default: the embedded default model)")
+    parser.add_argument("--baseline", type=Path, help="a checkout of another commit: each run on it too, right "
+                        "after the same run on this tree")
     parser.add_argument("--verify", default="0.25", help="DHT runs' verify_slices fractions, comma-separated "
                         "(0.25, the default; e.g. 0,0.25,1 for the cost of verification)")
     args = parser.parse_args()
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
     fractions = [float(f) for f in args.verify.split(",") if f.strip()]
     modes = [("coordinator", None)] + [(f"dht verify={f:g}", f) for f in fractions]
+    codes: list[tuple[str, Path | None]] = [("", None)] + ([(" (baseline)", args.baseline)] if args.baseline else [])
 
     import torch
 
@@ -54,10 +59,12 @@ def main() -> None:
     results: dict[tuple[str, int], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="dht_round-") as tmp:
         for n in counts:
-            for mode, fraction in modes:
-                out = Path(tmp) / f"{mode.replace(' ', '-')}-{n}"
+            for (base_mode, fraction), (tag, tree) in ((m, c) for m in modes for c in codes):
+                mode = base_mode + tag
+                out = Path(tmp) / f"{mode.replace(' ', '-').replace('(', '').replace(')', '')}-{n}"
                 env = {} if fraction is None else {"DEMONET_NET_VERIFY_SLICES": str(fraction)}
-                code, wall, err = run_up(n, args.steps, args.config, out, dht=fraction is not None, env=env)
+                code, wall, err = run_up(n, args.steps, args.config, out, dht=fraction is not None, env=env,
+                                         code=tree)
                 metrics = out / "metrics.jsonl"
                 rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
                 if code != 0 or not rows:
@@ -72,9 +79,9 @@ def main() -> None:
 
     dht_names = ("announce", "freeze", "scatter", "gather", "recover", "serve", "dht_reads", "verified")
     print_phases("where a DHT round's time goes (scatter and gather run at once)", dht_names,
-                 {key: m for key, m in results.items() if key[0] != "coordinator"})
+                 {key: m for key, m in results.items() if key[0].startswith("dht")})
     print_phases("where a coordinator round's exchange goes", COORDINATOR_PHASES,
-                 {key: m for key, m in results.items() if key[0] == "coordinator"})
+                 {key: m for key, m in results.items() if key[0].startswith("coordinator")})
 
     print()
     print("## goals")
@@ -91,9 +98,10 @@ def main() -> None:
         first, last = min(downs), max(downs)
         print(f"DHT mode: per-peer download {downs[first]:,.0f} B at {first} peers, {downs[last]:,.0f} B at {last} "
               f"peers ({downs[last] / downs[first]:.2f}x for {last / first:.0f}x the peers)")
-    for n in counts:
-        c = results.get(("coordinator", n))
-        for mode, _ in modes[1:]:
+    for n, (tag, _) in ((n, c) for n in counts for c in codes):
+        c = results.get(("coordinator" + tag, n))
+        for base_mode, _ in modes[1:]:
+            mode = base_mode + tag
             d = results.get((mode, n))
             if c and d:
                 print(f"round overhead at {n} peers: {mode} {d['overhead_slowest']:.2f}x, coordinator "

@@ -9,6 +9,7 @@ registered with it. Must not import grpc, demonet.transport.grpc or the round co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,17 +26,21 @@ from demonet.wire import identity as ids
 from demonet.wire import params as wire_params
 from demonet.wire.merge import MergeRules
 
-from . import keys, rules
+from . import keys, links, rules
 
 __all__ = ["HANDLER", "DhtOptions", "HmacValidator", "KeyValidator", "Reply", "Streams", "now", "retry"]
 
 logger = logging.getLogger(__name__)
 
-HANDLER = "demonet.dht.v3"  # v3: messages signed by the sender's key; v2: payloads as PayloadPart messages
+HANDLER = "demonet.dht.v3"  # one call per stream; v3: messages signed by the sender's key; v2: PayloadPart messages
 _PART_BYTES = 1 << 20
 _MAC_BYTES = 32
 _REPLAY_S = 600.0  # messages sent longer ago than this (by the sender's clock) are refused
 _MAX_DRAIN = 64  # messages read after a refused one, so that the refusal reaches its sender
+_MAX_OPEN_CALLS = 256  # calls on one link whose request is not whole yet
+_OWN_STREAM = frozenset({pb.DHT_KIND_PARAMS, pb.DHT_KIND_PING})
+"""Calls that get a stream of their own instead of a link: parameters (megabytes, which would hold up the
+round's calls behind them) and pings (once per peer at start, where a refusal says the token is wrong)."""
 
 
 def now() -> float:
@@ -206,7 +211,10 @@ Resolve = Callable[[str, int], Awaitable[bytes | None]]
 
 
 class Streams:
-    """Signed messages over one peer's libp2p endpoint: calls to other peers, and the handler that serves them.
+    """Signed messages over one peer's libp2p endpoint: calls to other peers, and the handlers that serve them.
+
+    A round's calls (parts, slices, checks) to a peer go over one long-lived link to it
+    (demonet.dht.links), opened at the first call; parameters and pings get a stream of their own.
 
     Every message carries its sender's Ed25519 signature and, on top, the run token's HMAC. A message
     counts only if its signature verifies against the key `book` holds for its sender (read from the
@@ -224,6 +232,11 @@ class Streams:
         self._logged: set[tuple[str, int]] = set()  # (sender, round) whose signature refusal was logged
         self.refused = 0
         """Messages refused (bad MAC, another run, replayed, unknown sender, bad signature)."""
+        self._links: dict[str, links.Link] = {}  # the links this peer opened, by the address called
+        self._opening: dict[str, asyncio.Lock] = {}
+        self._served: set[asyncio.StreamWriter] = set()  # the links other peers opened to this one
+        self.links_opened = 0
+        """Links this peer opened: one per peer called, and one more after each that broke or timed out."""
 
     def serve(self, kind: int, handler: Handler) -> None:
         """Answer requests of `kind` (a `pb.DhtKind`) with `handler`."""
@@ -232,8 +245,14 @@ class Streams:
     async def open(self) -> None:
         await self.p2p.add_protobuf_handler(HANDLER, self._handle, pb.DhtMessage, stream_input=True,
                                             stream_output=True)
+        await self.p2p.add_binary_stream_handler(links.LINK, self._serve_link)
 
     async def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        for writer in self._served:  # its handler then reads the end of the link and returns (a cancelled one
+            writer.close()            # would be logged as an error by asyncio's stream server)
+        await self.p2p.remove_binary_stream_handler(links.LINK)
         await self.p2p.remove_protobuf_handler(HANDLER, stream_input=True, stream_output=True)
 
     @staticmethod
@@ -300,35 +319,55 @@ class Streams:
 
     async def call(self, address: str, kind: int, round: int, *, timeout_s: float, data: bytes | None = None,
                    **fields: Any) -> tuple[pb.DhtMessage, bytes]:
-        """One request stream to a peer and its reply stream; returns (the first reply, the reply's data:
-        b"" for a reply without parts)."""
-        requests = self._messages(kind, round, data, **fields)
+        """One request to a peer and its reply; returns (the first reply, the reply's data: b"" for a reply
+        without parts). The request goes over this peer's link to `address` (opened at the first call), or,
+        for parameters and pings, over a stream of its own."""
         max_bytes = wire_params.MAX_PARAMETER_BYTES if kind == pb.DHT_KIND_PARAMS else wire.DEFAULT_MAX_BYTES
         parts = wire.Reassembler(max_bytes=max_bytes)
+        first: pb.DhtMessage | None = None
         whole: bytes | None = None
 
-        async def send() -> AsyncIterator[pb.DhtMessage]:
-            for msg in requests:
-                yield msg
+        async def take(msg: pb.DhtMessage) -> bool:
+            """Check and keep one reply message; True once the reply is complete."""
+            nonlocal first, whole
+            why = self._check(msg) or await self._check_sender(msg, unknown_ok=kind == pb.DHT_KIND_PING)
+            if why:
+                raise PeerUnavailable(f"refused a reply: {why}")
+            first = first or msg
+            if msg.error:
+                raise PeerUnavailable(f"refused: {msg.error}")
+            if not msg.HasField("part"):
+                return True
+            whole = parts.add(msg.part)
+            return whole is not None
 
-        first: pb.DhtMessage | None = None
+        link: links.Link | None = None
         try:
             async with asyncio.timeout(timeout_s):
-                stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(address), HANDLER, send(),
-                                                                 pb.DhtMessage)
-                async for msg in stream:
-                    why = self._check(msg) or await self._check_sender(msg, unknown_ok=kind == pb.DHT_KIND_PING)
-                    if why:
-                        raise PeerUnavailable(f"refused a reply: {why}")
-                    first = first or msg
-                    if msg.error:
-                        raise PeerUnavailable(f"refused: {msg.error}")
-                    if not msg.HasField("part"):
-                        break
-                    whole = parts.add(msg.part)
-                    if whole is not None:
-                        break
+                if kind in _OWN_STREAM:
+                    requests = self._messages(kind, round, data, **fields)
+
+                    async def send() -> AsyncIterator[pb.DhtMessage]:
+                        for msg in requests:
+                            yield msg
+
+                    stream = await self.p2p.iterate_protobuf_handler(PeerID.from_base58(address), HANDLER, send(),
+                                                                     pb.DhtMessage)
+                    async for msg in stream:
+                        if await take(msg):
+                            break
+                else:
+                    link = await self._link(address)
+                    call, replies = link.open_call()
+                    try:
+                        await link.send(self._messages(kind, round, data, call=call, **fields))
+                        while (msg := await replies.get()) is not None and not await take(msg):
+                            pass
+                    finally:
+                        link.end_call(call)
         except TimeoutError:
+            if link is not None:  # a link that lets a call time out may be dead: the next call opens another
+                link.retire()
             raise PeerUnavailable(f"no answer within {timeout_s:.1f} s") from None
         except (PeerUnavailable, InvalidPayload):
             raise
@@ -339,6 +378,30 @@ class Streams:
         if first.HasField("part") and whole is None:
             raise PeerUnavailable("the reply stream ended before its payload was whole")
         return first, whole or b""
+
+    async def _link(self, address: str) -> links.Link:
+        """This peer's link to `address`: the open one, or a new one."""
+        link = self._links.get(address)
+        if link is not None and link.usable:
+            return link
+        async with self._opening.setdefault(address, asyncio.Lock()):  # one link opened at a time per peer
+            link = self._links.get(address)
+            if link is None or not link.usable:
+                _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(address), links.LINK)
+                link = self._links[address] = links.Link(address, reader, writer)
+                self.links_opened += 1
+            return link
+
+    async def _answer(self, head: pb.DhtMessage, data: bytes | None, call: int = 0
+                      ) -> tuple[list[pb.DhtMessage], Callable[[], Awaitable[None]] | None]:
+        """The reply to a whole request (its first message, its payload) from its kind's handler, and what to
+        call once the reply went out."""
+        r = head.round
+        handler = self._handlers.get(head.kind)
+        reply = await handler(head, data) if handler is not None else Reply(error=f"unknown request kind {head.kind}")
+        if reply.error:
+            return [self._message(pb.DHT_KIND_REPLY, r, error=reply.error, call=call)], None
+        return self._messages(pb.DHT_KIND_REPLY, r, reply.data, call=call, **reply.fields), reply.sent
 
     async def _handle(self, requests: AsyncIterator[pb.DhtMessage], context: P2PContext
                       ) -> AsyncIterator[pb.DhtMessage]:
@@ -371,12 +434,76 @@ class Streams:
         if head.HasField("part") and data is None:
             yield self._message(pb.DHT_KIND_REPLY, r, error="the request's payload is not whole")
             return
-        handler = self._handlers.get(head.kind)
-        reply = await handler(head, data) if handler is not None else Reply(error=f"unknown request kind {head.kind}")
-        if reply.error:
-            yield self._message(pb.DHT_KIND_REPLY, r, error=reply.error)
-            return
-        for msg in self._messages(pb.DHT_KIND_REPLY, r, reply.data, **reply.fields):
+        msgs, sent = await self._answer(head, data)
+        for msg in msgs:
             yield msg
-        if reply.sent is not None:
-            await reply.sent()
+        if sent is not None:
+            await sent()
+
+    async def _serve_link(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve a link another peer opened: check each message as `_handle` does, and answer each whole
+        request as soon as its handler is done (several at once). A refused message is answered with the
+        refusal, and the rest of its call is dropped unread; the link goes on (as another stream would)."""
+        self._served.add(writer)
+        sending = asyncio.Lock()
+        pending: dict[int, tuple[pb.DhtMessage, wire.Reassembler]] = {}  # call -> (its first message, its parts)
+        answering: set[asyncio.Task[None]] = set()
+        refused: set[int] = set()  # calls refused (their further messages are dropped), the latest ones
+
+        async def send(msgs: list[pb.DhtMessage]) -> None:
+            data = b"".join(links.frame(m) for m in msgs)
+            async with sending:
+                writer.write(data)
+                await writer.drain()
+
+        async def answer(call: int, head: pb.DhtMessage, data: bytes | None) -> None:
+            try:
+                msgs, sent = await self._answer(head, data, call)
+            except Exception as e:  # a handler's bug: the caller gets an error, the link goes on  # noqa: BLE001
+                logger.warning("[%s] a %s request of round %d failed: %r", self.peer_id, pb.DhtKind.Name(head.kind),
+                               head.round, e)
+                msgs, sent = [self._message(pb.DHT_KIND_REPLY, head.round, error="the handler failed", call=call)], None
+            with contextlib.suppress(ConnectionError, OSError):  # the caller went away: nothing to answer
+                await send(msgs)
+                if sent is not None:
+                    await sent()
+
+        try:
+            while True:
+                msg = await links.read_frame(reader)
+                if msg.call in refused:
+                    continue
+                why = self._check(msg) or await self._check_sender(msg, unknown_ok=False)
+                head, data = msg, None
+                if not why and msg.HasField("part"):
+                    if msg.call not in pending and len(pending) >= _MAX_OPEN_CALLS:
+                        why = f"more than {_MAX_OPEN_CALLS} calls open on one link"
+                    else:
+                        head, parts = pending.setdefault(msg.call, (msg, wire.Reassembler()))
+                        try:
+                            data = parts.add(msg.part)  # None until whole; a part after that raises
+                        except InvalidPayload as e:
+                            why = f"bad part: {e}"
+                        if data is None and not why:
+                            continue
+                        pending.pop(msg.call, None)
+                if why:
+                    self._refuse(msg.sender, msg.round, info.peer_id, why)
+                    pending.pop(msg.call, None)
+                    if len(refused) >= _MAX_OPEN_CALLS:
+                        refused.clear()
+                    refused.add(msg.call)
+                    await send([self._message(pb.DHT_KIND_REPLY, msg.round, error=why, call=msg.call)])
+                    continue
+                answering.add(t := asyncio.create_task(answer(msg.call, head, data)))
+                t.add_done_callback(answering.discard)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass  # the caller closed the link
+        except InvalidPayload as e:
+            self._refuse("", 0, info.peer_id, f"bad frame: {e}")
+        finally:
+            for t in answering:
+                t.cancel()
+            with contextlib.suppress(Exception):
+                writer.close()
+            self._served.discard(writer)

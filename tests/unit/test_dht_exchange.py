@@ -2,7 +2,7 @@
 and the members' check requests. A request whose caller goes away (a killed peer drops its stream, and
 the stream's handler is cancelled) must not cancel the merge the others wait for: it did, and the
 verifier itself then died of the CancelledError (seen in the kill test). No sockets; the parts are
-held back by a stand-in for `_parts` so that the cancel lands mid-merge.
+held back by a stand-in for `_merged` so that the cancel lands mid-merge.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ async def test_a_cancelled_check_request_leaves_the_shared_merge_to_the_others(m
     started, release = asyncio.Event(), asyncio.Event()
     calls = []
 
-    async def held_parts(r: int, st_: _Round, s: int, senders: tuple[str, ...]) -> dict:
+    async def held_merge(r: int, st_: _Round, s: int, senders: tuple[str, ...]) -> None:
         calls.append((r, s, senders))
         started.set()
         await release.wait()
-        return {}  # a part is missing: the digest is None
+        return None  # a part is missing: the digest is None
 
-    monkeypatch.setattr(ex, "_parts", held_parts)
+    monkeypatch.setattr(ex, "_merged", held_merge)
     senders = ("a", "b")
     request = asyncio.ensure_future(ex._digest_over(3, st, 0, senders))  # a member's check request
     own = asyncio.ensure_future(ex._digest_over(3, st, 0, senders))  # this peer's own check
