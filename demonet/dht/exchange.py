@@ -56,6 +56,8 @@ class _Round:
     verifiers: dict[int, str] = field(default_factory=dict)  # slice -> its second owner (rules.verifiers)
     checks: dict[tuple[int, tuple[str, ...]], asyncio.Task[bytes | None]] = field(default_factory=dict)
     """As a verifier: (slice, contributors) -> the SHA-256 of that merge (None: a part is missing)."""
+    early: dict[int, asyncio.Future[tuple[tuple[str, ...], bytes] | None]] = field(default_factory=dict)
+    """Slice -> its verifier's answer to this peer's part: (every member, the SHA-256 of their merge), or None."""
     disagreed: set[int] = field(default_factory=set)  # slices whose owner and verifier disagreed
     unverified: set[int] = field(default_factory=set)  # verified slices whose verifier could not answer
     phases: dict[str, float] = field(default_factory=dict)  # Exchanged.phases
@@ -174,6 +176,7 @@ class SliceExchange:
                     st.parts.setdefault(s, {})[me] = (st.mdigest, parts[s])
                     self._cond.notify_all()
             if s in st.verifiers and st.verifiers[s] != me:
+                st.early[s] = asyncio.get_running_loop().create_future()
                 sends.append(self._send_part(r, st, s, parts[s], addresses[st.verifiers[s]]))
         t0 = time.perf_counter()
 
@@ -213,16 +216,31 @@ class SliceExchange:
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
 
     async def _send_part(self, r: int, st: _Round, s: int, data: bytes, address: str) -> None:
-        """Send this peer's rows of slice `s` (encoded) to the slice's verifier."""
-        async def send(timeout_s: float) -> None:
-            await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest,
-                                     timeout_s=timeout_s)
+        """Send this peer's rows of slice `s` (encoded) to the slice's verifier, which answers once it holds
+        every member's part with the SHA-256 of their merge (`_Round.early`): the check of the slice then
+        needs no call of its own when the owner merged the same parts."""
+        def answered(early: tuple[tuple[str, ...], bytes] | None) -> None:
+            if not st.early[s].done():  # the first answer counts; a failed try falls back to a check at once
+                st.early[s].set_result(early)
 
-        error = await retry(send, st.rs_deadline)
-        if error:
-            logger.warning("[%s round=%d] slice %d: its verifier did not take the part: %s", self.peer_id, r, s, error)
-        else:
-            st.bytes_up += len(data)
+        async def send(timeout_s: float) -> None:
+            try:
+                reply, digest = await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data,
+                                                         members_digest=st.mdigest, timeout_s=timeout_s)
+            except (PeerUnavailable, InvalidPayload):
+                answered(None)
+                raise
+            answered((tuple(reply.contributors), digest) if digest else None)
+
+        try:
+            error = await retry(send, st.ag_deadline)
+            if error:
+                logger.warning("[%s round=%d] slice %d: its verifier did not take the part: %s", self.peer_id, r, s,
+                               error)
+            else:
+                st.bytes_up += len(data)
+        finally:
+            answered(None)
 
     async def _part_and_slice(self, r: int, st: _Round, s: int, data: bytes, address: str) -> None:
         """Send this peer's rows of slice `s` (encoded) to its owner, which answers with the merged slice
@@ -328,8 +346,11 @@ class SliceExchange:
         (the verifier is gone, or lacks a part of those senders): kept unverified."""
         senders, data, _ = st.merged[s]
         verifier = st.verifiers[s]
+        early = await st.early[s] if s in st.early else None
         if verifier == self.peer_id:
             theirs = await self._digest_over(r, st, s, senders)
+        elif early is not None and early[0] == senders:  # the verifier's answer to this peer's part
+            theirs = early[1]
         else:
             try:
                 _, theirs = await self._streams.call(address, pb.DHT_KIND_CHECK, r, slice=s, contributors=list(senders),
@@ -393,7 +414,24 @@ class SliceExchange:
                     await self._cond.wait_for(lambda: st.plan is not None)
         if head.slice < len(st.owners) and st.owners[head.slice] == self.peer_id:
             return await self._serve_slice(head, None)
+        if st.verifiers.get(head.slice) == self.peer_id and head.sender in st.members:
+            return await self._answer_early(r, st, head.slice, head.sender)
         return Reply()
+
+    async def _answer_early(self, r: int, st: _Round, s: int, sender: str) -> Reply:
+        """As the verifier of slice `s`: the answer to `sender`'s part, the SHA-256 of the merge over every
+        member (`_Round.early`), or nothing if a part is missing (the sender then asks with a check)."""
+        members = tuple(sorted(st.members))
+        digest = await self._digest_over(r, st, s, members)
+        if digest is None:
+            return Reply()
+
+        async def sent() -> None:
+            async with self._cond:
+                st.asked.setdefault(s, set()).add(sender)
+                self._cond.notify_all()
+
+        return Reply(data=digest, fields={"contributors": list(members)}, sent=sent)
 
     async def _serve_slice(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
         """A merged slice, once this peer holds it (or, if not its owner, once the phase is over)."""

@@ -48,3 +48,45 @@ async def test_a_cancelled_check_request_leaves_the_shared_merge_to_the_others(m
         await request
     assert await ex._digest_over(3, st, 0, senders) is None  # kept: asked again, not merged again
     assert calls == [(3, 0, senders)]
+
+
+@pytest.mark.timeout(10)
+async def test_a_verified_slice_is_checked_with_the_verifiers_answer_to_the_part_when_the_merges_match() -> None:
+    """The verifier answers a member's part with the digest of the merge over every member (`_Round.early`):
+    a slice its owner merged over the same members is checked with it, without a check call; over other
+    senders, or with no early answer, the check call asks for the digest over the owner's senders."""
+    import hashlib
+
+    from demonet._proto import demonet_pb2 as pb
+
+    calls: list[tuple[int, tuple[str, ...]]] = []
+    ex = _exchange()
+
+    async def call(address: str, kind: int, r: int, *, slice: int, contributors: list[str], timeout_s: float
+                   ) -> tuple[pb.DhtMessage, bytes]:
+        calls.append((kind, tuple(contributors)))
+        return pb.DhtMessage(), hashlib.sha256(b"merged over " + ",".join(contributors).encode()).digest()
+
+    ex._streams = SimpleNamespace(call=call)  # type: ignore[assignment]
+
+    def round_with(senders: tuple[str, ...], early: tuple[tuple[str, ...], bytes] | None) -> _Round:
+        st = _Round(owners=["o"], members=["a", "b", "c"], verifiers={0: "v"})
+        st.merged[0] = (senders, b"merged over " + ",".join(senders).encode(), None)  # type: ignore[assignment]
+        st.early[0] = asyncio.get_running_loop().create_future()
+        st.early[0].set_result(early)
+        return st
+
+    every = ("a", "b", "c")
+    right = hashlib.sha256(b"merged over a,b,c").digest()
+    st = round_with(every, (every, right))  # the same merge: checked with the early answer alone
+    await ex._check(3, st, 0, "addr")
+    assert calls == [] and not st.disagreed and not st.unverified
+    st = round_with(every, (every, hashlib.sha256(b"another merge").digest()))  # a lie: dropped, no call either
+    await ex._check(3, st, 0, "addr")
+    assert calls == [] and st.disagreed == {0}
+    st = round_with(("a", "b"), (every, right))  # the owner merged without c: asked over its own senders
+    await ex._check(3, st, 0, "addr")
+    assert calls == [(pb.DHT_KIND_CHECK, ("a", "b"))] and not st.disagreed and not st.unverified
+    st = round_with(every, None)  # no early answer (the verifier lacked a part, or did not answer): asked
+    await ex._check(3, st, 0, "addr")
+    assert calls[1:] == [(pb.DHT_KIND_CHECK, every)] and not st.disagreed
