@@ -85,9 +85,9 @@ class Exchanged:
     checked: int = 0
     """Slices whose merge this peer checked against a verifier's (and found equal or not)."""
     phases: Mapping[str, float] = field(default_factory=dict)
-    """Seconds of the exchange's phases: ``scatter`` (until the parts are sent and this peer's slices
-    merged) and ``gather`` (until the merged slices are fetched), both from the exchange's start (they
-    run at once; each verified slice is checked as soon as it is merged or fetched); then ``recover``
+    """Seconds of the exchange's phases: ``scatter`` (until the parts are sent, their verifiers answered, and
+    this peer's slices merged) and ``gather`` (until the merged slices are fetched), both from the exchange's
+    start (they run at once; each verified slice is checked as soon as it is merged or fetched); then ``recover``
     (slices the owner did not deliver asked from the others) and ``serve`` (waiting for the others to
     fetch this peer's slices)."""
 
