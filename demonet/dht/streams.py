@@ -460,8 +460,8 @@ class Streams:
             try:
                 msgs, sent = await self._answer(head, data, call)
             except Exception as e:  # a handler's bug: the caller gets an error, the link goes on  # noqa: BLE001
-                logger.warning("[%s] a %s request of round %d failed: %r", self.peer_id, pb.DhtKind.Name(head.kind),
-                               head.round, e)
+                logger.warning("[%s] a request of kind %d, round %d, failed: %r", self.peer_id, head.kind, head.round,
+                               e)
                 msgs, sent = [self._message(pb.DHT_KIND_REPLY, head.round, error="the handler failed", call=call)], None
             with contextlib.suppress(ConnectionError, OSError):  # the caller went away: nothing to answer
                 await send(msgs)
