@@ -1,7 +1,8 @@
 """Links: one long-lived libp2p stream from a peer to another that carries all of its calls to it.
 
-Net layer under demonet.dht.streams, which signs, checks and dispatches the messages; this module only
-frames them and routes replies to their calls. A stream opened per call costs a negotiation through both
+Net layer under demonet.dht.streams, which signs and checks the messages and answers the requests; this
+module frames them, routes replies to their calls (`Link`), and serves the links other peers open
+(`serve`). A stream opened per call costs a negotiation through both
 peers' p2pd daemons and a new connection to each daemon: about 2 ms of CPU a call on loopback
 (`bench/dht_links.py`), and a round trip on a slow link. A link is opened once, at the first call to a
 peer; each message on it is framed by its length and names its call (`DhtMessage.call`), so that several
@@ -17,13 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
+from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 
-__all__ = ["LINK", "MAX_FRAME_BYTES", "Link", "frame", "read_frame"]
+__all__ = ["LINK", "MAX_FRAME_BYTES", "Link", "Served", "frame", "read_frame", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,8 @@ LINK = "demonet.dht.link.v1"
 """The libp2p protocol of links (one call per stream: `demonet.dht.streams.HANDLER`)."""
 MAX_FRAME_BYTES = (1 << 20) + (1 << 16)
 """A message's largest serialized size: a 1 MiB `PayloadPart` and its header fields."""
+MAX_OPEN_CALLS = 256
+"""Calls on one link whose request is not whole yet; a call past that is refused."""
 _LENGTH_BYTES = 4
 
 
@@ -127,3 +133,81 @@ class Link:
                 queue.put_nowait(None)
             with contextlib.suppress(Exception):
                 self._writer.close()
+
+
+class Served(Protocol):
+    """What `serve` asks of the peer it serves for (`demonet.dht.streams.Streams`)."""
+
+    async def refusal(self, msg: pb.DhtMessage, why: str, remote: object, call: int) -> pb.DhtMessage | None:
+        """None if `msg` is good (and `why` empty), else the error reply to send (the refusal counted and logged)."""
+
+    async def answer(self, head: pb.DhtMessage, data: bytes | None, call: int
+                      ) -> tuple[list[pb.DhtMessage], Callable[[], Awaitable[None]] | None]:
+        """The reply to a whole request, and what to call once it went out."""
+
+    def failure(self, head: pb.DhtMessage, call: int, error: Exception) -> pb.DhtMessage:
+        """The error reply to a request whose handler raised."""
+
+
+async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Serve a link another peer opened until it closes: check each message, gather a request's parts, and
+    answer each whole request as soon as its handler is done (several at once). A refused message is
+    answered with the refusal, and the rest of its call is dropped unread; the link goes on (as another
+    stream would). A bad frame ends the link."""
+    sending = asyncio.Lock()
+    pending: dict[int, tuple[pb.DhtMessage, wire.Reassembler]] = {}  # call -> (its first message, its parts)
+    answering: set[asyncio.Task[None]] = set()
+    refused: set[int] = set()  # calls refused (their further messages are dropped), the latest ones
+
+    async def send(msgs: list[pb.DhtMessage]) -> None:
+        data = b"".join(frame(m) for m in msgs)
+        async with sending:
+            writer.write(data)
+            await writer.drain()
+
+    async def answer(call: int, head: pb.DhtMessage, data: bytes | None) -> None:
+        try:
+            msgs, sent = await peer.answer(head, data, call)
+        except Exception as e:  # a handler's bug: the caller gets an error, the link goes on  # noqa: BLE001
+            msgs, sent = [peer.failure(head, call, e)], None
+        with contextlib.suppress(ConnectionError, OSError):  # the caller went away: nothing to answer
+            await send(msgs)
+            if sent is not None:
+                await sent()
+
+    try:
+        while True:
+            msg = await read_frame(reader)
+            if msg.call in refused:
+                continue
+            head, data, why = msg, None, ""
+            if msg.HasField("part") and msg.call not in pending and len(pending) >= MAX_OPEN_CALLS:
+                why = f"more than {MAX_OPEN_CALLS} calls open on one link"
+            refusal = await peer.refusal(msg, why, remote, msg.call)
+            if refusal is None and msg.HasField("part"):
+                head, parts = pending.setdefault(msg.call, (msg, wire.Reassembler()))
+                try:
+                    data = parts.add(msg.part)  # None until whole; a part after that raises
+                except InvalidPayload as e:
+                    refusal = await peer.refusal(msg, f"bad part: {e}", remote, msg.call)
+                if refusal is None and data is None:
+                    continue
+                pending.pop(msg.call, None)
+            if refusal is not None:
+                pending.pop(msg.call, None)
+                if len(refused) >= MAX_OPEN_CALLS:
+                    refused.clear()
+                refused.add(msg.call)
+                await send([refusal])
+                continue
+            answering.add(task := asyncio.create_task(answer(msg.call, head, data)))
+            task.add_done_callback(answering.discard)
+    except (asyncio.IncompleteReadError, ConnectionError, OSError):
+        pass  # the caller closed the link
+    except InvalidPayload as e:
+        logger.warning("a link from %s sent a bad frame, closing it: %s", remote, e)
+    finally:
+        for task in answering:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            writer.close()

@@ -9,7 +9,6 @@ registered with it. Must not import grpc, demonet.transport.grpc or the round co
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,7 +36,6 @@ _PART_BYTES = 1 << 20
 _MAC_BYTES = 32
 _REPLAY_S = 600.0  # messages sent longer ago than this (by the sender's clock) are refused
 _MAX_DRAIN = 64  # messages read after a refused one, so that the refusal reaches its sender
-_MAX_OPEN_CALLS = 256  # calls on one link whose request is not whole yet
 _OWN_STREAM = frozenset({pb.DHT_KIND_PARAMS, pb.DHT_KIND_PING})
 """Calls that get a stream of their own instead of a link: parameters (megabytes, which would hold up the
 round's calls behind them) and pings (once per peer at start, where a refusal says the token is wrong)."""
@@ -392,10 +390,10 @@ class Streams:
                 self.links_opened += 1
             return link
 
-    async def _answer(self, head: pb.DhtMessage, data: bytes | None, call: int = 0
+    async def answer(self, head: pb.DhtMessage, data: bytes | None, call: int = 0
                       ) -> tuple[list[pb.DhtMessage], Callable[[], Awaitable[None]] | None]:
         """The reply to a whole request (its first message, its payload) from its kind's handler, and what to
-        call once the reply went out."""
+        call once the reply went out (`links.Served`)."""
         r = head.round
         handler = self._handlers.get(head.kind)
         reply = await handler(head, data) if handler is not None else Reply(error=f"unknown request kind {head.kind}")
@@ -434,76 +432,29 @@ class Streams:
         if head.HasField("part") and data is None:
             yield self._message(pb.DHT_KIND_REPLY, r, error="the request's payload is not whole")
             return
-        msgs, sent = await self._answer(head, data)
+        msgs, sent = await self.answer(head, data)
         for msg in msgs:
             yield msg
         if sent is not None:
             await sent()
 
     async def _serve_link(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Serve a link another peer opened: check each message as `_handle` does, and answer each whole
-        request as soon as its handler is done (several at once). A refused message is answered with the
-        refusal, and the rest of its call is dropped unread; the link goes on (as another stream would)."""
+        """Serve a link another peer opened (`links.serve`): each message checked as `_handle` checks it."""
         self._served.add(writer)
-        sending = asyncio.Lock()
-        pending: dict[int, tuple[pb.DhtMessage, wire.Reassembler]] = {}  # call -> (its first message, its parts)
-        answering: set[asyncio.Task[None]] = set()
-        refused: set[int] = set()  # calls refused (their further messages are dropped), the latest ones
-
-        async def send(msgs: list[pb.DhtMessage]) -> None:
-            data = b"".join(links.frame(m) for m in msgs)
-            async with sending:
-                writer.write(data)
-                await writer.drain()
-
-        async def answer(call: int, head: pb.DhtMessage, data: bytes | None) -> None:
-            try:
-                msgs, sent = await self._answer(head, data, call)
-            except Exception as e:  # a handler's bug: the caller gets an error, the link goes on  # noqa: BLE001
-                logger.warning("[%s] a request of kind %d, round %d, failed: %r", self.peer_id, head.kind, head.round,
-                               e)
-                msgs, sent = [self._message(pb.DHT_KIND_REPLY, head.round, error="the handler failed", call=call)], None
-            with contextlib.suppress(ConnectionError, OSError):  # the caller went away: nothing to answer
-                await send(msgs)
-                if sent is not None:
-                    await sent()
-
         try:
-            while True:
-                msg = await links.read_frame(reader)
-                if msg.call in refused:
-                    continue
-                why = self._check(msg) or await self._check_sender(msg, unknown_ok=False)
-                head, data = msg, None
-                if not why and msg.HasField("part"):
-                    if msg.call not in pending and len(pending) >= _MAX_OPEN_CALLS:
-                        why = f"more than {_MAX_OPEN_CALLS} calls open on one link"
-                    else:
-                        head, parts = pending.setdefault(msg.call, (msg, wire.Reassembler()))
-                        try:
-                            data = parts.add(msg.part)  # None until whole; a part after that raises
-                        except InvalidPayload as e:
-                            why = f"bad part: {e}"
-                        if data is None and not why:
-                            continue
-                        pending.pop(msg.call, None)
-                if why:
-                    self._refuse(msg.sender, msg.round, info.peer_id, why)
-                    pending.pop(msg.call, None)
-                    if len(refused) >= _MAX_OPEN_CALLS:
-                        refused.clear()
-                    refused.add(msg.call)
-                    await send([self._message(pb.DHT_KIND_REPLY, msg.round, error=why, call=msg.call)])
-                    continue
-                answering.add(t := asyncio.create_task(answer(msg.call, head, data)))
-                t.add_done_callback(answering.discard)
-        except (asyncio.IncompleteReadError, ConnectionError, OSError):
-            pass  # the caller closed the link
-        except InvalidPayload as e:
-            self._refuse("", 0, info.peer_id, f"bad frame: {e}")
+            await links.serve(self, info.peer_id, reader, writer)
         finally:
-            for t in answering:
-                t.cancel()
-            with contextlib.suppress(Exception):
-                writer.close()
             self._served.discard(writer)
+
+    async def refusal(self, msg: pb.DhtMessage, why: str, remote: object, call: int) -> pb.DhtMessage | None:
+        """`links.Served`: why `msg` is refused ('' if it is good); a refusal is counted, logged and answered."""
+        why = why or self._check(msg) or await self._check_sender(msg, unknown_ok=False)
+        if not why:
+            return None
+        self._refuse(msg.sender, msg.round, remote, why)
+        return self._message(pb.DHT_KIND_REPLY, msg.round, error=why, call=call)
+
+    def failure(self, head: pb.DhtMessage, call: int, error: Exception) -> pb.DhtMessage:
+        """`links.Served`: the answer to a request whose handler raised (a bug: logged)."""
+        logger.warning("[%s] a request of kind %d, round %d, failed: %r", self.peer_id, head.kind, head.round, error)
+        return self._message(pb.DHT_KIND_REPLY, head.round, error="the handler failed", call=call)
