@@ -15,7 +15,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -426,12 +426,16 @@ class SliceExchange:
         if digest is None:
             return Reply()
 
+        return Reply(data=digest, fields={"contributors": list(members)}, sent=self._answered(st, s, sender))
+
+    def _answered(self, st: _Round, s: int, sender: str) -> Callable[[], Awaitable[None]]:
+        """What a verifier calls once `sender` got its digest of slice `s`: `sender` is answered (`_Round.asked`)."""
         async def sent() -> None:
             async with self._cond:
                 st.asked.setdefault(s, set()).add(sender)
                 self._cond.notify_all()
 
-        return Reply(data=digest, fields={"contributors": list(members)}, sent=sent)
+        return sent
 
     async def _serve_slice(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
         """A merged slice, once this peer holds it (or, if not its owner, once the phase is over)."""
@@ -488,9 +492,4 @@ class SliceExchange:
         if digest is None:
             return Reply(error=f"cannot check slice {s}: a part of those senders is missing here")
 
-        async def sent() -> None:
-            async with self._cond:
-                st.asked.setdefault(s, set()).add(head.sender)
-                self._cond.notify_all()
-
-        return Reply(data=digest, sent=sent)
+        return Reply(data=digest, sent=self._answered(st, s, head.sender))

@@ -66,6 +66,14 @@ async def read_frame(reader: asyncio.StreamReader) -> pb.DhtMessage:
     return msg
 
 
+async def send(writer: asyncio.StreamWriter, lock: asyncio.Lock, msgs: list[pb.DhtMessage]) -> None:
+    """Write one call's messages on a link, together: `lock` keeps the calls' messages from interleaving."""
+    data = b"".join(frame(m) for m in msgs)
+    async with lock:
+        writer.write(data)
+        await writer.drain()
+
+
 class Link:
     """The calling end of one link: sends a call's messages, and routes each reply to its call by id.
 
@@ -98,11 +106,8 @@ class Link:
             self.close()
 
     async def send(self, msgs: list[pb.DhtMessage]) -> None:
-        """Write a call's messages, together (the calls' messages do not interleave within a send)."""
-        data = b"".join(frame(m) for m in msgs)
-        async with self._sending:
-            self._writer.write(data)
-            await self._writer.drain()
+        """Write a call's messages, together."""
+        await send(self._writer, self._sending, msgs)
 
     def retire(self) -> None:
         """Take no new call; close once the calls on it ended."""
@@ -159,19 +164,13 @@ async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writ
     answering: set[asyncio.Task[None]] = set()
     refused: set[int] = set()  # calls refused (their further messages are dropped), the latest ones
 
-    async def send(msgs: list[pb.DhtMessage]) -> None:
-        data = b"".join(frame(m) for m in msgs)
-        async with sending:
-            writer.write(data)
-            await writer.drain()
-
     async def answer(call: int, head: pb.DhtMessage, data: bytes | None) -> None:
         try:
             msgs, sent = await peer.answer(head, data, call)
         except Exception as e:  # a handler's bug: the caller gets an error, the link goes on  # noqa: BLE001
             msgs, sent = [peer.failure(head, call, e)], None
         with contextlib.suppress(ConnectionError, OSError):  # the caller went away: nothing to answer
-            await send(msgs)
+            await send(writer, sending, msgs)
             if sent is not None:
                 await sent()
 
@@ -198,7 +197,7 @@ async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writ
                 if len(refused) >= MAX_OPEN_CALLS:
                     refused.clear()
                 refused.add(msg.call)
-                await send([refusal])
+                await send(writer, sending, [refusal])
                 continue
             answering.add(task := asyncio.create_task(answer(msg.call, head, data)))
             task.add_done_callback(answering.discard)
