@@ -66,12 +66,14 @@ class RoundBoard:
         """Owner -> the latest round in which this peer saw a slice of it disagree with its verifier; told
         to the others in its announcements for ``exclude_rounds`` rounds after."""
         self.timing: dict[str, float] = {}
-        """The last `enter`'s seconds: ``announce`` (the store, until every node confirmed it) and ``freeze``
-        (from the store's start until the freeze is final: the two overlap)."""
+        """The last `enter`'s seconds: ``announce`` (the store, until every node confirmed it; set when they
+        did) and ``freeze`` (from the store's start until the freeze is final: the two overlap)."""
         self.on_minority: Callable[[int, bool], None] = lambda round, minority: None
         """Told when this peer starts (True) and stops (False) waiting for a majority in a round."""
         self._reconnecting: asyncio.Task[Any] | None = None  # a waiting peer's pings to its base
-        self._storing: asyncio.Task[None] | None = None  # the last announcement's store, beside its freeze
+        # This peer's announcement stores not yet confirmed by every node (each bounded by exchange_timeout_s).
+        self._storing: set[asyncio.Task[None]] = set()
+        self._entered = 0.0  # when the last `enter` started its store (perf_counter)
         self._steady = False  # the last freeze was complete, without a wait: its records all arrived here
 
     @property
@@ -175,28 +177,40 @@ class RoundBoard:
             announcement["reports"] = dict(self.reports)
         self._announcements = {q: a for q, a in self._announcements.items() if q > r - _KEEP_ROUNDS}
         self._announcements[r] = announcement
-        await self.stored()
-        # The freeze does not wait for the store's confirmations: the record is on this node at once, and on
-        # the others as their calls arrive (the last peer to announce would otherwise wait for the answers
-        # before its exchange starts, on every round's critical path). `stored` awaits it.
-        t0 = time.perf_counter()
-        self.timing = {}
+        # Neither the freeze nor anything after it waits for the store's confirmations: the record is on this
+        # node at once, and on the others as their calls arrive (the last peer to announce would otherwise
+        # wait for the answers before its exchange starts, on every round's critical path). Nor does the
+        # next announcement wait for this one's: a node that does not answer (just healed, its connection
+        # not yet back) holds a store up to exchange_timeout_s, and a majority peer held that long would
+        # announce after the others froze without it (seen in the heal test: 10 s and 300 rounds lost).
+        t0 = self._entered = time.perf_counter()
+        timing = self.timing = {}
         peers = (self.expected.get(r) or set()) | self.previous.get(r, set())
-        self._storing = asyncio.create_task(self._node.store_many(
+        storing = asyncio.create_task(self._node.store_many(
             {self._node.key("members", r): announcement, **self.state_records(r, digest)},
             also=[self.addresses[p] for p in peers if p in self.addresses and p != self._node.peer_id]))
-        self._storing.add_done_callback(lambda _: self.timing.__setitem__("announce", time.perf_counter() - t0))
+        self._storing.add(storing)
+
+        def confirmed(task: asyncio.Task[None]) -> None:
+            self._storing.discard(task)
+            timing["announce"] = time.perf_counter() - t0
+
+        storing.add_done_callback(confirmed)
         frozen, announced = await self._freeze(r)
-        self.timing["freeze"] = time.perf_counter() - t0
+        timing["freeze"] = time.perf_counter() - t0
         if self._node.peer_id not in frozen.members:
             raise NotMember(f"round {r} froze without this peer (announced too late)")
         return frozen, announced
 
     async def stored(self) -> None:
-        """Wait for the last announcement's store (a failed one is logged by `DhtNode.store_many`)."""
-        if self._storing is not None:
-            storing, self._storing = self._storing, None
-            await storing
+        """Wait for this peer's announcement stores still on their way (a failed one is logged by
+        `DhtNode.store_many`), before the node closes."""
+        await asyncio.gather(*self._storing, return_exceptions=True)
+
+    def phases(self) -> dict[str, float]:
+        """The last `enter`'s `timing`, for the round's metrics row: where its store is not confirmed yet,
+        ``announce`` is the time so far. ``stores_pending``: this peer's stores not confirmed yet."""
+        return {"announce": time.perf_counter() - self._entered, **self.timing, "stores_pending": len(self._storing)}
 
     def joiners(self, r: int, freeze_deadline: float) -> set[str]:
         """The peers admitted at round `r`: registered for it before the previous round's freeze, less

@@ -218,8 +218,7 @@ class DhtGatherer:
         if view is not None:
             view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners, aborted=not applies,
                            bytes_up=done.bytes_up, bytes_down=done.bytes_down)
-        await board.stored()  # long done: the exchange took longer than the store
-        phases = {**board.timing, **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
+        phases = {**board.phases(), **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
         if not applies:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
                                bytes_up=done.bytes_up, bytes_down=done.bytes_down, phases=phases)

@@ -97,6 +97,13 @@ class DhtCluster(CoordinatorCluster):
             assert len(set(digests.values())) == 1, f"round {round_}: {digests}"
         return by_round
 
+    def notable(self, peer: str, last: int = 40) -> str:
+        """The peer's last warnings, errors and membership changes (catching up, loads, resyncs), across
+        restarts: what a failure message needs to tell why a peer lost rounds."""
+        text = "".join(self.log(p.log_name) for p in self.peers[peer].procs)  # type: ignore[attr-defined]
+        keep = re.compile(r" (WARN|WARNING|ERROR) |catching up|loaded from|Resync|NotMember|registered|admitted")
+        return "\n".join([line for line in text.splitlines() if keep.search(line)][-last:])
+
     def loaded(self, peer: str) -> list[tuple[int, str]]:
         """(round, digest prefix) of every parameter download the peer logged, across restarts."""
         text = "".join(self.log(p.log_name) for p in self.peers[peer].procs)  # type: ignore[attr-defined]

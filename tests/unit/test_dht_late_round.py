@@ -104,3 +104,59 @@ def test_a_round_applies_only_with_the_payloads_of_a_majority_of_the_base(got: t
     assert c.aborted is not applies
     assert c.aggregate == ("payload-c" if applies else None)
     assert c.contributors == (got if applies else ())
+
+
+# -- a node that holds stores: the next rounds do not wait for their confirmations -------------------------
+
+
+class _HeldStores(_FakeNode):
+    """A node whose stores reach the others at once but are confirmed only once `release` is set: a node of
+    the routing table does not answer (a healed peer whose connection is not back yet)."""
+
+    release: asyncio.Event
+
+    async def store_many(self, values: dict[str, dict[str, Any]], also: Any = ()) -> None:
+        await super().store_many(values, also)
+        await self.release.wait()
+
+
+@pytest.mark.timeout(20)
+def test_a_peer_announces_its_next_rounds_while_a_node_holds_its_stores() -> None:
+    """Each round's store runs on by itself: neither the round's end nor the next announcement waits for it
+    (a majority peer held there announced after the others froze without it, and lost 10 s). Closing waits
+    for the stores still on their way."""
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    held = _HeldStores("a", records)
+    boards = {}
+    for node in (held, _FakeNode("b", records)):
+        node.opts = DhtOptions(run="r", token="t", window_s=5.0, settle_s=0.0, leave_after_s=60.0)
+        boards[node.peer_id] = RoundBoard(node)  # type: ignore[arg-type]
+        boards[node.peer_id].expected[1] = boards[node.peer_id].previous[1] = {"a", "b"}
+
+    async def member(p: str) -> list[tuple[Any, dict[str, float]]]:
+        board, out = boards[p], []
+        for r in range(1, 6):
+            frozen, _ = await board.enter(r, "d")
+            out.append((frozen, board.phases()))
+            board.previous[r + 1] = board.expected[r + 1] = set(frozen.members)
+        return out
+
+    async def run() -> tuple[list[Any], list[Any], bool]:
+        held.release = asyncio.Event()
+        async with asyncio.timeout(10.0):  # no store is ever confirmed meanwhile: no round may wait for one
+            a, b = await asyncio.gather(member("a"), member("b"))
+        closing = asyncio.create_task(boards["a"].stored())
+        await asyncio.sleep(0.1)
+        waited = not closing.done()
+        held.release.set()
+        await closing
+        return a, b, waited
+
+    a, b, waited = asyncio.run(run())
+    for rounds in (a, b):
+        assert [f.members for f, _ in rounds] == [("a", "b")] * 5
+        assert all(f.complete and f.majority for f, _ in rounds)  # each in time, its window never reached
+    # a's five stores were all held; its rows say so, with `announce` the time so far
+    assert [ph["stores_pending"] for _, ph in a] == [1, 2, 3, 4, 5] and all("announce" in ph for _, ph in a)
+    assert [ph["stores_pending"] for _, ph in b] == [0] * 5 and all("announce" in ph for _, ph in b)
+    assert waited and not boards["a"]._storing  # closing waited for them, and they were confirmed then
