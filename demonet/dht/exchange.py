@@ -27,7 +27,7 @@ from demonet.wire.merge import Merged, decode_contribution, merge
 
 from . import rules
 from .node import DhtNode
-from .streams import Reply, now, retry
+from .streams import NoAnswer, Reply, now, retry
 
 __all__ = ["Exchanged", "SliceExchange"]
 
@@ -60,6 +60,7 @@ class _Round:
     """Slice -> its verifier's answer to this peer's part: (every member, the SHA-256 of their merge), or None."""
     disagreed: set[int] = field(default_factory=set)  # slices whose owner and verifier disagreed
     unverified: set[int] = field(default_factory=set)  # verified slices whose verifier could not answer
+    silent: set[str] = field(default_factory=set)  # peers that let a call of the exchange time out (`NoAnswer`)
     phases: dict[str, float] = field(default_factory=dict)  # Exchanged.phases
     bytes_up: int = 0
     bytes_down: int = 0
@@ -197,9 +198,7 @@ class SliceExchange:
         t1 = time.perf_counter()
         missing = [s for s in range(plan.n) if s not in st.merged]
         if missing:  # ask the other members (the owner last) for what the owner could not deliver
-            holders = [p for p in st.owners if p != me]
-            await asyncio.gather(*(verified(s, self._fetch_from_holders(
-                r, st, s, [addresses[p] for p in sorted(holders, key=lambda p: p == st.owners[s])])) for s in missing))
+            await asyncio.gather(*(verified(s, self._fetch_from_holders(r, st, s, addresses)) for s in missing))
         t2 = time.perf_counter()
         st.phases["recover"] = t2 - t1
         # Stay until every member has fetched our slices and had its checks answered (or the phase
@@ -227,7 +226,9 @@ class SliceExchange:
             try:
                 reply, digest = await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data,
                                                          members_digest=st.mdigest, timeout_s=timeout_s)
-            except (PeerUnavailable, InvalidPayload):
+            except (PeerUnavailable, InvalidPayload) as e:
+                if isinstance(e, NoAnswer):  # before the check wakes up: it makes no call to a silent verifier
+                    st.silent.add(st.verifiers[s])
                 answered(None)
                 raise
             answered((tuple(reply.contributors), digest) if digest else None)
@@ -261,6 +262,8 @@ class SliceExchange:
                 await self._fetch(r, st, s, address, timeout_s=max(0.1, st.ag_deadline - now()))
 
         error = await retry(attempt, st.ag_deadline)
+        if isinstance(error, NoAnswer):
+            st.silent.add(st.owners[s])
         if error:
             logger.warning("[%s round=%d] slice %d: not from its owner: %s", self.peer_id, r, s, error)
 
@@ -351,6 +354,10 @@ class SliceExchange:
             theirs = await self._digest_over(r, st, s, senders)
         elif early is not None and early[0] == senders:  # the verifier's answer to this peer's part
             theirs = early[1]
+        elif verifier in st.silent:  # it let this peer's part time out: a check call would wait as long again
+            theirs = None
+            logger.info("[%s round=%d] slice %d: its verifier %s did not answer the part; not checked", self.peer_id,
+                        r, s, verifier)
         else:
             try:
                 _, theirs = await self._streams.call(address, pb.DHT_KIND_CHECK, r, slice=s, contributors=list(senders),
@@ -367,11 +374,19 @@ class SliceExchange:
             logger.warning("[%s round=%d] slice %d: its owner %s and its verifier %s disagree; dropped this round, "
                            "both reported", self.peer_id, r, s, st.owners[s], verifier)
 
-    async def _fetch_from_holders(self, r: int, st: _Round, s: int, addresses: list[str]) -> None:
+    def _holders(self, st: _Round, s: int) -> list[str]:
+        """Whom to ask for missing slice `s` after the exchange: the other owners, its own owner last. A peer
+        that let a call of the exchange time out (cut off, or stalled) is not asked: asking would only wait
+        `exchange_timeout_s` more (a dead peer refuses at once, and is asked)."""
+        owner = st.owners[s]
+        others = [p for p in st.owners if p not in (self.peer_id, owner, *st.silent)]
+        return others if owner in st.silent or owner == self.peer_id else [*others, owner]
+
+    async def _fetch_from_holders(self, r: int, st: _Round, s: int, addresses: Mapping[str, str]) -> None:
         await asyncio.sleep(max(0.0, st.ag_deadline - now()))  # holders answer for good only after it
-        for address in addresses:
+        for p in self._holders(st, s):
             with contextlib.suppress(PeerUnavailable, InvalidPayload):
-                await self._fetch(r, st, s, address, timeout_s=self.opts.exchange_timeout_s)
+                await self._fetch(r, st, s, addresses[p], timeout_s=self.opts.exchange_timeout_s)
                 return
 
     async def _fetch(self, r: int, st: _Round, s: int, address: str, *, timeout_s: float) -> None:

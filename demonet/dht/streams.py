@@ -27,7 +27,7 @@ from demonet.wire.merge import MergeRules
 
 from . import keys, links, rules
 
-__all__ = ["HANDLER", "DhtOptions", "HmacValidator", "KeyValidator", "Reply", "Streams", "now", "retry"]
+__all__ = ["HANDLER", "DhtOptions", "HmacValidator", "KeyValidator", "NoAnswer", "Reply", "Streams", "now", "retry"]
 
 logger = logging.getLogger(__name__)
 
@@ -188,16 +188,20 @@ Handler = Callable[[pb.DhtMessage, bytes | None], Awaitable[Reply]]
 """Serves one request kind: (the request's first message, the request's data) -> the reply."""
 
 
-async def retry(attempt: Callable[[float], Awaitable[Any]], deadline: float) -> str:
+class NoAnswer(PeerUnavailable):
+    """A call that timed out: the peer is silent (cut off, or stalled), not gone (its stream did not break)."""
+
+
+async def retry(attempt: Callable[[float], Awaitable[Any]], deadline: float) -> PeerUnavailable | InvalidPayload | None:
     """Run `attempt(timeout_s)` until it succeeds or `deadline` (DHT time) passes; returns the last
-    error ('' on success). A stream can break while both peers are fine, so one failure is not final."""
-    delay_s, error = 0.05, ""
+    error (None on success). A stream can break while both peers are fine, so one failure is not final."""
+    delay_s = 0.05
     while True:
         try:
             await attempt(max(0.1, deadline - now()))
-            return ""
+            return None
         except (PeerUnavailable, InvalidPayload) as e:
-            error = str(e)
+            error = e
         if now() + delay_s >= deadline:
             return error
         await asyncio.sleep(delay_s)
@@ -366,7 +370,7 @@ class Streams:
         except TimeoutError:
             if link is not None:  # a link that lets a call time out may be dead: the next call opens another
                 link.retire()
-            raise PeerUnavailable(f"no answer within {timeout_s:.1f} s") from None
+            raise NoAnswer(f"no answer within {timeout_s:.1f} s") from None
         except (PeerUnavailable, InvalidPayload):
             raise
         except Exception as e:  # hivemind's P2P raises its own errors (daemon, handler, connection) for a lost peer

@@ -90,3 +90,45 @@ async def test_a_verified_slice_is_checked_with_the_verifiers_answer_to_the_part
     st = round_with(every, None)  # no early answer (the verifier lacked a part, or did not answer): asked
     await ex._check(3, st, 0, "addr")
     assert calls[1:] == [(pb.DHT_KIND_CHECK, every)] and not st.disagreed
+
+
+@pytest.mark.timeout(10)
+async def test_a_peer_that_let_a_call_time_out_is_not_asked_again_in_the_round() -> None:
+    """A peer that did not answer a call of the exchange (`NoAnswer`: cut off, or stalled) is not asked
+    again after it, which would wait `exchange_timeout_s` more each time: a missing slice is asked from the
+    other owners only (its own owner last, if it answered), and a slice whose verifier let this peer's
+    part time out is kept unverified without a check call. A peer whose stream broke (a dead one refuses
+    at once) still is asked."""
+    import hashlib
+
+    from demonet.dht.streams import NoAnswer, now
+    from demonet.errors import PeerUnavailable
+
+    ex = _exchange()  # peer "a"
+    st = _Round(owners=["a", "b", "c", "d"], members=["a", "b", "c", "d"], verifiers={1: "d", 2: "b"},
+                ag_deadline=now() + 0.3)
+    assert ex._holders(st, 1) == ["c", "d", "b"] and ex._holders(st, 0) == ["b", "c", "d"]
+    calls: list[tuple[str, int]] = []
+
+    async def call(address: str, kind: int, *_: object, **__: object) -> tuple[object, bytes]:
+        calls.append((address, kind))
+        if address == "addr-b":
+            raise NoAnswer("no answer within 0.3 s")
+        if address == "addr-c":
+            raise PeerUnavailable("the link closed")
+        return SimpleNamespace(contributors=[]), hashlib.sha256(b"merged").digest()
+
+    ex._streams = SimpleNamespace(call=call)  # type: ignore[assignment]
+    await ex._part_and_slice(4, st, 1, b"part", "addr-b")  # b owns slice 1: silent
+    await ex._part_and_slice(4, st, 2, b"part", "addr-c")  # c owns slice 2: its link broke
+    assert st.silent == {"b"} and not st.merged
+    assert ex._holders(st, 1) == ["c", "d"]  # not b, its silent owner
+    assert ex._holders(st, 2) == ["d", "c"] and ex._holders(st, 3) == ["c", "d"]  # a silent b is asked for nothing
+
+    for s in (1, 2):  # slice 1's verifier d answers the check; slice 2's verifier b is silent
+        st.merged[s] = (("a", "b", "c", "d"), b"merged", None)  # type: ignore[assignment]
+    calls.clear()
+    await ex._check(4, st, 1, "addr-d")
+    await ex._check(4, st, 2, "addr-b")
+    assert [address for address, _ in calls] == ["addr-d"]  # no call to b
+    assert st.unverified == {2} and not st.disagreed
