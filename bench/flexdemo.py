@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from demonet.flex.__main__ import end_process
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.procs
 
 from tests.procs import free_port  # noqa: E402
@@ -124,6 +126,7 @@ def _worker(rank: int, mode: str, lr: float, args: argparse.Namespace, port: int
             "rank0_param_bytes": mem["param_bytes"], "rank0_state_bytes": mem["state_bytes"],
             "train_s": train_s, "losses": losses}))
     dist.destroy_process_group()
+    end_process(0)  # not while gloo's threads may want the GIL: a finalizing interpreter aborts (see end_process)
 
 
 def _run(mode: str, lr: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:

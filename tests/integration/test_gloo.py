@@ -39,6 +39,7 @@ def _grads(params: list[torch.nn.Parameter], step: int, rank: int) -> None:
 
 
 def _worker(rank: int, port: int, out_dir: str, bloc97: str | None) -> None:
+    from demonet.flex.__main__ import end_process
     from demonet.optim import DeMo
     from tests.reference_demo import ReferenceDeMo
 
@@ -82,6 +83,7 @@ def _worker(rank: int, port: int, out_dir: str, bloc97: str | None) -> None:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    end_process(0)  # not while gloo's threads may want the GIL: a finalizing interpreter aborts (see end_process)
 
 
 def _run(tmp_path: Path, bloc97: str | None) -> list[dict[str, object]]:

@@ -158,4 +158,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from demonet.flex.__main__ import end_process
+
+    end_process(main())  # a ddp rank: not while gloo's threads may want the GIL (see end_process)
