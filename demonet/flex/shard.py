@@ -339,7 +339,8 @@ class FlexTrainer(DeMoSteps):
         """The node's checkpoint folder, and `meta` (round, resyncs) beside it as JSON."""
         if self.checkpoint is None:
             return
-        self.save_folder(self.checkpoint)
+        with self.opt.momentum_before_compress():  # an overlapped rank's next payload is not this round's
+            self.save_folder(self.checkpoint)
         if self.rank == 0:
             (self.checkpoint / "round.json").write_text(json.dumps(meta))
 

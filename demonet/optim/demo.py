@@ -13,9 +13,10 @@ reference's three transforms per step and makes `restore` an exact scatter-add.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -87,6 +88,8 @@ class DeMo(torch.optim.Optimizer):
         self._held: list[torch.Tensor] | None = None  # what a lookahead changed (`lookahead`), live tensors
         self._held_copy: list[torch.Tensor] = []  # their bits from before it, buffers kept between rounds
         self._ahead = False  # the lookahead was applied (not only held)
+        self._kept: list[torch.Tensor] | None = None  # the momentum buffers an undoable `compress` changed
+        self._kept_copy: list[torch.Tensor] = []  # their bits from before it (plus every `restore` since)
         self._build_buckets()
 
     @classmethod
@@ -140,16 +143,23 @@ class DeMo(torch.optim.Optimizer):
         return {s.name: (s.shape, (self._bucket_of[s.name].h, self._bucket_of[s.name].w)) for s in self._slots}
 
     @torch.no_grad()
-    def compress(self) -> Payload:
+    def compress(self, undoable: bool = False) -> Payload:
         """Update the momentum with the current gradients and extract its fast components.
 
         Per parameter: ``m = beta*m + lr*DCT(g)`` (a missing grad counts as zero), keep the top-k
         coefficients of |m| per chunk, round them through the value encoding, and subtract
         ``alpha * sent`` from m (error feedback).
 
+        Args:
+            undoable: keep a copy of the momentum first, so that `undo_compress` can put it back to the
+                bit (an overlapped peer compresses round r+1 before it knows round r's outcome); until
+                `commit_compress` or `undo_compress`, each `restore` goes into the copy as well.
+
         Returns:
             this peer's payload: one `Compressed` per trainable parameter.
         """
+        if undoable:
+            self._keep_momentum()
         out: dict[str, Compressed] = {}
         for bucket in self._buckets:
             lr = self.param_groups[bucket.group]["lr"]
@@ -187,6 +197,45 @@ class DeMo(torch.optim.Optimizer):
                 out[slot.name] = Compressed(idx=idx_CK, val=sent_CK, shape=slot.shape,
                                             chunk=(bucket.h, bucket.w), scale=scale)
         return Payload(tensors={s.name: out[s.name] for s in self._slots}, encoding=self.options.encoding)
+
+    @torch.no_grad()
+    def _keep_momentum(self) -> None:
+        if self._kept is not None:
+            raise RuntimeError("an undoable compress is pending: commit or undo it first")
+        live = [bucket.momentum_BN for bucket in self._buckets]
+        if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._kept_copy]:
+            self._kept_copy = [torch.empty_like(t) for t in live]
+        torch._foreach_copy_(self._kept_copy, live)
+        self._kept = live
+
+    @torch.no_grad()
+    def undo_compress(self) -> None:
+        """Put the momentum back as it was before the pending undoable `compress`, with every `restore`
+        since: as if that compress had never run (its gradients are gone all the same)."""
+        if self._kept is None:
+            raise RuntimeError("no undoable compress is pending")
+        torch._foreach_copy_(self._kept, self._kept_copy)
+        self._kept = None
+
+    def commit_compress(self) -> None:
+        """Keep the pending undoable `compress`: its payload is on its way."""
+        self._kept = None
+
+    @contextlib.contextmanager
+    def momentum_before_compress(self) -> Iterator[None]:
+        """While an undoable `compress` is pending, the momentum (`state[p]["momentum"]`) shows what
+        `undo_compress` would give, e.g. for a checkpoint of the round that compress belongs to."""
+        if self._kept is None:
+            yield
+            return
+        with torch.no_grad():
+            aside = [t.clone() for t in self._kept]
+            torch._foreach_copy_(self._kept, self._kept_copy)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self._kept, aside)
 
     def _check_payload(self, payload: Payload) -> None:
         """Names, shapes, chunks and row counts must match this model; raises before any change."""
@@ -380,9 +429,11 @@ class DeMo(torch.optim.Optimizer):
         if kept is not None:
             self._check_payload(kept)
         self.undo_lookahead()
+        copy_of = {} if self._kept is None else {id(m): c for m, c in zip(self._kept, self._kept_copy, strict=True)}
         for slot in self._slots:
             c = payload.tensors[slot.name]
-            m_CN = self._bucket_of[slot.name].momentum_BN[slot.start:slot.stop]
+            m_BN = self._bucket_of[slot.name].momentum_BN
+            m_CN = m_BN[slot.start:slot.stop]
             idx_CK = c.idx.to(m_CN.device)  # an aggregate decoded from the wire is on the CPU
             back_CK = c.val.to(m_CN.device, m_CN.dtype) * self.options.alpha
             if kept is not None:
@@ -392,6 +443,8 @@ class DeMo(torch.optim.Optimizer):
                 held_CN.scatter_add_(1, a.idx.to(m_CN.device), (a.val != 0).to(m_CN.device, torch.int32))
                 back_CK = torch.where(held_CN.gather(1, idx_CK) > 0, 0.0, back_CK)
             m_CN.scatter_add_(1, idx_CK, back_CK)
+            if id(m_BN) in copy_of:  # an undoable compress is pending: its undo keeps this restore
+                copy_of[id(m_BN)][slot.start:slot.stop].scatter_add_(1, idx_CK, back_CK)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -428,6 +481,7 @@ class DeMo(torch.optim.Optimizer):
                                                                              self._bucket_of[slot.name].momentum_BN.shape[1])):
                     raise ValueError(f"state_dict entry {i}.{key} does not fit this optimizer's parameters")
         super().load_state_dict(state_dict)
+        self._kept = None  # a pending compress is of the momentum this replaces
         for slot in self._slots:
             bucket = self._bucket_of[slot.name]
             entries = saved.get(slot.index, {})

@@ -54,8 +54,9 @@ class Overlapping(Replica, Protocol):
     `restore` and `load` replace."""
 
     def forward_backward(self) -> float: ...
-    def compress(self) -> Payload: ...
-    def zero_grad(self) -> None: ...
+    def compress(self, undoable: bool = False) -> Payload: ...
+    def undo_compress(self) -> None: ...
+    def commit_compress(self) -> None: ...
     def hold(self) -> None: ...
     def lookahead(self, payload: Payload, round: int) -> None: ...
     def canonical_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
@@ -267,33 +268,42 @@ class RoundLoop:
     async def _overlapped(self, metrics: TextIO | None, beats: asyncio.Task[None] | None) -> None:
         """Rounds with `overlap` = 1: round r+1's forward and backward run while round r's payload travels.
 
-        Round r's outcome is settled (the lookahead replaced by the aggregate, or undone) before round
-        r+1's gradient is compressed, so the payload of r+1 leaves from round r+1's canonical parameters
-        with their digest, as in a plain round: the coordinator and the DHT see no difference. The
-        lookahead is applied once the payload is on its way. After a
-        catch-up or a resync the gradient computed meanwhile is dropped (it is from other parameters),
-        and the pipeline starts again from the loaded round with nothing in flight.
+        Round r+1's gradient is compressed as soon as its backward ends, undoably (`DeMo.compress`), so
+        that only round r's settle and digest stand between round r's outcome and round r+1's payload.
+        The payload leaves once round r is settled, from round r+1's canonical parameters with their
+        digest, as in a plain round: the coordinator and the DHT see no difference. What round r's
+        aggregate dropped goes back into the momentum after that compress, so it leaves a round later
+        than in a plain round, once all the same. The lookahead is applied once the payload is on its
+        way. When round r is lost (a catch-up, a resync, an abort, a stop) the compress of r+1 is undone
+        to the bit, as if its gradient had been dropped before it, and the pipeline starts again from
+        the loaded round with nothing in flight.
         """
         replica: Overlapping = self.replica  # type: ignore[assignment]
         flight: _InFlight | None = None
+        pending = False  # an undoable compress of the next round waits for `flight`'s outcome
         try:
             while await self.membership.agree(self._go(self.round + (flight is not None))):
                 t0 = time.perf_counter()
                 loss = await asyncio.to_thread(replica.forward_backward)  # the exchange of `flight` runs meanwhile
+                payload, staged = await asyncio.to_thread(self._compress, replica, flight is not None)
+                pending = flight is not None
                 compute_s = time.perf_counter() - t0
                 if flight is not None:
                     landing, flight = flight, None  # `_land` gives its payload back on every error path
                     landed = await self._land(landing, metrics)
+                    if landed == "applied" and not await self.membership.agree(self._go(self.round)):
+                        landed = "stopped"  # a stop came meanwhile
                     if landed != "applied":
-                        await asyncio.to_thread(replica.zero_grad)
+                        pending = False
+                        await asyncio.to_thread(replica.undo_compress)  # its gradient is from other parameters
                         if landed == "stopped":
                             break
                         continue
-                    if not await self.membership.agree(self._go(self.round)):  # a stop came meanwhile
-                        await asyncio.to_thread(replica.zero_grad)
-                        break
+                    pending = False
+                    replica.commit_compress()
                 t1 = time.perf_counter()
-                payload, staged = await asyncio.to_thread(self._compress_and_hold, replica)
+                if self.lookahead:  # the canonical parameters, which a DHT peer serves while the lookahead runs
+                    await asyncio.to_thread(replica.hold)
                 await self.membership.begin_round(self.round, self.digest, replica.canonical_parameters)
                 compute_s += time.perf_counter() - t1
                 flight = self._submit(payload, staged, loss, started=t0, compute_s=compute_s)
@@ -306,6 +316,8 @@ class RoundLoop:
                 landing, flight = flight, None
                 await self._land(landing, metrics)
         finally:
+            if pending:  # an error while the outcome of the round before was awaited
+                replica.undo_compress()
             if flight is not None:  # an error while training left a round in flight: its payload goes back
                 flight.gather.cancel()
                 with contextlib.suppress(asyncio.CancelledError, DemonetError):
@@ -318,15 +330,12 @@ class RoundLoop:
         loss, payload = self.replica.train_step()
         return loss, payload, to_host(payload)
 
-    def _compress_and_hold(self, replica: Overlapping) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
+    @staticmethod
+    def _compress(replica: Overlapping, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
         """The round's payload and its host copy on its way (`to_host`: on a GPU the exchange must not wait
-        for the next round's kernels); with the lookahead, a copy of the parameters first: they are the
-        round's canonical ones, which a DHT peer serves to joiners while the lookahead changes the live ones."""
-        payload = replica.compress()
-        staged = to_host(payload)
-        if self.lookahead:
-            replica.hold()
-        return payload, staged
+        for the next round's kernels)."""
+        payload = replica.compress(undoable=undoable)
+        return payload, to_host(payload)
 
     async def _land(self, flight: _InFlight, metrics: TextIO | None) -> str:
         """Wait for an in-flight round's outcome and settle it; write its metrics row.

@@ -119,21 +119,26 @@ class DeMoSteps:
     def forward_backward(self) -> float:
         raise NotImplementedError
 
-    def compress(self) -> Payload:
+    def compress(self, undoable: bool = False) -> Payload:
         """Clip the gradient's norm (DTensors too), fold it into the momentum and take the round's payload;
-        zero the gradients."""
+        zero the gradients. `undoable`: until `commit_compress`, `undo_compress` can take it back
+        (`DeMo.compress`)."""
         clip_grads(self.model.parameters(), self.options.max_grad_norm)
-        payload = self.opt.compress()
+        payload = self.opt.compress(undoable=undoable)
         self.opt.zero_grad(set_to_none=True)
         return payload
+
+    def undo_compress(self) -> None:
+        """Take the pending undoable `compress` back: the momentum as before it, the gradients gone."""
+        self.opt.undo_compress()
+
+    def commit_compress(self) -> None:
+        """Keep the pending undoable `compress`: its payload goes out."""
+        self.opt.commit_compress()
 
     def train_step(self) -> tuple[float, Payload]:
         """`forward_backward`, then `compress`. Returns (loss, payload)."""
         return self.forward_backward(), self.compress()
-
-    def zero_grad(self) -> None:
-        """Drop gradients that will not be compressed (computed from parameters a catch-up replaced)."""
-        self.opt.zero_grad(set_to_none=True)
 
     def hold(self) -> None:
         """Keep the parameters as they are for `canonical_parameters` (`DeMo.hold`), before a `lookahead`."""
@@ -234,10 +239,10 @@ class Trainer(DeMoSteps):
             return
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         state_dict = getattr(self.batches, "state_dict", None)
-        body = {**meta, "model": self.model.state_dict(), "optim": self.opt.state_dict(),
-                "data": state_dict() if state_dict is not None else None}
         tmp = self.checkpoint.with_suffix(self.checkpoint.suffix + ".tmp")
-        torch.save(body, tmp)
+        with self.opt.momentum_before_compress():  # an overlapped peer's next payload is not this round's
+            torch.save({**meta, "model": self.model.state_dict(), "optim": self.opt.state_dict(),
+                        "data": state_dict() if state_dict is not None else None}, tmp)
         os.replace(tmp, self.checkpoint)
 
     def saved(self) -> dict[str, Any] | None:

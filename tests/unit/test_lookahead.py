@@ -103,3 +103,63 @@ def test_hold_keeps_the_round_parameters_readable_while_the_lookahead_applies() 
     assert not all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
     opt.restore(payload)
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before, strict=True))
+
+
+def _momentum(opt: DeMo) -> list[torch.Tensor]:
+    return [s["momentum"].clone() for s in opt.state.values()]
+
+
+@pytest.mark.parametrize("outcome", ["dropped", "lost"])
+def test_an_undone_compress_leaves_the_momentum_as_if_its_gradient_was_dropped(outcome: str) -> None:
+    """An overlapped peer compresses round r+1 before round r's outcome is known; when round r is lost,
+    the compress is undone and the restores of round r stay, as in the plain order (restore, drop the
+    gradient)."""
+    params, opt = _pair("adamw", 0.1)
+    ref_params, ref = copy.deepcopy((params, opt))
+    for ps in (params, ref_params):
+        _grads(ps, 1)
+    sent, ref_sent = opt.compress(), ref.compress()
+    kept = aggregate([_other_payload(opt, params, 7)])  # it holds only some of `sent`'s entries
+    opt.lookahead(aggregate([sent]))
+    _grads(params, 2)  # round r+1's gradient, compressed before round r's outcome
+    early = opt.compress(undoable=True)
+    assert any(not torch.equal(a, b) for a, b in zip(_momentum(opt), _momentum(ref), strict=True))
+    with pytest.raises(RuntimeError, match="pending"):
+        opt.compress(undoable=True)
+    opt.restore(sent, kept=kept if outcome == "dropped" else None)
+    ref.restore(ref_sent, kept=kept if outcome == "dropped" else None)
+    opt.undo_compress()
+    for a, b in zip(_bits(params, opt), _bits(ref_params, ref), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="no undoable compress"):
+        opt.undo_compress()
+    assert early.tensors.keys() == sent.tensors.keys()
+
+
+def test_a_committed_compress_keeps_the_later_restore_and_a_checkpoint_shows_the_momentum_before_it() -> None:
+    params, opt = _pair("sign", 0.0)
+    ref_params, ref = copy.deepcopy((params, opt))
+    for ps in (params, ref_params):
+        _grads(ps, 1)
+    sent, ref_sent = opt.compress(), ref.compress()
+    kept = aggregate([_other_payload(opt, params, 7)])
+    for ps in (params, ref_params):
+        _grads(ps, 2)
+    before = _momentum(opt)
+    early, ref_early = opt.compress(undoable=True), ref.compress()
+    opt.restore(sent, kept=kept)
+    ref.restore(ref_sent, kept=kept)
+    live = _momentum(opt)
+    undone = copy.deepcopy(opt)
+    undone.undo_compress()
+    with opt.momentum_before_compress():  # what a checkpoint of round r+1 must hold: round r settled
+        shown = _momentum(opt)
+    assert all(torch.equal(a, b) for a, b in zip(shown, _momentum(undone), strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(shown, before, strict=True)), "the restore is missing"
+    assert all(torch.equal(a, b) for a, b in zip(live, _momentum(opt), strict=True)), "the context changed it"
+    opt.commit_compress()
+    assert all(torch.equal(a, b) for a, b in zip(_momentum(opt), _momentum(ref), strict=True))
+    assert all(torch.equal(a.val, b.val) for a, b in zip(early.tensors.values(), ref_early.tensors.values(),
+                                                         strict=True))
+    with pytest.raises(RuntimeError, match="no undoable compress"):
+        opt.undo_compress()
