@@ -13,10 +13,9 @@ reference's three transforms per step and makes `restore` an exact scatter-add.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from .dct import add_blocks_, block_view, encode, to_blocks
 from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow, sqrt_exact
 from .gather import gather_payloads, world_size
 from .options import DeMoOptions, check_args
+from .overlap import OverlapState
 from .payload import Compressed, Payload, quantize
 from .topk import topk_abs
 
@@ -35,7 +35,7 @@ __all__ = ["DeMo"]
 _STATE_KEYS = ("momentum", "exp_avg", "exp_avg_sq")
 
 
-class DeMo(torch.optim.Optimizer):
+class DeMo(OverlapState, torch.optim.Optimizer):
     """Decoupled Momentum Optimization (Peng, Quesnelle, Kingma 2024; arXiv 2411.19870).
 
     Drop-in for bloc97/DeMo: ``DeMo(params, lr=..., compression_decay=0.999, compression_topk=32,
@@ -85,11 +85,7 @@ class DeMo(torch.optim.Optimizer):
         self._bucket_cap = max(1, int(self.options.bucket_cap_mb * 2**20 / 4))
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._exact_work: dict[torch.device, torch.Tensor] = {}  # float64 work space of the exact decode
-        self._held: list[torch.Tensor] | None = None  # what a lookahead changed (`lookahead`), live tensors
-        self._held_copy: list[torch.Tensor] = []  # their bits from before it, buffers kept between rounds
-        self._ahead = False  # the lookahead was applied (not only held)
-        self._kept: list[torch.Tensor] | None = None  # the momentum buffers an undoable `compress` changed
-        self._kept_copy: list[torch.Tensor] = []  # their bits from before it (plus every `restore` since)
+        self._init_overlap()
         self._build_buckets()
 
     @classmethod
@@ -197,45 +193,6 @@ class DeMo(torch.optim.Optimizer):
                 out[slot.name] = Compressed(idx=idx_CK, val=sent_CK, shape=slot.shape,
                                             chunk=(bucket.h, bucket.w), scale=scale)
         return Payload(tensors={s.name: out[s.name] for s in self._slots}, encoding=self.options.encoding)
-
-    @torch.no_grad()
-    def _keep_momentum(self) -> None:
-        if self._kept is not None:
-            raise RuntimeError("an undoable compress is pending: commit or undo it first")
-        live = [bucket.momentum_BN for bucket in self._buckets]
-        if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._kept_copy]:
-            self._kept_copy = [torch.empty_like(t) for t in live]
-        torch._foreach_copy_(self._kept_copy, live)
-        self._kept = live
-
-    @torch.no_grad()
-    def undo_compress(self) -> None:
-        """Put the momentum back as it was before the pending undoable `compress`, with every `restore`
-        since: as if that compress had never run (its gradients are gone all the same)."""
-        if self._kept is None:
-            raise RuntimeError("no undoable compress is pending")
-        torch._foreach_copy_(self._kept, self._kept_copy)
-        self._kept = None
-
-    def commit_compress(self) -> None:
-        """Keep the pending undoable `compress`: its payload is on its way."""
-        self._kept = None
-
-    @contextlib.contextmanager
-    def momentum_before_compress(self) -> Iterator[None]:
-        """While an undoable `compress` is pending, the momentum (`state[p]["momentum"]`) shows what
-        `undo_compress` would give, e.g. for a checkpoint of the round that compress belongs to."""
-        if self._kept is None:
-            yield
-            return
-        with torch.no_grad():
-            aside = [t.clone() for t in self._kept]
-            torch._foreach_copy_(self._kept, self._kept_copy)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(self._kept, aside)
 
     def _check_payload(self, payload: Payload) -> None:
         """Names, shapes, chunks and row counts must match this model; raises before any change."""
@@ -352,66 +309,6 @@ class DeMo(torch.optim.Optimizer):
         sqrt_exact(v_BN, out=t_BN).mul_(inv_bias2).add_(as_opmath(self.options.eps, dtype))
         torch.div(m_BN, t_BN, out=u_BN).mul_(as_opmath(1.0 / (1.0 - ipow(beta1, step)), dtype))
 
-    # -- the lookahead of overlapped rounds -----------------------------------------------------------
-
-    def _changed_by_apply(self) -> list[torch.Tensor]:
-        """Every tensor an `apply` writes: the parameters (local shards), Adam's moments, its step counts."""
-        out = [local_tensor(slot.param) for slot in self._slots]
-        for bucket in self._buckets:
-            if bucket.exp_avg_BN is not None and bucket.exp_avg_sq_BN is not None:
-                out += [bucket.exp_avg_BN, bucket.exp_avg_sq_BN]
-        out += [self.state[slot.param]["step"] for slot in self._slots if "step" in self.state[slot.param]]
-        return out
-
-    @torch.no_grad()
-    def hold(self) -> None:
-        """Keep a copy of what an apply writes (the parameters, and Adam's state), for a `lookahead`.
-
-        From here until the lookahead is undone, `held_parameters` gives the parameters as they are now,
-        also while the lookahead is being applied in another thread.
-        """
-        if self._held is not None:
-            raise RuntimeError("a lookahead is already held: apply or restore the previous round first")
-        live = self._changed_by_apply()
-        if [(t.shape, t.dtype, t.device) for t in live] != [(t.shape, t.dtype, t.device) for t in self._held_copy]:
-            self._held_copy = [torch.empty_like(t) for t in live]
-        torch._foreach_copy_(self._held_copy, live)
-        self._held = live
-
-    @torch.no_grad()
-    def lookahead(self, update: Payload, lr: float | None = None) -> None:
-        """Apply `update` now, as a stand-in for an aggregate still on its way, keeping what it changes.
-
-        An overlapped peer applies its own payload (``aggregate([payload])``) at once and trains the
-        next round from there; the next `apply` (the real aggregate) or `restore` (the round was lost)
-        first puts the parameters and the base optimizer's state back to their exact bits from before
-        (`undo_lookahead`). The momentum is untouched: `compress` already took out what was sent.
-        The copy is taken here unless `hold` took it already.
-        """
-        if self._ahead:
-            raise RuntimeError("a lookahead is already held: apply or restore the previous round first")
-        self._check_payload(update)
-        if self._held is None:
-            self.hold()
-        self._ahead = True
-        self._apply(update, lr)
-
-    @torch.no_grad()
-    def undo_lookahead(self) -> bool:
-        """Put back the bits a held `lookahead` changed; False if none was held."""
-        if self._held is None:
-            return False
-        torch._foreach_copy_(self._held, self._held_copy)
-        self._held, self._ahead = None, False
-        return True
-
-    def held_parameters(self) -> dict[str, torch.Tensor] | None:
-        """The parameters (local shards) from before a held lookahead, by name; None if none is held.
-        Read-only views, valid until the lookahead is undone."""
-        if self._held is None:
-            return None
-        return {slot.name: t for slot, t in zip(self._slots, self._held_copy, strict=False)}
-
     @torch.no_grad()
     def restore(self, payload: Payload, kept: Payload | None = None) -> None:
         """Add back into the momentum what `compress` took out, for entries that reached no aggregate.
@@ -429,7 +326,7 @@ class DeMo(torch.optim.Optimizer):
         if kept is not None:
             self._check_payload(kept)
         self.undo_lookahead()
-        copy_of = {} if self._kept is None else {id(m): c for m, c in zip(self._kept, self._kept_copy, strict=True)}
+        copy_of = self._kept_momentum()
         for slot in self._slots:
             c = payload.tensors[slot.name]
             m_BN = self._bucket_of[slot.name].momentum_BN

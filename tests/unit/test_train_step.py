@@ -72,10 +72,10 @@ def _grad_norm_at_compress(trainer: Trainer) -> list[float]:
     seen: list[float] = []
     compress = trainer.opt.compress
 
-    def spy() -> Payload:
+    def spy(undoable: bool = False) -> Payload:
         seen.append(float(torch.linalg.vector_norm(torch.stack(
             [p.grad.norm() for p in trainer.model.parameters() if p.grad is not None]))))
-        return compress()
+        return compress(undoable=undoable)
 
     trainer.opt.compress = spy  # type: ignore[method-assign]
     return seen
@@ -145,3 +145,28 @@ def test_to_device_copies_to_cuda_from_pinned_memory() -> None:
     assert moved["ids"].is_cuda and moved["pair"][1][0].is_cuda
     assert torch.equal(moved["ids"].cpu(), batch["ids"])
     assert not batch["ids"].is_pinned()  # the caller's tensor stays as it was
+
+
+def test_a_checkpoint_written_while_the_next_compress_is_pending_holds_the_settled_momentum(tmp_path: Path) -> None:
+    """An overlapped peer compresses round r+1 before it settles round r and may checkpoint in between:
+    the file must hold round r's settled momentum (the round it resumes at is r+1, to be compressed again),
+    and the live momentum must be left as it was."""
+    trainer = Trainer.for_run(_cfg(tmp_path), data_seed=0, device=torch.device("cpu"),
+                              checkpoint=tmp_path / "peer.pt")
+    _, payload = trainer.train_step()
+    settled = copy.deepcopy(trainer)
+    settled.settle(payload, _result(0, aggregate([payload])), contributed=False)  # restores all of it
+    trainer.forward_backward()
+    trainer.compress(undoable=True)
+    trainer.settle(payload, _result(0, aggregate([payload])), contributed=False)
+    live = [s["momentum"].clone() for s in trainer.opt.state.values()]
+    trainer.save({"round": 1})
+    saved = torch.load(tmp_path / "peer.pt", weights_only=True)["optim"]["state"]
+    want = [s["momentum"] for s in settled.opt.state.values()]
+    by_index = settled.opt.state_dict()["state"]
+    assert by_index.keys() == saved.keys()
+    assert all(torch.equal(saved[i]["momentum"], by_index[i]["momentum"]) for i in saved)
+    assert any(not torch.equal(a, b) for a, b in zip(live, want, strict=True)), "the compress changed nothing"
+    assert all(torch.equal(s["momentum"], m) for s, m in zip(trainer.opt.state.values(), live, strict=True))
+    trainer.undo_compress()
+    assert all(torch.equal(s["momentum"], m) for s, m in zip(trainer.opt.state.values(), want, strict=True))
