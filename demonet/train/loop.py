@@ -272,11 +272,12 @@ class RoundLoop:
         that only round r's settle and digest stand between round r's outcome and round r+1's payload.
         The payload leaves once round r is settled, from round r+1's canonical parameters with their
         digest, as in a plain round: the coordinator and the DHT see no difference. What round r's
-        aggregate dropped goes back into the momentum after that compress, so it leaves a round later
-        than in a plain round, once all the same. The lookahead is applied once the payload is on its
-        way. When round r is lost (a catch-up, a resync, an abort, a stop) the compress of r+1 is undone
-        to the bit, as if its gradient had been dropped before it, and the pipeline starts again from
-        the loaded round with nothing in flight.
+        aggregate dropped (all of the payload, if round r was aborted) goes back into the momentum after
+        that compress, so it leaves a round later than in a plain round, once all the same. The
+        lookahead is applied once the payload is on its way. When the peer must load other parameters
+        (a refusal, a catch-up, a resync) or stops, the compress of r+1 is undone to the bit, as if its
+        gradient had been dropped before it, and the pipeline starts again from the loaded round with
+        nothing in flight.
         """
         replica: Overlapping = self.replica  # type: ignore[assignment]
         flight: _InFlight | None = None
