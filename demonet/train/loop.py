@@ -294,13 +294,12 @@ class RoundLoop:
                     landed = await self._land(landing, metrics)
                     if landed == "applied" and not await self.membership.agree(self._go(self.round)):
                         landed = "stopped"  # a stop came meanwhile
+                    pending = False
                     if landed != "applied":
-                        pending = False
                         await asyncio.to_thread(replica.undo_compress)  # its gradient is from other parameters
                         if landed == "stopped":
                             break
                         continue
-                    pending = False
                     replica.commit_compress()
                 t1 = time.perf_counter()
                 if self.lookahead:  # the canonical parameters, which a DHT peer serves while the lookahead runs
