@@ -225,20 +225,22 @@ class ParametersRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SubmitPart(_message.Message):
-    __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature")
+    __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature", "digest_follows")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     param_digest: str
     loss: float
     part: PayloadPart
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    digest_follows: bool
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., digest_follows: bool = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted", "reason", "resync", "refusal", "open_round")

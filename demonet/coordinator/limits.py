@@ -60,35 +60,37 @@ class _Stream:
 
 @dataclass
 class SubmitSlots:
-    """One open Submit stream per peer, and a budget of the bytes all open streams declared.
+    """One open Submit stream per peer and round, and a budget of the bytes all open streams declared.
 
-    A stream holds its peer's slot from its first part to its end (any end: `release` in a `finally`).
-    Per peer, one slot times the per-submission bound is the peer's budget.
+    A stream holds its slot from its first part to its end (any end: `release` in a `finally`). A peer has
+    streams for two rounds at most (the open one, and the next one from an overlapped peer whose digest
+    follows: `Rounds.check_submit`), so two slots times the per-submission bound is the peer's budget.
     """
 
     max_inflight_bytes: int
-    streams: dict[str, _Stream] = field(default_factory=dict)
+    streams: dict[tuple[str, int], _Stream] = field(default_factory=dict)
     inflight_bytes: int = 0
 
     def open(self, peer_id: str, round: int, declared: int, handle: Any = None) -> None:
-        """Reserve `peer_id`'s slot for a stream of `declared` bytes.
+        """Reserve `peer_id`'s slot of `round` for a stream of `declared` bytes.
 
         Raises:
-            Busy: the peer has a stream open, or this one would take the bytes in flight over the budget.
+            Busy: the peer has a stream for this round open, or this one would take the bytes in flight
+                over the budget.
         """
-        if peer_id in self.streams:
-            raise Busy(f"{peer_id} has a Submit stream open (round {self.streams[peer_id].round}): one at a time")
+        if (peer_id, round) in self.streams:
+            raise Busy(f"{peer_id} has a Submit stream open for round {round}: one at a time")
         if self.inflight_bytes + declared > self.max_inflight_bytes:
             raise Busy(f"the coordinator has {self.inflight_bytes} bytes of submissions in flight; {declared} more "
                        f"would exceed its budget of {self.max_inflight_bytes}")
-        self.streams[peer_id] = _Stream(round, declared, handle)
+        self.streams[peer_id, round] = _Stream(round, declared, handle)
         self.inflight_bytes += declared
 
-    def release(self, peer_id: str, handle: Any = None) -> None:
-        """End `peer_id`'s stream (the one opened with `handle`; a refused stream holds none)."""
-        stream = self.streams.get(peer_id)
+    def release(self, peer_id: str, round: int, handle: Any = None) -> None:
+        """End `peer_id`'s stream for `round` (the one opened with `handle`; a refused stream holds none)."""
+        stream = self.streams.get((peer_id, round))
         if stream is not None and stream.handle is handle:
-            del self.streams[peer_id]
+            del self.streams[peer_id, round]
             self.inflight_bytes -= stream.declared
 
     def outlived(self, open_round: int) -> list[Any]:

@@ -26,7 +26,7 @@ from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Payload
 from demonet.train.data import data_seed
 from demonet.train.task import param_specs
-from demonet.transport import Expected, JoinInfo, NotMember, Resync, RoundResult, StaleRound
+from demonet.transport import Digest, Expected, JoinInfo, NotMember, Resync, RoundResult, StaleRound, known
 from demonet.wire import params as wire_params
 from demonet.wire.merge import decode_contribution
 
@@ -136,6 +136,9 @@ class LocalCoordinator:
 class LocalClient:
     """A peer's calls to a `LocalCoordinator` (a `demonet.transport.coordinated.CoordinatorClient`)."""
 
+    digest_follows = True
+    """A payload sent ahead is encoded and checked at once; it is counted once its digest is known."""
+
     def __init__(self, hub: LocalCoordinator, peer_id: str) -> None:
         self.hub, self.peer_id = hub, peer_id
 
@@ -163,15 +166,17 @@ class LocalClient:
         got, tensors = await asyncio.to_thread(wire_params.decode_parameters, blob, expected=expected)
         return got, tensors, len(blob)
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
-        """Submit through the wire format, wait for the round to close, decode the aggregate."""
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
+        """Submit through the wire format, wait for the round to close, decode the aggregate. A payload sent
+        ahead (its digest to come) is encoded and decoded at once, and counted once its digest is known."""
         hub = self.hub
-        fault = hub.faults.pop((self.peer_id, round), None)
-        if fault is not None:
-            await self._fail(round, fault)
+        if (self.peer_id, round) in hub.faults:  # played from the round's start: once its digest is known
+            await known(param_digest)
+            await self._fail(round, hub.faults.pop((self.peer_id, round)))
         data = await asyncio.to_thread(wire.encode, payload, step=round)
         _, decoded = await asyncio.to_thread(decode_contribution, data, expected=hub.state.specs,
                                              rules=hub.state.rules)
+        param_digest = await known(param_digest)
         async with hub.cond:
             if param_digest != hub.state.digest and round == hub.rounds.round:
                 raise Resync(f"round {round}: parameter digest differs from the canonical one")

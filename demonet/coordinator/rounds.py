@@ -154,15 +154,19 @@ class Rounds:
             logger.info("[coordinator round=%d] %s is active again: its payload is in, rounds wait for it", self.round,
                         peer_id)
 
-    def check_submit(self, peer_id: str, round: int) -> None:
-        """What `submit` would reject, without changing anything (to refuse before reading a payload)."""
+    def check_submit(self, peer_id: str, round: int, *, early: bool = False) -> None:
+        """What `submit` would reject, without changing anything (to refuse before reading a payload).
+
+        `early`: a stream whose parameter digest follows its payload, which a member of the open round may
+        send for the next round already (an overlapped peer); `submit` counts it once that round is open.
+        """
         if round < self.round:
             raise SubmitRejected(f"round {round} is closed; the open round is {self.round}", "stale")
         if peer_id not in self.members:
             raise SubmitRejected(f"{peer_id} is not a member of round {self.round}", "not_member")
-        if round > self.round:
+        if round > self.round + early:
             raise SubmitRejected(f"round {round} has not opened; the open round is {self.round}", "future")
-        if peer_id in self.submitted:
+        if round == self.round and peer_id in self.submitted:
             raise SubmitRejected(f"{peer_id} already submitted for round {round}", "duplicate")
 
     def due(self, now: float) -> bool:

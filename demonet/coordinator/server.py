@@ -24,22 +24,21 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pb_grpc
 from demonet.config import Config
-from demonet.errors import InvalidPayload
 from demonet.optim import Payload
 from demonet.train.data import data_seed
 from demonet.train.task import param_specs
-from demonet.wire.identity import heartbeat_statement, parameters_statement, submit_statement
-from demonet.wire.merge import decode_contribution
+from demonet.wire.identity import heartbeat_statement, parameters_statement
 
 from . import weights
-from .handlers import Malformed, StreamEnd, parts_until
+from .handlers import Malformed
 from .identities import Identities, NotJoined, Refused, read_allowlist
-from .limits import DEFAULT_INFLIGHT_FLOOR_BYTES, Busy, Limits, LimitsConfig, RateLimits, submission_bound
+from .limits import DEFAULT_INFLIGHT_FLOOR_BYTES, Limits, LimitsConfig, RateLimits, submission_bound
 from .metrics import Metrics
 from .persist import Persister, Snapshot
-from .rounds import RoundConfig, Rounds, SubmitRejected
+from .rounds import RoundConfig, Rounds
 from .state import CanonicalState, ClosedAggregate
 from .status import status_document
+from .submit import Submissions
 
 __all__ = ["CoordinatorOptions", "CoordinatorServicer"]
 
@@ -47,8 +46,6 @@ logger = logging.getLogger(__name__)
 
 _PEER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _KEEP_AGGREGATES = 8  # closed rounds whose aggregate a slow peer can still download
-_REFUSALS = {"stale": pb.REFUSAL_STALE, "future": pb.REFUSAL_FUTURE, "not_member": pb.REFUSAL_NOT_MEMBER,
-             "duplicate": pb.REFUSAL_DUPLICATE}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +74,7 @@ def _now() -> float:
     return time.monotonic()
 
 
-class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+class CoordinatorServicer(Submissions, pb_grpc.CoordinatorServicer):
     """Clock-synchronous rounds over gRPC; see proto/demonet.proto for the protocol."""
 
     def __init__(self, cfg: Config, opts: CoordinatorOptions, metrics: Metrics) -> None:
@@ -224,22 +221,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                 f"{peer_id!r} is not a member of the run: Join first")
         await self._limit(self.limits.downloads, peer_id, "GetParameters", context)
 
-    def _open_stream(self, head: pb.SubmitPart, ends: StreamEnd) -> pb.SubmitReply | None:
-        """At a Submit's first part: refuse a size no valid payload has (INVALID), or a second stream of the
-        peer or one over the bytes in flight (BUSY); else reserve the peer's slot until `ends`."""
-        r = self.rounds
-        invalid = self.limits.check_size(head.part.total_bytes)
-        if invalid is not None:
-            raise InvalidPayload(invalid)
-        try:
-            self.limits.slots.open(head.peer_id, head.round, head.part.total_bytes, ends)
-        except Busy as e:
-            self.metrics.refused(head.peer_id, head.round, "busy", str(e))
-            return pb.SubmitReply(accepted=False, reason=str(e), refusal=pb.REFUSAL_BUSY, open_round=r.round)
-        deadline = self.limits.stream_deadline(r.deadline, r.started, _now(), self.cfg.net.round_timeout_s)
-        ends.at = asyncio.get_running_loop().time() + (deadline - _now())
-        return None
-
     @property
     def _wait_s(self) -> float:
         """How long a GetParameters or GetAggregate call may wait: two round timeouts and a margin."""
@@ -323,105 +304,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.metrics.add("bytes_down", len(blob), peer=request.peer_id)
         for part in wire.split(blob):
             yield part
-
-    async def Submit(self, request_iterator: AsyncIterator[pb.SubmitPart],
-                     context: grpc.aio.ServicerContext[Any, Any]) -> pb.SubmitReply:
-        await self._authorize(context)
-        began = time.perf_counter()  # the stream's start: its bytes over its duration are the sender's link speed
-        head: pb.SubmitPart | None = None
-        reassembler = wire.Reassembler(max_bytes=self.limits.cfg.max_submission_bytes)
-        data: bytes | None = None
-        ends = StreamEnd(asyncio.get_running_loop().time() + self._wait_s)
-        try:
-            async for part in parts_until(request_iterator, ends):
-                if isinstance(part, Malformed):
-                    raise InvalidPayload(str(part))
-                if head is None:
-                    head = part
-                    await self._peer_id(part.peer_id, context)
-                    try:
-                        await self._signed(head.peer_id, head.signature, submit_statement(
-                            self.identities.session(head.peer_id) or b"", head.peer_id, head.round,
-                            head.part.payload_digest, head.param_digest, head.loss), context)
-                    except NotJoined as e:
-                        return self._refused(SubmitRejected(f"{e}: join the run first", "not_member"),
-                                             head.peer_id, head.round, b"")
-                    try:  # refuse before reading (and decoding) the rest of the stream
-                        self.rounds.check_submit(head.peer_id, head.round)
-                    except SubmitRejected as e:
-                        return self._refused(e, head.peer_id, head.round, head.part.payload_digest)
-                    refused = self._open_stream(head, ends)
-                    if refused is not None:
-                        return refused
-                elif (part.peer_id, part.round) != (head.peer_id, head.round):
-                    raise InvalidPayload("parts of one submission name different peers or rounds")
-                data = reassembler.add(part.part)
-            if head is None or data is None:
-                raise InvalidPayload("the submission ended before its payload was complete")
-            stream_s = time.perf_counter() - began
-            step, payload = await asyncio.to_thread(decode_contribution, data, expected=self.state.specs,
-                                                    rules=self.state.rules)
-            if step != head.round:
-                raise InvalidPayload(f"payload says round {step}, submission says {head.round}")
-        except InvalidPayload as e:
-            self.metrics.add("rejected")
-            self.metrics.refused(head.peer_id if head else "", head.round if head else None, "invalid", str(e))
-            logger.warning("[coordinator round=%d] rejected a payload from %s: %s", self.rounds.round,
-                           head.peer_id if head else "?", e)
-            return pb.SubmitReply(accepted=False, reason=f"invalid payload: {e}", refusal=pb.REFUSAL_INVALID,
-                                  open_round=self.rounds.round)
-        except TimeoutError:  # its round closed (or its deadline passed) while the payload was arriving
-            assert head is not None  # the stream's deadline is set at its first part
-            return self._refused(SubmitRejected(f"round {head.round} closed before the payload was complete",
-                                                "stale"), head.peer_id, head.round, b"")
-        finally:
-            if head is not None:
-                self.limits.slots.release(head.peer_id, ends)
-        async with self.cond:
-            await self._wait(self._applied, self._wait_s, context, f"round {head.round - 1} to be applied")
-            if head.param_digest != self.state.digest and head.round == self.rounds.round:
-                self._resynced(head.peer_id, head.round, f"it submitted with digest {head.param_digest[:12]}, "
-                               f"the canonical one is {self.state.digest[:12]}")
-                self.metrics.refused(head.peer_id, head.round, "resync", "parameter digest differs from the "
-                                     "canonical one")
-                return pb.SubmitReply(accepted=False, resync=True, refusal=pb.REFUSAL_RESYNC,
-                                      reason="parameter digest differs from the canonical one",
-                                      open_round=self.rounds.round)
-            try:
-                self.rounds.submit(head.peer_id, head.round, _now())
-            except SubmitRejected as e:
-                return self._refused(e, head.peer_id, head.round, head.part.payload_digest)
-            self.payloads[head.peer_id] = payload
-            self.accepted_digests[head.peer_id] = head.part.payload_digest
-            self.losses[head.peer_id] = head.loss
-            self.metrics.uploaded(head.peer_id, len(data), stream_s, head.loss)
-            self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
-            self.cond.notify_all()
-        return pb.SubmitReply(accepted=True, open_round=self.rounds.round)
-
-    def _resynced(self, peer_id: str, round: int, why: str) -> None:
-        """Count and log one resync: a member whose parameters differ from the canonical ones downloads
-        them whole, the dense transfer the compressed rounds exist to avoid. A peer finds the difference
-        after applying an aggregate (its GetParameters says so) or is told at its next Submit; either
-        way the download happens once and is counted once."""
-        if self.resynced_at.get(peer_id) == round:
-            return  # the same call again (the client retries a call that timed out or lost its connection)
-        self.resynced_at[peer_id] = round
-        self.metrics.add("resyncs", peer=peer_id)
-        logger.warning("[coordinator round=%d] %s resyncs at round %d (resync %d of the run): %s; it downloads "
-                       "the whole parameters", self.rounds.round, peer_id, round, self.metrics.totals["resyncs"],
-                       why)
-
-    def _refused(self, e: SubmitRejected, peer_id: str, round: int, digest: bytes) -> pb.SubmitReply:
-        if e.kind == "duplicate" and self.accepted_digests.get(peer_id) != digest:
-            reason = f"another payload from {peer_id} for round {round} is already in"
-            self.metrics.refused(peer_id, round, "conflict", reason)
-            return pb.SubmitReply(accepted=False, reason=reason, refusal=pb.REFUSAL_INVALID,
-                                  open_round=self.rounds.round)
-        if e.stale:
-            self.metrics.add("late")
-        self.metrics.refused(peer_id, round, e.kind, e.reason)
-        return pb.SubmitReply(accepted=False, reason=e.reason, refusal=_REFUSALS[e.kind], open_round=self.rounds.round)
 
     async def GetAggregate(self, request: pb.AggregateRequest,
                            context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.AggregateChunk]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from demonet.optim import Payload
-from demonet.transport import NotMember, Resync, RoundResult
+from demonet.transport import Digest, NotMember, Resync, RoundResult, known
 from demonet.wire.identity import Identity
 
 from . import rules
@@ -42,6 +42,9 @@ class DhtGatherer:
       slices must be fetched this long after that; a slice still missing then is asked from the
       other members, and dropped by everyone if none holds it.
     """
+
+    digest_follows = False
+    """A round is announced with the digest it starts from: `gather` waits for it before anything else."""
 
     def __init__(self, node: DhtNode, specs: rules.Specs) -> None:
         self.opts, self.peer_id, self.specs = node.opts, node.peer_id, dict(specs)
@@ -146,7 +149,7 @@ class DhtGatherer:
         if self.view is not None:
             self.view.minority(round, minority)
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
         """Announce, freeze the membership, reduce-scatter the payload's slices, all-gather the merged slices.
 
         See `demonet.transport.Gatherer.gather`. `RoundResult.param_digest` is empty: in DHT mode the
@@ -157,6 +160,7 @@ class DhtGatherer:
             NotMember: this peer announced after the round froze.
             Resync: this peer's parameters are not the majority's.
         """
+        param_digest = await known(param_digest)  # a round is announced with it
         r, board, view = round, self._board, self.view
         gets = self._node.gets
         if view is not None:

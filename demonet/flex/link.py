@@ -21,7 +21,7 @@ import torch.distributed as dist
 from demonet import errors, transport, wire
 from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload
-from demonet.transport import Expected, JoinInfo, Parameters, RoundResult
+from demonet.transport import Digest, Expected, JoinInfo, Parameters, RoundResult, known
 from demonet.transport.coordinated import CoordinatorMembership
 
 from .shard import join_shards
@@ -60,6 +60,9 @@ class NodeLink:
         inner: rank 0's membership of the coordinator run.
         full_shapes: the whole parameters' shapes by name (to join the ranks' shard payloads).
     """
+
+    digest_follows = False
+    """Every rank gathers a round together (collectives on the node's group): no round is sent ahead."""
 
     def __init__(self, group: dist.ProcessGroup, inner: CoordinatorMembership | None,
                  full_shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -123,12 +126,13 @@ class NodeLink:
 
     # -- Gatherer ------------------------------------------------------------------------------------
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
         """Submit the node's payload (its ranks' shards joined on rank 0) and wait for the round's outcome.
 
         Every rank gets the outcome: the aggregate as rank 0 received and validated it, decoded from
         the same bytes, or the same error.
         """
+        param_digest = await known(param_digest)  # every rank joins the gather below at the same round
         gathered: list[Any] | None = [None] * dist.get_world_size(self.exchange) if self.rank == 0 else None
         await asyncio.to_thread(dist.gather_object, (payload, loss), gathered, dst=self.src, group=self.exchange)
 

@@ -23,7 +23,17 @@ import torch
 
 from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload, to_host
-from demonet.transport import Expected, Gatherer, JoinInfo, Membership, Parameters, Resync, RoundResult, keep_alive
+from demonet.transport import (
+    Digest,
+    Expected,
+    Gatherer,
+    JoinInfo,
+    Membership,
+    Parameters,
+    Resync,
+    RoundResult,
+    keep_alive,
+)
 
 __all__ = ["STOP_GRACE_S", "Overlapping", "Replica", "RoundLog", "RoundLoop", "stop_on_signals", "warm_up"]
 
@@ -74,6 +84,9 @@ class _InFlight:
     """`time.perf_counter()` when the round's training began."""
     compute_s: float
     """Blocking torch work of the round so far (forward, backward, compress, lookahead)."""
+    digest: asyncio.Future[str] | None = None
+    """The digest the round starts from, when its payload left before it was known (set once the round
+    before is settled; cancelled if the peer will not start this round from it)."""
 
 
 class RoundLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -237,17 +250,31 @@ class RoundLoop:
         return gather.result()
 
     def _submit(self, payload: Payload, staged: tuple[Payload, torch.cuda.Event | None], loss: float, *,
-                started: float, compute_s: float) -> _InFlight:
+                started: float, compute_s: float, ahead: bool = False) -> _InFlight:
         """Start the exchange of the open round's payload (a task: training may go on meanwhile).
 
         `staged`: the payload's host copy and the event that says it is there (`to_host`): the exchange
-        sends that copy, and `payload` stays on the device for the settle or the restore."""
+        sends that copy, and `payload` stays on the device for the settle or the restore. `ahead`: the
+        payload of the round after the open one, sent before the open round is settled, its digest to
+        follow (`_InFlight.digest`; the gatherer must have `digest_follows`)."""
         sent, ready = staged
-        gather = asyncio.create_task(self._gather(self.round, sent, ready, loss=loss, param_digest=self.digest))
-        return _InFlight(self.round, payload, loss, gather, started, compute_s)
+        round, digest = self.round + ahead, asyncio.get_running_loop().create_future() if ahead else None
+        gather = asyncio.create_task(self._gather(round, sent, ready, loss=loss,
+                                                  param_digest=self.digest if digest is None else digest))
+        return _InFlight(round, payload, loss, gather, started, compute_s, digest)
+
+    @staticmethod
+    async def _drop(flight: _InFlight) -> None:
+        """Call off a round sent ahead whose round will not start from the parameters it was taken at (its
+        compress is undone by the caller: nothing to restore)."""
+        if flight.digest is not None:
+            flight.digest.cancel()
+        flight.gather.cancel()
+        with contextlib.suppress(asyncio.CancelledError, DemonetError):
+            await flight.gather
 
     async def _gather(self, round: int, payload: Payload, ready: torch.cuda.Event | None, *, loss: float,
-                      param_digest: str) -> RoundResult:
+                      param_digest: Digest) -> RoundResult:
         if ready is not None:  # the host copy is made on a side stream: wait for it, not for the training
             await asyncio.to_thread(ready.synchronize)
         return await self.gatherer.gather(round, payload, loss=loss, param_digest=param_digest)
@@ -270,17 +297,20 @@ class RoundLoop:
 
         Round r+1's gradient is compressed as soon as its backward ends, undoably (`DeMo.compress`), so
         that only round r's settle and digest stand between round r's outcome and round r+1's payload.
-        The payload leaves once round r is settled, from round r+1's canonical parameters with their
-        digest, as in a plain round: the coordinator and the DHT see no difference. What round r's
+        Where the gatherer takes a digest that follows (`digest_follows`: coordinator mode), the payload
+        leaves at once, while round r is still merged and downloaded, and its digest follows once round
+        r is settled; elsewhere it leaves then, with its digest. Either way it is round r+1's payload from
+        round r+1's canonical parameters, checked against their digest, as in a plain round. What round r's
         aggregate dropped (all of the payload, if round r was aborted) goes back into the momentum after
         that compress, so it leaves a round later than in a plain round, once all the same. The
         lookahead is applied once the payload is on its way. When the peer must load other parameters
         (a refusal, a catch-up, a resync) or stops, the compress of r+1 is undone to the bit, as if its
-        gradient had been dropped before it, and the pipeline starts again from the loaded round with
-        nothing in flight.
+        gradient had been dropped before it, a payload sent ahead is called off, and the pipeline starts
+        again from the loaded round with nothing in flight.
         """
         replica: Overlapping = self.replica  # type: ignore[assignment]
         flight: _InFlight | None = None
+        ahead: _InFlight | None = None  # the next round's payload, on its way before `flight` is settled
         pending = False  # an undoable compress of the next round waits for `flight`'s outcome
         try:
             while await self.membership.agree(self._go(self.round + (flight is not None))):
@@ -290,12 +320,17 @@ class RoundLoop:
                 pending = flight is not None
                 compute_s = time.perf_counter() - t0
                 if flight is not None:
+                    if self.gatherer.digest_follows:  # it leaves now; its digest once `flight` is settled
+                        ahead = self._submit(payload, staged, loss, started=t0, compute_s=compute_s, ahead=True)
                     landing, flight = flight, None  # `_land` gives its payload back on every error path
                     landed = await self._land(landing, metrics)
                     if landed == "applied" and not await self.membership.agree(self._go(self.round)):
                         landed = "stopped"  # a stop came meanwhile
                     pending = False
                     if landed != "applied":
+                        if ahead is not None:
+                            dropped, ahead = ahead, None
+                            await self._drop(dropped)
                         await asyncio.to_thread(replica.undo_compress)  # its gradient is from other parameters
                         if landed == "stopped":
                             break
@@ -306,7 +341,13 @@ class RoundLoop:
                     await asyncio.to_thread(replica.hold)
                 await self.membership.begin_round(self.round, self.digest, replica.canonical_parameters)
                 compute_s += time.perf_counter() - t1
-                flight = self._submit(payload, staged, loss, started=t0, compute_s=compute_s)
+                if ahead is not None:  # its digest follows it now
+                    flight, ahead = ahead, None
+                    assert flight.round == self.round and flight.digest is not None
+                    flight.compute_s = compute_s
+                    flight.digest.set_result(self.digest)
+                else:
+                    flight = self._submit(payload, staged, loss, started=t0, compute_s=compute_s)
                 if self.lookahead:  # while the payload travels: the next round trains from here
                     t2 = time.perf_counter()
                     await asyncio.to_thread(replica.lookahead, payload, self.round)
@@ -316,6 +357,8 @@ class RoundLoop:
                 landing, flight = flight, None
                 await self._land(landing, metrics)
         finally:
+            if ahead is not None:  # an error while the round before was landing: the compress is undone below
+                await self._drop(ahead)
             if pending:  # an error while the outcome of the round before was awaited
                 replica.undo_compress()
             if flight is not None:  # an error while training left a round in flight: its payload goes back

@@ -21,11 +21,20 @@ import torch
 from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload
 
-__all__ = ["Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Parameters", "Rejected", "Resync",
-           "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive"]
+__all__ = ["Digest", "Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Parameters", "Rejected", "Resync",
+           "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive", "known"]
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 """A model's parameters as name -> (shape, dtype), in order: what a parameter download must fit."""
+
+Digest = str | asyncio.Future[str]
+"""A peer's parameter digest at the start of a round, or the future of it: an overlapped peer has its payload
+for round r+1 before it has applied round r (`Gatherer.digest_follows`)."""
+
+
+async def known(digest: Digest) -> str:
+    """The digest, once it is known (a transport that sends it with the payload's first part waits for it)."""
+    return digest if isinstance(digest, str) else await asyncio.shield(digest)
 
 
 @dataclass(frozen=True)
@@ -103,14 +112,21 @@ class RoundResult:
 class Gatherer(Protocol):
     """Takes this peer's payload for a round and returns the round's aggregate."""
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
+    digest_follows: bool
+    """Whether `gather` sends the payload before its digest is known (coordinator mode: the payload of
+    round r+1 travels while round r is still merged and downloaded). Where False, an overlapped peer
+    calls `gather` only once the digest is known."""
+
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
         """Send `payload` for `round` and wait for the round to close.
 
         Args:
             round: the round the payload belongs to.
             payload: what `DeMo.compress()` returned for this round.
             loss: this peer's training loss on its batch for the round.
-            param_digest: this peer's parameter digest at the start of the round.
+            param_digest: this peer's parameter digest at the start of the round; a future of it only
+                where `digest_follows` (cancelled if the peer will not start the round from the round
+                before: the call is then cancelled too).
 
         Raises:
             Rejected: the payload was not taken (see its subclasses for what to do).

@@ -16,7 +16,7 @@ import torch
 from demonet.errors import DemonetError
 from demonet.optim import Payload
 
-from . import Expected, JoinInfo, Parameters, RoundResult, catch_up, catch_up_timeout_s
+from . import Digest, Expected, JoinInfo, Parameters, RoundResult, catch_up, catch_up_timeout_s
 
 __all__ = ["CoordinatorClient", "CoordinatorMembership"]
 
@@ -32,7 +32,9 @@ class CoordinatorClient(Protocol):
     async def heartbeat(self, round: int) -> tuple[int, bool]: ...
     async def get_parameters(self, round: int, expected: Expected, *,
                              resync: bool = False) -> tuple[int, dict[str, torch.Tensor], int]: ...
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult: ...
+    digest_follows: bool
+
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult: ...
     async def close(self) -> None: ...
 
 

@@ -27,9 +27,9 @@ from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Payload
 from demonet.wire import params as wire_params
 from demonet.wire.identity import Identity
-from demonet.wire.signed import heartbeat_request, join_request, parameters_request, submit_parts
+from demonet.wire.signed import digest_part, heartbeat_request, join_request, parameters_request, submit_parts
 
-from . import JoinInfo, NotMember, Rejected, Resync, RoundResult, StaleRound
+from . import Digest, JoinInfo, NotMember, Rejected, Resync, RoundResult, StaleRound
 
 __all__ = ["CoordinatorStatus", "GrpcClient"]
 
@@ -120,14 +120,16 @@ def _retrieved(task: asyncio.Task[Any]) -> None:
 
 
 class GrpcClient:
-    """One peer's (or an operator's) connection to the coordinator; a `Gatherer`.
+    """One peer's (or an operator's) connection to the coordinator; a `Gatherer` that sends a payload
+    before its parameter digest is known (`digest_follows`).
 
     Timeouts, each a deadline on the gRPC call it names:
 
     - ``call_timeout_s``: one unary call (Join, Heartbeat, Status): connecting, request and reply.
     - ``wait_timeout_s`` (2 * round_timeout_s + 30 s, once joined): one GetParameters or
       GetAggregate stream, which waits for a round to open or to close, then streams.
-    - ``submit_timeout_s`` (round_timeout_s + call_timeout_s): uploading one Submit stream.
+    - ``submit_timeout_s`` (round_timeout_s + call_timeout_s): uploading one Submit stream; a round
+      timeout more for a stream whose digest follows (`gather` with a digest still to come).
 
     A call that fails with UNAVAILABLE, DEADLINE_EXCEEDED or CANCELLED is tried again, with capped
     exponential backoff, until ``reconnect_timeout_s`` has passed since its first failure (the
@@ -175,6 +177,12 @@ class GrpcClient:
         self._identity = identity
         self._session = b""
         """From the JoinReply: what this key's signatures cover."""
+        self._submitted: dict[int, asyncio.Event] = {}
+        """Round -> set once this client's Submit for it has ended: a payload sent ahead waits for the one
+        before it, so that the two never share the link."""
+
+    digest_follows = True
+    """`gather` takes a digest still to come: the payload streams at once, the digest after it."""
 
     @property
     def identity(self) -> Identity:
@@ -374,16 +382,26 @@ class GrpcClient:
             raise InvalidPayload(f"GetParameters({round}): got the parameters of round {got}")
         return got, tensors, len(data)
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
         """Submit this peer's payload for `round`, then wait for the round's aggregate.
 
         See `demonet.transport.Gatherer.gather`. The aggregate is validated against the payload's
-        own tensors (names, shapes, chunks), which are the model's.
+        own tensors (names, shapes, chunks), which are the model's. With a digest still to come, the
+        payload streams as soon as this client's Submit of the round before has ended (the open round's,
+        which may still be merged), and the digest follows in the stream's last message once it is known.
         """
         t0 = time.perf_counter()
         data = await asyncio.to_thread(wire.encode, payload, step=round)
         t1 = time.perf_counter()
-        await self._submit(round, data, loss=loss, param_digest=param_digest)
+        for old in [r for r in self._submitted if r < round - 1]:
+            del self._submitted[old]
+        ended = self._submitted.setdefault(round, asyncio.Event())
+        try:
+            if not isinstance(param_digest, str) and round - 1 in self._submitted:
+                await self._submitted[round - 1].wait()
+            param_digest = await self._submit(round, data, loss=loss, param_digest=param_digest)
+        finally:
+            ended.set()
         t2 = time.perf_counter()
         expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
         for attempt in range(_RESUBMITS + 1):
@@ -402,7 +420,8 @@ class GrpcClient:
         # Where the round's exchange went (seconds): "wait" is from the submit's reply to the aggregate's
         # header (the other peers, then the coordinator's close), "download" the rest of its parts. The
         # canonical digest comes after (the coordinator applies the round meanwhile): `RoundLoop` waits for
-        # it once it has applied the aggregate itself.
+        # it once it has applied the aggregate itself. A payload sent ahead has its "submit" from its
+        # encode to the reply, which comes once its round has opened and its digest has followed.
         phases = {"encode": t1 - t0, "submit": t2 - t1, "wait": got.header_at - t2,
                   "download": got.parts_at - got.header_at, "decode": got.decoded_at - got.parts_at}
         return RoundResult(round=round, aggregate=got.aggregate, contributors=tuple(got.header.contributors),
@@ -416,14 +435,32 @@ class GrpcClient:
             return NotMember(f"round {round}: {reason}")
         return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
 
-    async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: str) -> None:
-        parts = submit_parts(self.identity, self._session, self.peer_id, round, data, param_digest=param_digest,
-                             loss=loss)
+    async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: Digest) -> str:
+        """One payload's Submit, tried again while BUSY; returns the digest it went with.
 
-        give_up_at, busy_s = time.monotonic() + self.submit_timeout_s, _BUSY_FIRST_S
+        Raises:
+            Rejected: refused (the subclass says what to do).
+        """
+        timeout_s, digest = self.submit_timeout_s, param_digest
+        parts = submit_parts(self.identity, self._session, self.peer_id, round, data,
+                             param_digest=digest if isinstance(digest, str) else "", loss=loss,
+                             digest_follows=not isinstance(digest, str))
+
+        async def follow(digest: asyncio.Future[str]) -> AsyncIterator[pb.SubmitPart]:
+            for part in parts:
+                yield part
+            # The digest once the peer has it: the stream waits for it.
+            yield digest_part(self.identity, self._session, parts[0], await asyncio.shield(digest))
+
+        def requests() -> Any:
+            return iter(parts) if isinstance(digest, str) else follow(digest)
+
+        if not isinstance(digest, str):
+            timeout_s += self.round_timeout_s
+        give_up_at, busy_s = time.monotonic() + timeout_s, _BUSY_FIRST_S
         while True:
             reply = await self._call(f"Submit({round})", lambda: self._stub.Submit(
-                iter(parts), metadata=self._metadata, timeout=self.submit_timeout_s))
+                requests(), metadata=self._metadata, timeout=timeout_s))
             # BUSY: this peer's previous attempt (a connection that dropped) is still being torn down on the
             # coordinator, or its bytes in flight are spent: both pass soon.
             if reply.refusal != pb.REFUSAL_BUSY or time.monotonic() + busy_s > give_up_at:
@@ -433,12 +470,10 @@ class GrpcClient:
             busy_s = min(2 * busy_s, 1.0)
         if reply.refusal == pb.REFUSAL_BUSY:  # past the round's deadline by now: the round is over for it
             raise StaleRound(f"round {round}: {reply.reason}", open_round=int(reply.open_round))
-        if reply.accepted:
-            return
+        if reply.accepted or reply.refusal == pb.REFUSAL_DUPLICATE:  # duplicate: a retry whose first try got in
+            return param_digest if isinstance(param_digest, str) else param_digest.result()
         if reply.refusal == pb.REFUSAL_RESYNC or reply.resync:
             raise Resync(f"round {round}: {reply.reason or 'parameter digest differs from the canonical one'}")
-        if reply.refusal == pb.REFUSAL_DUPLICATE:  # a retry whose first attempt got through, its reply lost
-            return
         if reply.refusal in (pb.REFUSAL_NOT_MEMBER, pb.REFUSAL_FUTURE):  # future: a coordinator that lost its state
             raise NotMember(f"round {round}: {reply.reason}")
         if reply.refusal == pb.REFUSAL_STALE:

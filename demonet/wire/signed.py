@@ -11,7 +11,7 @@ from demonet._proto import demonet_pb2 as pb
 from .identity import Identity, heartbeat_statement, join_statement, parameters_statement, submit_statement
 from .parts import DEFAULT_PART_BYTES, split
 
-__all__ = ["heartbeat_request", "join_request", "parameters_request", "submit_parts"]
+__all__ = ["digest_part", "heartbeat_request", "join_request", "parameters_request", "submit_parts"]
 
 
 def join_request(identity: Identity, peer_id: str, nonce: bytes) -> pb.JoinRequest:
@@ -32,9 +32,28 @@ def parameters_request(identity: Identity, session: bytes, peer_id: str, round: 
 
 
 def submit_parts(identity: Identity, session: bytes, peer_id: str, round: int, data: bytes, *, param_digest: str,
-                 loss: float, part_bytes: int = DEFAULT_PART_BYTES) -> list[pb.SubmitPart]:
-    """A serialized payload as the SubmitPart messages of one Submit stream; the first one carries the signature."""
+                 loss: float, part_bytes: int = DEFAULT_PART_BYTES,
+                 digest_follows: bool = False) -> list[pb.SubmitPart]:
+    """A serialized payload as the SubmitPart messages of one Submit stream; the first one carries the signature.
+
+    `digest_follows`: the parameter digest is not known yet (an overlapped peer sending round r+1 while round
+    r is open); `param_digest` must be "", and `digest_part` gives the stream's last message once it is.
+    """
+    if digest_follows and param_digest:
+        raise ValueError("digest_follows: the digest comes in the last message (digest_part), not the first")
     parts = split(data, part_bytes=part_bytes)
     signature = identity.sign(submit_statement(session, peer_id, round, parts[0].payload_digest, param_digest, loss))
     return [pb.SubmitPart(peer_id=peer_id, round=round, param_digest=param_digest, loss=loss, part=part,
-                          signature=signature if i == 0 else b"") for i, part in enumerate(parts)]
+                          signature=signature if i == 0 else b"", digest_follows=digest_follows and i == 0)
+            for i, part in enumerate(parts)]
+
+
+def digest_part(identity: Identity, session: bytes, first: pb.SubmitPart, param_digest: str) -> pb.SubmitPart:
+    """The last message of a `digest_follows` stream whose first part is `first`: the parameter digest, signed
+    with the payload's digest and loss (`submit_statement`)."""
+    if not param_digest:
+        raise ValueError("param_digest is empty")
+    statement = submit_statement(session, first.peer_id, first.round, first.part.payload_digest, param_digest,
+                                 first.loss)
+    return pb.SubmitPart(peer_id=first.peer_id, round=first.round, param_digest=param_digest, loss=first.loss,
+                         signature=identity.sign(statement))

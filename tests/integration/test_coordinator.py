@@ -104,7 +104,9 @@ class Peer:
         self.identity = identity or Identity.generate()
         self.session = b""
 
-    async def join(self) -> int:
+    async def join(self, *, load: bool = True) -> int:
+        """Join the run; then (with `load`) download the parameters of the round it joins at, which waits
+        for that round to open."""
         challenge = await self.stub.Challenge(pb.ChallengeRequest(peer_id=self.peer_id,
                                                                   public_key=self.identity.public),
                                               metadata=self.md, timeout=10)
@@ -116,7 +118,8 @@ class Peer:
         self.opt = DeMo(self.model.named_parameters(), lr=cfg.optim.lr)
         self.lr = LrSchedule.from_settings(cfg.optim, cfg.train.steps)  # round r's apply, as the coordinator's
         self.batches = Batches(load_corpus(), batch_size=2, seq_len=32, seed=reply.data_seed)
-        await self.load_parameters(reply.round)
+        if load:
+            await self.load_parameters(reply.round)
         return int(reply.round)
 
     async def load_parameters(self, round_: int) -> int:

@@ -53,20 +53,25 @@ def test_the_largest_payload_any_coding_makes_is_under_the_bound() -> None:
     assert submission_bound(specs, cfg.optim.compression_topk, cap=1000) == 1000  # the operator's cap wins
 
 
-def test_one_stream_per_peer_and_a_budget_of_bytes_in_flight() -> None:
+def test_one_stream_per_peer_and_round_and_a_budget_of_bytes_in_flight() -> None:
     slots = SubmitSlots(max_inflight_bytes=100)
-    first, second = object(), object()
-    slots.open("a", 3, 60, first)
-    with pytest.raises(Busy, match="stream open"):
-        slots.open("a", 4, 1, second)  # any round
-    slots.release("a", second)  # a refused stream releases nothing
-    assert slots.inflight_bytes == 60
+    first, second, third = object(), object(), object()
+    slots.open("a", 3, 50, first)
+    with pytest.raises(Busy, match="stream open for round 3"):
+        slots.open("a", 3, 1, second)  # a second stream of the same round
+    slots.release("a", 3, second)  # a refused stream releases nothing
+    assert slots.inflight_bytes == 50
+    slots.open("a", 4, 10, third)  # the next round's, whose digest follows (an overlapped peer)
     with pytest.raises(Busy, match="budget"):
         slots.open("b", 3, 41, second)
     slots.open("b", 3, 40, second)
     assert slots.outlived(3) == [] and slots.outlived(4) == [first, second]
-    slots.release("a", first)
-    slots.release("b", second)
+    assert slots.outlived(5) == [first, third, second]
+    slots.release("a", 4, first)  # another stream's handle: nothing
+    assert slots.inflight_bytes == 100
+    slots.release("a", 3, first)
+    slots.release("a", 4, third)
+    slots.release("b", 3, second)
     assert slots.inflight_bytes == 0 and not slots.streams
     slots.open("a", 4, 100, second)  # free again
 

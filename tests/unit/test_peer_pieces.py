@@ -434,6 +434,8 @@ class _FakeClient:
         """The rounds whose parameters were asked for as a resync (the coordinator counts those)."""
         self.joins = 0
 
+    digest_follows = False
+
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, Exception):
