@@ -395,7 +395,7 @@ class GrpcClient:
         t1 = time.perf_counter()
         for old in [r for r in self._submitted if r < round - 1]:
             del self._submitted[old]
-        ended = self._submitted.setdefault(round, asyncio.Event())
+        ended = self._submitted[round] = asyncio.Event()
         try:
             if not isinstance(param_digest, str) and round - 1 in self._submitted:
                 await self._submitted[round - 1].wait()
