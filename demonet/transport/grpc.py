@@ -446,21 +446,33 @@ class GrpcClient:
                              param_digest=digest if isinstance(digest, str) else "", loss=loss,
                              digest_follows=not isinstance(digest, str))
 
+        replied = asyncio.Event()  # a reply (a refusal) before the digest: the stream has nothing more to send
+
         async def follow(digest: asyncio.Future[str]) -> AsyncIterator[pb.SubmitPart]:
             for part in parts:
                 yield part
             # The digest once the peer has it: the stream waits for it.
-            yield digest_part(self.identity, self._session, parts[0], await asyncio.shield(digest))
+            waiting = asyncio.ensure_future(replied.wait())
+            try:
+                await asyncio.wait({digest, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting.cancel()
+            if digest.done() and not digest.cancelled() and not replied.is_set():
+                yield digest_part(self.identity, self._session, parts[0], digest.result())
 
-        def requests() -> Any:
-            return iter(parts) if isinstance(digest, str) else follow(digest)
+        async def submit() -> Any:
+            replied.clear()
+            try:
+                return await self._stub.Submit(iter(parts) if isinstance(digest, str) else follow(digest),
+                                               metadata=self._metadata, timeout=timeout_s)
+            finally:
+                replied.set()
 
         if not isinstance(digest, str):
             timeout_s += self.round_timeout_s
         give_up_at, busy_s = time.monotonic() + timeout_s, _BUSY_FIRST_S
         while True:
-            reply = await self._call(f"Submit({round})", lambda: self._stub.Submit(
-                requests(), metadata=self._metadata, timeout=timeout_s))
+            reply = await self._call(f"Submit({round})", submit)
             # BUSY: this peer's previous attempt (a connection that dropped) is still being torn down on the
             # coordinator, or its bytes in flight are spent: both pass soon.
             if reply.refusal != pb.REFUSAL_BUSY or time.monotonic() + busy_s > give_up_at:

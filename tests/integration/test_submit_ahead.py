@@ -51,7 +51,11 @@ class Ahead:
     async def reply(self, digest: str | None = None) -> pb.SubmitReply:
         if digest is not None:
             self.digest.set_result(digest)
-        return await asyncio.wait_for(self.call, 30)
+        try:
+            return await asyncio.wait_for(self.call, 30)
+        finally:  # a reply before the digest (a refusal): the stream ends without it
+            if not self.digest.done():
+                self.digest.set_result("")
 
 
 def gradient(peer: Peer, round_: int) -> tuple[object, bytes]:

@@ -27,6 +27,7 @@ from demonet.train.trainer import settle
 from demonet.transport import NotMember, Resync, RoundResult, StaleRound
 from demonet.transport import grpc as transport_grpc
 from demonet.transport.grpc import GrpcClient, JoinInfo
+from demonet.wire.identity import submit_statement, verify
 
 # -- run folder ------------------------------------------------------------------------------------------
 
@@ -280,6 +281,32 @@ async def test_gather_submits_parts_and_returns_the_aggregate() -> None:
         order = c.idx.argsort(dim=1)
         got = result.aggregate.tensors[name]
         assert torch.equal(got.idx, c.idx.gather(1, order)) and torch.equal(got.val, c.val.gather(1, order))
+
+
+async def test_gather_with_a_digest_to_follow_streams_the_payload_first_then_the_signed_digest() -> None:
+    _, _, payload = _replica()
+    digest: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    seen: list[tuple[Any, bool]] = []
+
+    class Ahead(_FakeStub):
+        async def Submit(self, requests: Any, metadata: Any, timeout: float) -> Any:
+            async for part in requests:
+                seen.append((part, digest.done()))
+                if part.HasField("part") and part.part.index == part.part.count - 1:
+                    digest.set_result("pd")  # the round before is settled once the payload is in
+            return self.submit
+
+    client = _client(Ahead(pb.SubmitReply(accepted=True), aggregate=_chunks(3, aggregate([payload]), ("me",))))
+    result = await client.gather(3, payload, loss=1.5, param_digest=digest)
+    await client.close()
+    (first, known), (last, _) = seen[0], seen[-1]
+    assert not known and first.digest_follows and first.param_digest == "" and first.part.count == len(seen) - 1
+    assert all(p.HasField("part") for p, _ in seen[:-1]) and not last.HasField("part") and last.param_digest == "pd"
+    statement = submit_statement(b"", "me", 3, first.part.payload_digest, "pd", 1.5)
+    assert verify(client.identity.public, last.signature, statement)
+    assert verify(client.identity.public, first.signature, submit_statement(b"", "me", 3, first.part.payload_digest,
+                                                                            "", 1.5))
+    assert (result.round, result.contributors) == (3, ("me",))
 
 
 async def test_gather_of_an_aborted_round_has_no_aggregate() -> None:

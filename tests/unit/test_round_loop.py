@@ -212,3 +212,34 @@ async def test_a_canonical_digest_that_comes_after_the_aggregate_is_checked_afte
     assert all(r["param_digest"] == r["canonical_digest"] for r in rows if r["round"] != 2)
     assert run.restored == {"p0": [], FAULTY: []}  # the aggregate was applied: nothing went back whole
     assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
+
+
+async def test_an_overlapped_payload_leaves_before_the_round_before_is_settled(tmp_path: Path) -> None:
+    """With a gatherer that takes its digest later (`digest_follows`), round r+1's payload is handed over
+    before round r's outcome is known, with a digest still to come; when round r does not apply (here:
+    refused as stale), that payload is called off and the round is done again from the loaded parameters."""
+    calls: list[tuple[int, str]] = []
+
+    def wrap(client: Any) -> None:
+        gather = client.gather
+
+        async def recorded(r: int, payload: Payload, *, param_digest: Any, **kwargs: Any) -> Any:
+            calls.append((r, "with its digest" if isinstance(param_digest, str) else
+                          "digest to follow" if not param_digest.done() else "digest known"))
+            try:
+                return await gather(r, payload, param_digest=param_digest, **kwargs)
+            except asyncio.CancelledError:
+                calls.append((r, "called off"))
+                raise
+
+        client.gather = recorded
+
+    run = _Run(tmp_path, {(FAULTY, 2): "stale"}, overlap=1, wrap=wrap)
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    assert calls == [(0, "with its digest"), (1, "digest to follow"), (2, "digest to follow"),
+                     (3, "digest to follow"), (3, "called off"),  # round 2 went stale: round 3's gradient is dropped
+                     (3, "with its digest"), (4, "digest to follow"), (5, "digest to follow")], calls
+    assert run.restored[FAULTY] == [2]  # round 2's payload went back once; round 3's compress was undone
+    assert [r["round"] for r in run.rows(FAULTY)] == [0, 1, 3, 4, 5]
+    assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
