@@ -265,13 +265,14 @@ class RoundLoop:
 
     @staticmethod
     async def _drop(flight: _InFlight) -> None:
-        """Call off a round sent ahead whose round will not start from the parameters it was taken at (its
-        compress is undone by the caller: nothing to restore)."""
-        if flight.digest is not None:
-            flight.digest.cancel()
+        """Cancel a round's exchange (the caller restores its payload, or undoes its compress). The exchange
+        first, then a digest still to come: a stream sent ahead is cancelled, never ended without its
+        digest (which the coordinator would count as an invalid submission)."""
         flight.gather.cancel()
         with contextlib.suppress(asyncio.CancelledError, DemonetError):
             await flight.gather
+        if flight.digest is not None:
+            flight.digest.cancel()
 
     async def _gather(self, round: int, payload: Payload, ready: torch.cuda.Event | None, *, loss: float,
                       param_digest: Digest) -> RoundResult:
@@ -362,9 +363,7 @@ class RoundLoop:
             if pending:  # an error while the outcome of the round before was awaited
                 replica.undo_compress()
             if flight is not None:  # an error while training left a round in flight: its payload goes back
-                flight.gather.cancel()
-                with contextlib.suppress(asyncio.CancelledError, DemonetError):
-                    await flight.gather
+                await self._drop(flight)
                 await asyncio.to_thread(replica.restore, flight.payload)
 
     def _train_step(self) -> tuple[float, Payload, tuple[Payload, torch.cuda.Event | None]]:
