@@ -158,14 +158,19 @@ class Rounds:
         """What `submit` would reject, without changing anything (to refuse before reading a payload).
 
         `early`: a stream whose parameter digest follows its payload, which a member of the open round may
-        send for the next round already (an overlapped peer); `submit` counts it once that round is open.
+        send for the next round once its payload for the open round is in (an overlapped peer sends them in
+        that order); `submit` counts it once that round is open. A member whose payload for the open round
+        is not in (a coordinator restarted from an older state lost it) is told FUTURE, as for any round
+        that has not opened: it joins again and does the open round over.
         """
         if round < self.round:
             raise SubmitRejected(f"round {round} is closed; the open round is {self.round}", "stale")
         if peer_id not in self.members:
             raise SubmitRejected(f"{peer_id} is not a member of round {self.round}", "not_member")
-        if round > self.round + early:
-            raise SubmitRejected(f"round {round} has not opened; the open round is {self.round}", "future")
+        if round > self.round + (early and peer_id in self.submitted):
+            after = (f" (a payload for round {round} comes after {peer_id}'s payload for round {self.round}, "
+                     "which is not in)" if early and round == self.round + 1 else "")
+            raise SubmitRejected(f"round {round} has not opened; the open round is {self.round}{after}", "future")
         if round == self.round and peer_id in self.submitted:
             raise SubmitRejected(f"{peer_id} already submitted for round {round}", "duplicate")
 

@@ -112,6 +112,8 @@ async def test_a_bad_stream_sent_ahead_is_refused_and_changes_nothing(rounds: Co
     # Refused at its first part, before any digest: a round beyond the next one, and a non-member.
     reply = await Ahead(a, 3, wire.encode(a.opt.compress(), step=3)).reply()
     assert not reply.accepted and reply.refusal == pb.REFUSAL_FUTURE, reply
+    reply = await Ahead(b, 2, ahead_data).reply()  # b's payload for round 1 is not in
+    assert not reply.accepted and reply.refusal == pb.REFUSAL_FUTURE and "not in" in reply.reason, reply
     stranger = Peer(rounds.address, "stranger")
     assert await stranger.join(load=False) == 2  # a joiner: a member from round 2 on, not of round 1
     reply = await Ahead(stranger, 2, ahead_data).reply()

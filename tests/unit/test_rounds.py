@@ -64,6 +64,26 @@ def test_bad_submissions_are_rejected(peer: str, round_: int, reason: str) -> No
     assert r.submitted == ["a"]  # the rejected ones changed nothing
 
 
+def test_the_next_rounds_payload_may_come_early_only_after_the_open_rounds() -> None:
+    r = Rounds(cfg=CFG, now=0.0)
+    for p in "ab":
+        r.join(p, 0.0)
+    r.close(1.0)  # both members of round 1
+    with pytest.raises(SubmitRejected, match="has not opened") as err:
+        r.check_submit("a", 2)  # not early: the next round is not open
+    assert err.value.kind == "future"
+    with pytest.raises(SubmitRejected, match="a's payload for round 1, which is not in") as err:
+        r.check_submit("a", 2, early=True)  # a restarted coordinator lost it: a does round 1 over
+    assert err.value.kind == "future"
+    r.submit("a", 1, 2.0)
+    r.check_submit("a", 2, early=True)
+    with pytest.raises(SubmitRejected, match="round 3 has not opened"):
+        r.check_submit("a", 3, early=True)  # one round ahead at most
+    with pytest.raises(SubmitRejected, match="b's payload for round 1"):
+        r.check_submit("b", 2, early=True)
+    assert (r.round, r.submitted) == (1, ["a"])  # the checks changed nothing
+
+
 def test_stale_flag_tells_a_peer_to_catch_up() -> None:
     r = Rounds(cfg=CFG, now=0.0)
     r.join("a", 0.0)
