@@ -1,4 +1,5 @@
-"""`demonet bench`, shortened: every system trains a few steps over 100 Mbit/s links and the report is written.
+"""`demonet bench`, shortened: every system trains a few steps with 2 peers over 100 Mbit/s links and the report
+is written.
 
 The performance goals are read from the full run (docs/evidence.md), not asserted here.
 """
@@ -26,7 +27,8 @@ def test_every_system_runs_and_the_report_is_written(tmp_path: Path) -> None:
     out, plots = tmp_path / "bench", tmp_path / "docs"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     done = subprocess.run([sys.executable, "-m", "demonet", "bench", "--out", str(out), "--plots", str(plots),
-                           "--mbit", "100", "--steps", "2", "--max-time-s", "150", "--no-progress"],
+                           "--mbit", "100", "--steps", "2", "--peers", "2", "--max-time-s", "150",
+                           "--no-progress"],
                           capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -37,7 +39,7 @@ def test_every_system_runs_and_the_report_is_written(tmp_path: Path) -> None:
         assert math.isfinite(r["loss_last"]) and r["sent_per_step"] > 0 and r["recv_per_step"] > 0, (name, r)
     for name in ("loss_vs_step.png", "loss_vs_time.png"):
         assert (plots / name).read_bytes().startswith(b"\x89PNG"), name
-    assert "| 100 Mbit/s | adamw-ddp | 2 | 16 |" in (out / "results.md").read_text()
+    assert "| 100 Mbit/s | adamw-ddp | 2 | 8 |" in (out / "results.md").read_text()  # 2 peers x 4 sequences
 
 
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -45,3 +47,8 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path) -> Non
                           "--systems", "adamw-ddp,nosuch"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "nosuch" in bad.stderr
     assert not (tmp_path / "b").exists()
+    for peers in ("1", "17"):
+        bad = subprocess.run([sys.executable, "-m", "demonet", "bench", "--out", str(tmp_path / "b"), "--peers", peers],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "--peers 2 to 16" in bad.stderr, bad.stderr
+        assert not (tmp_path / "b").exists()

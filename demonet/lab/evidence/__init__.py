@@ -1,6 +1,6 @@
 """`demonet bench`: demonet against AdamW-DDP and hivemind.Optimizer, side by side over shaped links.
 
-A bench package: starts every system as real processes in a `demonet.lab.netlab` lab (4 peers, each link
+A bench package: starts every system as real processes in a `demonet.lab.netlab` lab (4 peers by default, each link
 shaped with tbf), samples the links' kernel byte counters, and hands the step records to `report`.
 Each system is one launcher function in `SYSTEMS`; a new system is one more entry.
 """

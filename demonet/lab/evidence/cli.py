@@ -20,6 +20,9 @@ from . import SYSTEMS, BenchSetup, load_runs, run_bench
 
 __all__ = ["add_arguments", "main", "run"]
 
+MAX_PEERS = 16
+"""Peers a run may have: each is a namespace with its processes on this one machine."""
+
 
 def _floats(text: str) -> list[float]:
     try:
@@ -46,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="link speeds in Mbit/s, comma-separated (1000,100,10)")
     parser.add_argument("--systems", type=_names, default=list(SYSTEMS),
                         help=f"comma-separated, of {','.join(SYSTEMS)} (all)")
+    parser.add_argument("--peers", type=int, default=d.peers, help=f"training peers, each in its own namespace "
+                                                                 f"({d.peers})")
     parser.add_argument("--steps", type=int, default=d.steps, help=f"steps per run ({d.steps})")
     parser.add_argument("--max-time-s", type=float, default=d.max_time_s,
                         help=f"stop a run after this long; its figures cover the steps done ({d.max_time_s:g})")
@@ -65,10 +70,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the comparison; 0 when every run did at least one step and the report was written."""
     from . import report
 
-    if args.steps < 2 or args.max_time_s <= 0 or args.batch_size < 1:
-        print("demonet bench: --steps should be >= 2, --max-time-s > 0, --batch-size >= 1", file=sys.stderr)
+    if args.steps < 2 or args.max_time_s <= 0 or args.batch_size < 1 or not 2 <= args.peers <= MAX_PEERS:
+        print(f"demonet bench: --steps should be >= 2, --max-time-s > 0, --batch-size >= 1, --peers 2 to "
+              f"{MAX_PEERS}", file=sys.stderr)
         return 2
-    setup = BenchSetup(steps=args.steps, max_time_s=args.max_time_s, batch_size=args.batch_size,
+    setup = BenchSetup(peers=args.peers, steps=args.steps, max_time_s=args.max_time_s, batch_size=args.batch_size,
                        adamw_lr=args.adamw_lr, demo_lr=args.demo_lr)
     out = Path(args.out)
     load = os.getloadavg()
@@ -107,6 +113,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="demonet bench", description="demonet vs AdamW-DDP and hivemind.Optimizer, "
-                                     "4 peers in network namespaces over tbf-shaped links.")
+                                     "peers in network namespaces over tbf-shaped links.")
     add_arguments(parser)
     return run(parser.parse_args(argv))
