@@ -103,13 +103,9 @@ class Submissions:
                 self.limits.slots.release(head.peer_id, head.round, ends)
         param_digest = head.param_digest
         if last is not None:
-            try:
-                await self._signed(head.peer_id, last.signature, submit_statement(
-                    self.identities.session(head.peer_id) or b"", head.peer_id, head.round,
-                    head.part.payload_digest, last.param_digest, head.loss), context)
-            except NotJoined as e:
-                return self._refused(SubmitRejected(f"{e}: join the run first", "not_member"), head.peer_id,
-                                     head.round, b"")
+            refused = await self._check_signature(head, last.signature, last.param_digest, context)
+            if refused is not None:
+                return refused
             param_digest = last.param_digest
         async with self.cond:
             await self._wait(lambda: self.rounds.round >= head.round and self._applied(), self._wait_s, context,
@@ -140,18 +136,28 @@ class Submissions:
         await self._peer_id(head.peer_id, context)
         if head.digest_follows and head.param_digest:
             raise InvalidPayload("the first part carries a parameter digest although it was to follow")
-        try:
-            await self._signed(head.peer_id, head.signature, submit_statement(
-                self.identities.session(head.peer_id) or b"", head.peer_id, head.round, head.part.payload_digest,
-                head.param_digest, head.loss), context)
-        except NotJoined as e:
-            return self._refused(SubmitRejected(f"{e}: join the run first", "not_member"), head.peer_id, head.round,
-                                 b"")
+        refused = await self._check_signature(head, head.signature, head.param_digest, context)
+        if refused is not None:
+            return refused
         try:  # refuse before reading (and decoding) the rest of the stream
             self.rounds.check_submit(head.peer_id, head.round, early=head.digest_follows)
         except SubmitRejected as e:
             return self._refused(e, head.peer_id, head.round, head.part.payload_digest)
         return self._open_stream(head, ends)
+
+    async def _check_signature(self: CoordinatorServicer, head: pb.SubmitPart, signature: bytes, param_digest: str,
+                               context: grpc.aio.ServicerContext[Any, Any]) -> pb.SubmitReply | None:
+        """Check a Submit's signature over its statement with `param_digest` (the first part's, or the one
+        that followed the payload): a refusal when the peer's key has no session (join first), None when
+        it holds; a bad signature aborts the call (PERMISSION_DENIED)."""
+        try:
+            await self._signed(head.peer_id, signature, submit_statement(
+                self.identities.session(head.peer_id) or b"", head.peer_id, head.round, head.part.payload_digest,
+                param_digest, head.loss), context)
+        except NotJoined as e:
+            return self._refused(SubmitRejected(f"{e}: join the run first", "not_member"), head.peer_id, head.round,
+                                 b"")
+        return None
 
     def _open_stream(self: CoordinatorServicer, head: pb.SubmitPart, ends: StreamEnd) -> pb.SubmitReply | None:
         """At a Submit's first part: refuse a size no valid payload has (INVALID), or a second stream of the
