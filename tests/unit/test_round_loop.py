@@ -53,6 +53,8 @@ class _Run:
         self.loops: dict[str, RoundLoop] = {}
         self.restored: dict[str, list[int]] = {}
         self.codes: dict[str, int] = {}
+        self.joins = 0  # the faulty peer's joins (probes left out)
+        self.rejoins = "refused" in faults.values()  # the faulty peer is dropped and joins again
 
     def _closed(self, agg: Any) -> None:
         if self.stop_at is not None and agg.round + 1 >= self.stop_at:
@@ -62,6 +64,8 @@ class _Run:
         client = self.hub.client(peer_id)
         if peer_id != FAULTY and self.hold is not None:
             self._hold(client, self.hold)
+        if peer_id == FAULTY:
+            self._count_joins(client)
         if peer_id == FAULTY and self.wrap is not None:
             self.wrap(client)
         membership = CoordinatorMembership(client)
@@ -82,16 +86,30 @@ class _Run:
         trainer.opt.restore = recording  # type: ignore[method-assign]
         self.codes[peer_id] = await loop.run(info)
 
+    def _count_joins(self, client: Any) -> None:
+        join = client.join
+
+        async def counted(*, probe: bool = False) -> Any:
+            info = await join(probe=probe)
+            async with self.hub.cond:
+                self.joins += not probe
+                self.hub.cond.notify_all()
+            return info
+
+        client.join = counted
+
     def _hold(self, client: Any, round: int) -> None:
         """p0 submits round `round` only once the faulty peer has joined again: the run waits for a
-        rejoining peer no matter how slowly the machine runs it (p0 alone would close rounds at once)."""
+        rejoining peer no matter how slowly the machine runs it (p0 alone would close rounds at once).
+        A dropped peer's second join is what counts: with overlap p0 sends round `round` ahead while the
+        faulty peer, not yet refused, is still a member of the round before."""
         hub, gather = self.hub, client.gather
 
         async def held(r: int, payload: Payload, **kwargs: Any) -> Any:
             if r == round:
                 async with hub.cond:
-                    await hub.wait_for(lambda: FAULTY in hub.rounds.members or FAULTY in hub.rounds.joiners,
-                                       f"{FAULTY} to join again")
+                    await hub.wait_for(lambda: self.joins > self.rejoins and (
+                        FAULTY in hub.rounds.members or FAULTY in hub.rounds.joiners), f"{FAULTY} to join again")
             return await gather(r, payload, **kwargs)
 
         client.gather = held
