@@ -16,7 +16,7 @@ from .payload import Compressed, Payload
 
 __all__ = ["aggregate", "aggregate_clipped", "merge_tensor", "payload_norm"]
 
-_BLOCK_COEFFICIENTS = 2**20  # dense coefficients per merged block (4 MiB per fp32 work buffer)
+_BLOCK_ENTRIES = 2**18  # entries sent (all peers together) per merged block: 1 MiB per fp32 work buffer
 
 
 def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False, topk: int | None = None) -> Compressed:
@@ -43,43 +43,58 @@ def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False, topk
         if part.shape != first.shape or part.chunk != first.chunk or part.idx.shape[0] != first.idx.shape[0]:
             raise ValueError(
                 f"cannot merge tensors of shape {part.shape} chunk {part.chunk} and {first.shape} {first.chunk}")
-    idx_CU, val_CU = _merge_rows([p.idx for p in parts], [p.val for p in parts], first.totalk,
-                                 count_zeros=count_zeros, topk=topk)
+    idx_CU, val_CU = _merge_rows([p.idx for p in parts], [p.val for p in parts], count_zeros=count_zeros, topk=topk)
     return Compressed(idx=idx_CU, val=val_CU, shape=first.shape, chunk=first.chunk)
 
 
-def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tensor], n: int, *, count_zeros: bool,
+def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tensor], *, count_zeros: bool,
                 topk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`merge_tensor` on bare (C, K_peer) rows of coefficient indices < n. Every op is row-wise, so
-    rows of several tensors can be merged in one call and split afterwards."""
+    """`merge_tensor` on bare (C, K_peer) rows of coefficient indices. Every op is row-wise, so rows of
+    several tensors can be merged in one call and split afterwards.
+
+    The work is on the entries sent (T per row, every peer's K together), never on a dense row of the
+    chunk's coefficients: each row's union of indices is sorted out of the sent ones, and each peer's
+    entries are summed at their place in that union, peer by peer in the given order. Where the
+    dense sum would be 0 + v_1 + v_2 + ... in that order for a coefficient, so is this one: the same
+    bits, on every device (each peer's places in a row are unique, so no atomics race).
+    """
     num_chunks = idx_list[0].shape[0]
     out_dtype = val_list[0].dtype
     dtype = torch.promote_types(out_dtype, torch.float32)
     device = val_list[0].device
-    sums_CN = torch.zeros(num_chunks, n, dtype=dtype, device=device)
-    counts_CN = torch.zeros(num_chunks, n, dtype=dtype, device=device)
+    sent_CT = torch.cat(list(idx_list), dim=1)
+    width_t = sent_CT.shape[1]
+    sorted_CT, order_CT = torch.sort(sent_CT, dim=1, stable=True)  # faster on the sorted rows payloads arrive in
+    first_CT = torch.ones_like(sorted_CT, dtype=torch.bool)
+    first_CT[:, 1:] = sorted_CT[:, 1:] != sorted_CT[:, :-1]
+    place_CT = first_CT.cumsum(dim=1) - 1  # each sorted entry's place in its row's union
+    union_CT = torch.zeros_like(sorted_CT).scatter_(1, place_CT, sorted_CT)  # a run writes its index, all alike
+    place_CT = torch.empty_like(place_CT).scatter_(1, order_CT, place_CT)  # the same places, as the entries were sent
+    sums_CT = torch.zeros(num_chunks, width_t, dtype=dtype, device=device)
+    counts_CT = torch.zeros(num_chunks, width_t, dtype=dtype, device=device)
+    start = 0
     for idx_CK, val in zip(idx_list, val_list, strict=True):
+        place_CK = place_CT[:, start:start + idx_CK.shape[1]]
+        start += idx_CK.shape[1]
         val_CK = val.to(dtype)
-        sums_CN.scatter_add_(1, idx_CK, val_CK)
+        sums_CT.scatter_add_(1, place_CK, val_CK)
         weight_CK = torch.ones_like(val_CK) if count_zeros else (val_CK != 0).to(dtype)
-        counts_CN.scatter_add_(1, idx_CK, weight_CK)
+        counts_CT.scatter_add_(1, place_CK, weight_CK)
 
-    # Union per row: sort all sent indices, keep the first of each run that somebody counted.
-    sorted_CK, _ = torch.sort(torch.cat(list(idx_list), dim=1), dim=1)
-    keep_CK = torch.ones_like(sorted_CK, dtype=torch.bool)
-    keep_CK[:, 1:] = sorted_CK[:, 1:] != sorted_CK[:, :-1]
-    keep_CK &= counts_CN.gather(1, sorted_CK) > 0
-    num_kept_C = keep_CK.sum(dim=1)
+    # Keep the places that somebody counted, in index order; the rest go to a spare column that is
+    # dropped. Kept ranks are unique, so no race.
+    runs_C = first_CT.sum(dim=1)
+    keep_CT = (torch.arange(width_t, device=device)[None, :] < runs_C[:, None]) & (counts_CT > 0)
+    num_kept_C = keep_CT.sum(dim=1)
     width = max(int(num_kept_C.max()) if num_chunks else 0, 1)
-    # Unkept entries go to a spare column that is dropped; kept ranks are unique, so no race.
-    rank_CK = torch.where(keep_CK, keep_CK.cumsum(dim=1) - 1, width)
-    idx_CU = torch.zeros(num_chunks, width + 1, dtype=torch.int64, device=sorted_CK.device)
-    idx_CU.scatter_(1, rank_CK, sorted_CK)
-    idx_CU = idx_CU[:, :width]
-    valid_CU = torch.arange(width, device=idx_CU.device)[None, :] < num_kept_C[:, None]
+    rank_CT = torch.where(keep_CT, keep_CT.cumsum(dim=1) - 1, width)
+    mean_CT = sums_CT.div_(counts_CT.clamp_(min=1))
+    idx_CU = torch.zeros(num_chunks, width + 1, dtype=torch.int64, device=device).scatter_(1, rank_CT, union_CT)
+    val_CU = torch.zeros(num_chunks, width + 1, dtype=dtype, device=device).scatter_(1, rank_CT, mean_CT)
+    idx_CU, val_CU = idx_CU[:, :width], val_CU[:, :width]
+    valid_CU = torch.arange(width, device=device)[None, :] < num_kept_C[:, None]
     idx_CU = torch.where(valid_CU, idx_CU, idx_CU[:, :1])  # padding repeats a real index, value 0
-    mean_CN = sums_CN.div_(counts_CN.clamp_(min=1))
-    val_CU = torch.where(valid_CU, mean_CN.gather(1, idx_CU), 0.0).to(out_dtype)
+    val_CU = torch.where(valid_CU, val_CU, 0.0).to(out_dtype)
     if topk is not None and width > topk:
         best_CK = torch.topk(val_CU.abs(), topk, dim=1, sorted=False).indices
         idx_CU, val_CU = idx_CU.gather(1, best_CK), val_CU.gather(1, best_CK)
@@ -131,7 +146,7 @@ def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False,
             raise ValueError("payloads hold different tensors; validate them against the model first")
     # Tensors that share a chunk shape and every peer's k are merged as one block of rows: the same
     # result as one merge per tensor (every op is row-wise), with far fewer small torch calls. A
-    # block holds at most _BLOCK_COEFFICIENTS dense coefficients, so its work buffers stay in cache.
+    # block holds at most _BLOCK_ENTRIES entries sent, so its work buffers stay in cache.
     blocks: list[tuple[tuple[int, int], list[str]]] = []
     open_blocks: dict[tuple[object, ...], tuple[tuple[int, int], list[str], int]] = {}
     for name in names:
@@ -142,9 +157,9 @@ def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False,
                 raise ValueError(f"cannot merge {name}: shape {part.shape} chunk {part.chunk} and "
                                  f"{first.shape} {first.chunk}")
         key = (first.chunk, first.val.dtype, first.val.device, tuple(tuple(p.idx.shape[1:]) for p in parts))
-        size = first.idx.shape[0] * first.totalk
+        size = first.idx.shape[0] * sum(int(p.idx.shape[1]) for p in parts)
         current = open_blocks.get(key)
-        if current is None or current[2] + size > _BLOCK_COEFFICIENTS:
+        if current is None or current[2] + size > _BLOCK_ENTRIES:
             current = (first.chunk, [], 0)
             blocks.append((current[0], current[1]))
         current[1].append(name)
@@ -163,9 +178,8 @@ def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False,
     merged: dict[str, Compressed] = {}
     for (chunk, group), block_vals in zip(blocks, vals, strict=True):
         rows = [payloads[0].tensors[name].idx.shape[0] for name in group]
-        idx_CU, val_CU = _merge_rows(
-            [torch.cat([p.tensors[name].idx for name in group]) for p in payloads], block_vals,
-            chunk[0] * chunk[1], count_zeros=count_zeros, topk=topk)
+        idx_CU, val_CU = _merge_rows([torch.cat([p.tensors[name].idx for name in group]) for p in payloads],
+                                     block_vals, count_zeros=count_zeros, topk=topk)
         for name, idx_part, val_part in zip(group, torch.split(idx_CU, rows), torch.split(val_CU, rows),
                                             strict=True):
             merged[name] = Compressed(idx=idx_part, val=val_part, shape=payloads[0].tensors[name].shape, chunk=chunk)

@@ -216,6 +216,41 @@ def test_aggregate_padding_is_zero_and_rows_unique() -> None:
     assert torch.allclose(dense, sums / counts.clamp(min=1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("count_zeros", [False, True])
+def test_the_merge_is_the_bits_of_a_dense_mean_summed_peer_by_peer(dtype: torch.dtype, count_zeros: bool) -> None:
+    """The merge works on the entries sent only; a coefficient's mean must still be the bits of the
+    dense 0 + v_1 + v_2 + ... (peer order, in float32 or wider) over its count, for peers of different k,
+    zeros sent, and rows where nobody sent anything but zeros; with `topk`, the kept entries are those
+    bits, at the largest magnitudes."""
+    g = torch.Generator().manual_seed(5)
+    rows, n = 9, 48
+    wide = torch.promote_types(dtype, torch.float32)
+    for trial in range(20):
+        parts = []
+        for _ in range(1 + trial % 5):
+            k = int(torch.randint(1, n + 1, (1,), generator=g))
+            val = torch.randn(rows, k, generator=g).to(dtype)
+            val[torch.rand(rows, k, generator=g) < 0.3] = 0.0
+            val[trial % rows] = 0.0
+            idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(rows)])
+            parts.append(Compressed(idx=idx, val=val, shape=(rows * n,), chunk=(6, 8)))
+        sums, counts = torch.zeros(rows, n, dtype=wide), torch.zeros(rows, n, dtype=wide)
+        for p in parts:
+            sums.scatter_add_(1, p.idx, p.val.to(wide))
+            counts.scatter_add_(1, p.idx, torch.ones_like(p.val, dtype=wide) if count_zeros else (p.val != 0).to(wide))
+        want = (sums / counts.clamp(min=1)).to(dtype)
+        m = merge_tensor(parts, count_zeros=count_zeros)
+        assert m.val.dtype == dtype
+        dense = lambda c: torch.zeros(rows, n, dtype=dtype).scatter_add_(1, c.idx, c.val)  # noqa: E731 (padding adds 0)
+        assert torch.equal(dense(m), want)
+        assert m.idx.shape[1] == max(int((counts > 0).sum(dim=1).max()), 1)  # the widest union somebody counted
+        top = merge_tensor(parts, count_zeros=count_zeros, topk=3)
+        assert torch.equal(torch.where(dense(top) != 0, want, 0.0), dense(top))
+        best = want.abs().topk(top.idx.shape[1], dim=1).values
+        assert torch.equal(top.val.abs().sort(dim=1).values, best.sort(dim=1).values)
+
+
 def test_aggregate_rejects_mismatched_payloads() -> None:
     a = Payload(tensors={"w": _c([[0]], [[1.0]])})
     b = Payload(tensors={"v": _c([[0]], [[1.0]])})
