@@ -81,10 +81,9 @@ def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tenso
         weight_CK = torch.ones_like(val_CK) if count_zeros else (val_CK != 0).to(dtype)
         counts_CT.scatter_add_(1, place_CK, weight_CK)
 
-    # Keep the places that somebody counted, in index order; the rest go to a spare column that is
-    # dropped. Kept ranks are unique, so no race.
-    runs_C = first_CT.sum(dim=1)
-    keep_CT = (torch.arange(width_t, device=device)[None, :] < runs_C[:, None]) & (counts_CT > 0)
+    # Keep the places that somebody counted (a place past the row's union has no count), in index order;
+    # the rest go to a spare column that is dropped. Kept ranks are unique, so no race.
+    keep_CT = counts_CT > 0
     num_kept_C = keep_CT.sum(dim=1)
     width = max(int(num_kept_C.max()) if num_chunks else 0, 1)
     rank_CT = torch.where(keep_CT, keep_CT.cumsum(dim=1) - 1, width)
@@ -93,8 +92,8 @@ def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tenso
     val_CU = torch.zeros(num_chunks, width + 1, dtype=dtype, device=device).scatter_(1, rank_CT, mean_CT)
     idx_CU, val_CU = idx_CU[:, :width], val_CU[:, :width]
     valid_CU = torch.arange(width, device=device)[None, :] < num_kept_C[:, None]
-    idx_CU = torch.where(valid_CU, idx_CU, idx_CU[:, :1])  # padding repeats a real index, value 0
-    val_CU = torch.where(valid_CU, val_CU, 0.0).to(out_dtype)
+    idx_CU = torch.where(valid_CU, idx_CU, idx_CU[:, :1])  # padding repeats a real index, value 0 (never written)
+    val_CU = val_CU.to(out_dtype)
     if topk is not None and width > topk:
         best_CK = torch.topk(val_CU.abs(), topk, dim=1, sorted=False).indices
         idx_CU, val_CU = idx_CU.gather(1, best_CK), val_CU.gather(1, best_CK)
