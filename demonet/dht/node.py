@@ -24,7 +24,16 @@ from demonet.errors import PeerUnavailable
 from demonet.wire.identity import Identity, fingerprint
 
 from . import keys
-from .process import READY_MAX_S, READY_MIN_S, REPLICAS, local_records, ping_and_refresh, start_process, store_records
+from .process import (
+    READY_MAX_S,
+    READY_MIN_S,
+    REPLICAS,
+    local_records,
+    ping_and_refresh,
+    start_process,
+    store_records,
+    use_own_sockets,
+)
 from .streams import DhtOptions, HmacValidator, KeyValidator, Streams, now
 
 __all__ = ["DhtNode"]
@@ -96,6 +105,7 @@ class DhtNode:
                 logger.info("[%s] the initial peers are not reachable yet (%s); trying again", peer_id,
                             str(e).strip().splitlines()[-1][-120:])
                 await asyncio.sleep(2.0)
+        use_own_sockets()  # the replica's socket, below
         return cls(opts, peer_id, dht, await dht.replicate_p2p(), identity)
 
     def visible_maddrs(self) -> list[str]:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -23,8 +24,9 @@ import psutil
 
 from . import keys
 
-__all__ = ["READY_MAX_S", "READY_MIN_S", "REPLICAS", "DhtProcess", "local_records", "ping_and_refresh",
-           "start_process", "store_records"]
+__all__ = ["READY_MAX_S", "READY_MIN_S", "REPLICAS", "SOCKETS_ROOT", "DhtProcess", "local_records",
+           "ping_and_refresh", "remove_sockets", "start_process", "store_records", "sweep_sockets",
+           "use_own_sockets"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,11 +131,63 @@ async def local_records(key: str, wait_for: frozenset[str], wait_s: float, dht: 
     return ValueWithExpiration(out, found.expiration_time)
 
 
+SOCKETS_ROOT = "/tmp"
+"""Where a peer and its DHT process each keep the unix sockets of their p2pd connections, in a folder of
+their own named ``demonet-p2p-<pid>-*``. hivemind puts them straight into /tmp and removes them only
+when its P2P shuts down in order: a peer killed, or a DHT process ended by its peer's death, would leave
+them behind every time. A short fixed root, not ``$TMPDIR``: a unix socket's path is limited to about
+100 bytes."""
+_SOCKETS_PREFIX = "demonet-p2p-"
+_sockets: tuple[int, str] | None = None
+"""(the process id, its socket folder), set by `use_own_sockets` in each process that uses hivemind's P2P."""
+
+
+def sweep_sockets(root: str = SOCKETS_ROOT) -> list[str]:
+    """Remove the socket folders of processes that are gone (killed, so that nothing of theirs could
+    remove them); returns the folders removed. A folder whose process id is alive is left alone, whoever
+    holds that id now."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            pid = entry.name[len(_SOCKETS_PREFIX):].split("-", 1)[0]
+            if not entry.name.startswith(_SOCKETS_PREFIX) or not pid.isdigit() or psutil.pid_exists(int(pid)):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def use_own_sockets() -> str:
+    """Put the p2pd sockets that this process makes from now on (hivemind's P2P: a DHT process's daemon
+    and client, a peer's replica) into a folder of this process's own, made once; sweep those of processes
+    that are gone first. `remove_sockets` removes it, and so does this process's normal exit. Returns the
+    folder."""
+    global _sockets
+    import atexit
+    import tempfile
+
+    from hivemind.p2p import P2P
+
+    if _sockets is None or _sockets[0] != os.getpid():  # a forked DHT process makes its own
+        sweep_sockets()
+        _sockets = (os.getpid(), tempfile.mkdtemp(prefix=f"{_SOCKETS_PREFIX}{os.getpid()}-", dir=SOCKETS_ROOT))
+        P2P._UNIX_SOCKET_PREFIX = f"/unix{_sockets[1]}/hivemind-"  # read by P2P.create and P2P.replicate
+        atexit.register(remove_sockets)
+    return _sockets[1]
+
+
+def remove_sockets() -> None:
+    """Remove this process's socket folder, if it made one (its sockets are no longer needed: at its end)."""
+    if _sockets is not None and _sockets[0] == os.getpid():
+        shutil.rmtree(_sockets[1], ignore_errors=True)
+
+
 def _end(*_: object) -> None:
-    """End the DHT process now, and its p2pd daemon with it."""
+    """End the DHT process now, and its p2pd daemon with it, and remove the daemon's sockets."""
     for child in psutil.Process().children():
         with contextlib.suppress(psutil.Error):  # gone already, or not ours to signal
             child.terminate()
+    remove_sockets()
     os._exit(0)
 
 
@@ -148,7 +202,9 @@ class DhtProcess(hivemind.DHT):  # type: ignore[misc]
 
     The fork copies the peer's asyncio signal handlers, which only wake the peer's own event loop: a
     SIGTERM would leave the DHT process (and its p2pd daemon) running after the peer is gone, and so
-    would a peer killed with SIGKILL. Here SIGTERM and SIGINT end it, and so does its parent's death.
+    would a peer killed with SIGKILL. Here SIGTERM and SIGINT end it, and so does its parent's death;
+    every way it ends removes its daemon's sockets, and the next DHT process to start on the machine
+    removes those of one that was killed (`sweep_sockets`).
     """
 
     def run(self) -> None:
@@ -156,7 +212,11 @@ class DhtProcess(hivemind.DHT):  # type: ignore[misc]
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _end)
         threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="dht-watch").start()
-        super().run()
+        use_own_sockets()
+        try:
+            super().run()
+        finally:
+            remove_sockets()
 
 
 READY_MIN_S = 10.0

@@ -124,6 +124,14 @@ def wait_for(ok: Callable[[], bool], what: str, peers: _Peers, timeout_s: float 
     raise AssertionError(f"timed out waiting for {what}\n{peers.dump()}")
 
 
+def _socket_folders(proc: subprocess.Popen[bytes]) -> list[Path]:
+    """The folders that hold the p2pd sockets of a peer and of its DHT process (`demonet.dht.process`)."""
+    from demonet.dht.process import SOCKETS_ROOT
+
+    pids = [proc.pid, *(child.pid for child in psutil.Process(proc.pid).children(recursive=True))]
+    return [folder for pid in pids for folder in Path(SOCKETS_ROOT).glob(f"demonet-p2p-{pid}-*")]
+
+
 def _digests_by_round(rows: list[dict[str, Any]]) -> dict[int, set[str]]:
     by_round: dict[int, set[str]] = {}
     for r in rows:
@@ -198,6 +206,12 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path, reap_children: Reaper)
     # A peer with another token: refused by the first peer it contacts, it never enters a round.
     bad = peers.start("x", token="not-the-run-token")
     wait_for(lambda: len(peers.rows("c")) >= 3, "three rounds with c", peers)
+    # A peer and its DHT process keep their p2pd sockets in folders of their own (the daemon's socket, the
+    # peer's client socket); c's, killed with it, are removed by the next DHT node to start on the machine
+    # (j's), and the others' at their stop.
+    killed_sockets = _socket_folders(peers.procs["c"])
+    assert len(killed_sockets) == 2 and all(list(f.glob("hivemind-p2p*.sock")) for f in killed_sockets), [
+        list(f.iterdir()) for f in killed_sockets]
     peers.kill("c")
     killed_at = len(peers.rows("a"))
     # The others carry on without c: rounds with two contributors, one digest.
@@ -211,8 +225,12 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path, reap_children: Reaper)
 
     peers.release("j")
     wait_for(lambda: len(peers.rows("j")) >= 3, "three rounds of the late joiner", peers)
+    assert not any(folder.exists() for folder in killed_sockets), killed_sockets
+    sockets = [folder for name in ("a", "b", "j") for folder in _socket_folders(peers.procs[name])]
+    assert len(sockets) == 6, sockets
     peers.stop(["a", "b", "j"])
     assert peers.procs["a"].returncode == 0 and peers.procs["b"].returncode == 0, peers.dump()
+    assert not any(folder.exists() for folder in sockets), sockets
 
     assert "loaded from 2 donors" in peers.log("j"), peers.log("j")
     rows = {name: peers.rows(name) for name in ("a", "b", "j")}
@@ -317,6 +335,10 @@ def test_a_stopped_peer_leaves_no_dht_process_behind(tmp_path: Path, sig: int, r
             time.sleep(0.2)
         kids = _descendants(proc.pid)
         assert kids, "the peer runs its DHT in a child process"
+        folders = _socket_folders(proc)
+        own_sockets = [f for f in folders if f.name.startswith(f"demonet-p2p-{proc.pid}-")]
+        dht_sockets = [f for f in folders if f not in own_sockets]  # its DHT process's
+        assert len(own_sockets) == 1 and len(dht_sockets) == 1, folders
         os.kill(proc.pid, sig)
         code = proc.wait(timeout=WAIT_S)
         assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
@@ -325,6 +347,12 @@ def test_a_stopped_peer_leaves_no_dht_process_behind(tmp_path: Path, sig: int, r
                         Path(f"/proc/{k}/stat").read_text().split()[2] != "Z"]) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert left == [], [Path(f"/proc/{k}/cmdline").read_bytes()[:80] for k in left]
+        # The DHT process removes its daemon's sockets as it ends; a killed peer's own socket stays until
+        # the next DHT node on the machine sweeps it.
+        assert not dht_sockets[0].exists() and own_sockets[0].exists() == (sig == signal.SIGKILL)
+        from demonet.dht.process import sweep_sockets
+        sweep_sockets()
+        assert not own_sockets[0].exists()
     finally:
         for pid in left:  # what the peer left behind, which the reaper does not know of
             try:
