@@ -191,6 +191,7 @@ def test_two_nodes_of_two_ranks_through_a_coordinator(tmp_path: Path, reap_child
         for name in ("nodeA", "nodeB"):
             nodes.append(reap_children.add(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+                 "--log-dir", str(tmp_path / f"{name}-torchrun"),  # not a folder of its own in /tmp, left there
                  "-m", "demonet.flex", "--coordinator", address, "--peer-id", name, "--out",
                  str(tmp_path / name), "--threads", "1"],
                 stdout=subprocess.DEVNULL, stderr=reap_children.open(tmp_path / f"{name}.log", "w"), env=env)))
