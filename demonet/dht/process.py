@@ -159,11 +159,12 @@ def sweep_sockets(root: str = SOCKETS_ROOT) -> list[str]:
 
 def use_own_sockets() -> str:
     """Put the p2pd sockets that this process makes from now on (hivemind's P2P: a DHT process's daemon
-    and client, a peer's replica) into a folder of this process's own, made once; sweep those of processes
+    and client, a peer's replica), and multiprocessing's if it has made none yet, into a folder of this
+    process's own, made once; sweep those of processes
     that are gone first. `remove_sockets` removes it, and so does this process's normal exit. Returns the
     folder."""
     global _sockets
-    import atexit
+    import multiprocessing.util
     import tempfile
 
     from hivemind.p2p import P2P
@@ -172,7 +173,11 @@ def use_own_sockets() -> str:
         sweep_sockets()
         _sockets = (os.getpid(), tempfile.mkdtemp(prefix=f"{_SOCKETS_PREFIX}{os.getpid()}-", dir=SOCKETS_ROOT))
         P2P._UNIX_SOCKET_PREFIX = f"/unix{_sockets[1]}/hivemind-"  # read by P2P.create and P2P.replicate
-        atexit.register(remove_sockets)
+        # At exit, after multiprocessing's finalizers that unlink its sockets (as it removes its own folder).
+        multiprocessing.util.Finalize(None, remove_sockets, exitpriority=-100)
+        config = multiprocessing.current_process()._config
+        if config.get("tempdir") is None:  # multiprocessing's own sockets (its listeners) go there too
+            config["tempdir"] = _sockets[1]
     return _sockets[1]
 
 

@@ -350,6 +350,7 @@ def test_a_stopped_peer_leaves_no_dht_process_behind(tmp_path: Path, sig: int, r
         # The DHT process removes its daemon's sockets as it ends; a killed peer's own socket stays until
         # the next DHT node on the machine sweeps it.
         assert not dht_sockets[0].exists() and own_sockets[0].exists() == (sig == signal.SIGKILL)
+        assert "Traceback" not in (tmp_path / "peer.log").read_text()  # nothing it removed was still wanted
         from demonet.dht.process import sweep_sockets
         sweep_sockets()
         assert not own_sockets[0].exists()
