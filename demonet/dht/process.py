@@ -17,6 +17,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import hivemind
@@ -92,8 +93,30 @@ async def store_records(records: list[tuple[str, str, str, float]], also: list[s
     return all(here or any(a and a[i] for a in answers) for i, here in enumerate(stored)), True
 
 
-LOOK_EVERY_S = 0.002
-"""How often `local_records` looks at the storage while it waits for peers' records (inside the DHT process)."""
+_arrivals: set[asyncio.Future[None]] = set()
+"""The looks of `local_records` waiting in this DHT process for the next record stored on its node."""
+
+
+def _wake_on_stores(storage: Any) -> None:
+    """Make each record stored on this node (another node's store, or this one's) wake the looks that wait
+    for records (`local_records`), once per DHT process: they sleep until then, and use no CPU while the
+    peers they wait for still train on the same cores."""
+    if getattr(storage, "_wakes_looks", False):
+        return
+
+    def waking(store: Callable[..., bool]) -> Callable[..., bool]:
+        def store_and_wake(*args: Any, **kwargs: Any) -> bool:
+            stored = store(*args, **kwargs)
+            for arrival in _arrivals:
+                if not arrival.done():
+                    arrival.set_result(None)
+            _arrivals.clear()
+            return stored
+        return store_and_wake
+
+    # hivemind's store RPC calls `store_subkey` itself for a dictionary's records, and `store` otherwise.
+    storage.store, storage.store_subkey = waking(storage.store), waking(storage.store_subkey)
+    storage._wakes_looks = True
 
 
 async def local_records(key: str, wait_for: frozenset[str], wait_s: float, dht: Any, node: Any) -> Any:
@@ -109,6 +132,7 @@ async def local_records(key: str, wait_for: frozenset[str], wait_s: float, dht: 
     from hivemind.utils.timed_storage import ValueWithExpiration
 
     protocol = node.protocol
+    _wake_on_stores(protocol.storage)
     key_id = DHTID.generate(source=key)
     until = time.monotonic() + wait_s
     while True:
@@ -119,7 +143,14 @@ async def local_records(key: str, wait_for: frozenset[str], wait_s: float, dht: 
         here = {c[0] for c in (keys.parse_subkey(k) if isinstance(k, str) else None for k, _ in items) if c}
         if wait_for <= here:
             break
-        await asyncio.sleep(LOOK_EVERY_S)
+        arrival = asyncio.get_running_loop().create_future()
+        _arrivals.add(arrival)
+        try:  # until the next record stored here, or the end of the wait
+            await asyncio.wait_for(arrival, max(0.0, until - time.monotonic()))
+        except TimeoutError:
+            pass
+        finally:
+            _arrivals.discard(arrival)
     if found is None or not isinstance(found.value, DictionaryDHTValue):
         return None
     out = {}
