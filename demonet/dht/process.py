@@ -176,16 +176,31 @@ _sockets: tuple[int, str] | None = None
 def sweep_sockets(root: str = SOCKETS_ROOT) -> list[str]:
     """Remove the socket folders of processes that are gone (killed, so that nothing of theirs could
     remove them); returns the folders removed. A folder whose process id is alive is left alone, whoever
-    holds that id now."""
+    holds that id now, and so is one where a socket still answers (its process lives in another pid
+    namespace that shares this /tmp, as a container's may)."""
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
             pid = entry.name[len(_SOCKETS_PREFIX):].split("-", 1)[0]
-            if not entry.name.startswith(_SOCKETS_PREFIX) or not pid.isdigit() or psutil.pid_exists(int(pid)):
+            if (not entry.name.startswith(_SOCKETS_PREFIX) or not pid.isdigit() or psutil.pid_exists(int(pid))
+                    or _answers(entry.path)):
                 continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     return removed
+
+
+def _answers(folder: str) -> bool:
+    """Whether a unix socket in `folder` accepts a connection (somebody listens on it)."""
+    import socket
+
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock, contextlib.suppress(OSError):
+                sock.settimeout(1.0)
+                sock.connect(entry.path)
+                return True
+    return False
 
 
 def use_own_sockets() -> str:

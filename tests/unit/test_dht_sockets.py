@@ -1,9 +1,13 @@
-"""The p2pd socket folders of DHT processes that were killed are swept; those of live processes are not."""
+"""The p2pd socket folders of DHT processes that were killed are swept; those of live processes are not, nor
+those where a socket still answers."""
 
 from __future__ import annotations
 
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,3 +40,24 @@ def test_only_the_folders_of_processes_that_are_gone_are_swept(tmp_path: Path) -
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_folder_whose_socket_answers_is_kept_whatever_its_process_id() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    root = Path(tempfile.mkdtemp(prefix="dn-sweep-", dir="/tmp"))  # short: a socket's path is at most ~100 bytes
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        answering, silent = root / f"demonet-p2p-{gone.pid}-a", root / f"demonet-p2p-{gone.pid}-b"
+        answering.mkdir()
+        silent.mkdir()
+        listener.bind(str(answering / "p.sock"))
+        listener.listen()
+        closed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        closed.bind(str(silent / "p.sock"))  # bound, never listening: as a killed daemon's socket file
+        closed.close()
+        assert sweep_sockets(str(root)) == [str(silent)]
+        assert (answering / "p.sock").exists()
+    finally:
+        listener.close()
+        shutil.rmtree(root)
