@@ -123,6 +123,19 @@ class RoundBoard:
         """The states the peers published for `round`, by peer."""
         return await self._node.get(self._node.key("state", round))
 
+    async def member_states(self, round: int) -> dict[str, dict[str, Any]]:
+        """The states published for `round`, read again for up to ``settle_s`` until every peer that the
+        members expect (less this one) published one: a joiner reads them right after its admission, when
+        a member's state may still be on its way, and would find fewer donors than there are."""
+        deadline = time.monotonic() + self._opts.settle_s
+        while True:
+            states = await self.states(round)
+            lists = [tuple(v["expected"]) for v in states.values() if isinstance(v.get("expected"), list)]
+            wanted = set(max(set(lists), key=lists.count)) - {self._node.peer_id} if lists else set()
+            if wanted <= set(states) or time.monotonic() >= deadline:
+                return states
+            await asyncio.sleep(_POLL_S)
+
     async def _aborted_ahead(self, r: int, head: int) -> bool:
         """Whether the peers at `head` aborted round `r` too and wait for this peer in the round after: `head`
         is that round, and a state there holds this peer's digest of `r` (nobody applied `r`) and expects it.

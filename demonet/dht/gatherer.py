@@ -138,7 +138,7 @@ class DhtGatherer:
             PeerUnavailable: no donor, or a range no donor could serve.
             InvalidPayload: the assembled parameters do not match the donors' digest.
         """
-        states = await self._board.states(round)
+        states = await self._board.member_states(round)
         good, donors = self._donor.donors(round, states)
         self._board.adopt_expected(round, states, donors)
         return await self._donor.load(round, expected, good, donors, states)
