@@ -35,6 +35,12 @@ _START_TIMEOUT_S = 600.0  # how long the first round waits for its start_peers
 _KEEP_ROUNDS = 8  # rounds whose own announcements and read registrations are kept
 
 
+def _expected(states: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...] | None:
+    """The peers that most of `states` expect in the round after (None: no state says)."""
+    lists = [tuple(v["expected"]) for v in states.values() if isinstance(v.get("expected"), list)]
+    return max(set(lists), key=lists.count) if lists else None
+
+
 class RoundBoard:
     """This peer's view of the run's rounds on the DHT.
 
@@ -130,8 +136,7 @@ class RoundBoard:
         deadline = time.monotonic() + self._opts.settle_s
         while True:
             states = await self.states(round)
-            lists = [tuple(v["expected"]) for v in states.values() if isinstance(v.get("expected"), list)]
-            wanted = set(max(set(lists), key=lists.count)) - {self._node.peer_id} if lists else set()
+            wanted = set(_expected(states) or ()) - {self._node.peer_id}
             if wanted <= set(states) or time.monotonic() >= deadline:
                 return states
             await asyncio.sleep(_POLL_S)
@@ -153,10 +158,9 @@ class RoundBoard:
         """Whether the members of `round` expect this peer (None: no member said so within `timeout_s`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            states = await self.states(round)
-            lists = [tuple(v["expected"]) for v in states.values() if isinstance(v.get("expected"), list)]
-            if lists:
-                return self._node.peer_id in max(set(lists), key=lists.count)
+            expected = _expected(await self.states(round))
+            if expected is not None:
+                return self._node.peer_id in expected
             await asyncio.sleep(4 * _POLL_S)
         return None
 

@@ -32,8 +32,8 @@ from .process import (
     ping_and_refresh,
     start_process,
     store_records,
-    use_own_sockets,
 )
+from .sockets import use_own_sockets
 from .streams import DhtOptions, HmacValidator, KeyValidator, Streams, now
 
 __all__ = ["DhtNode"]

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -24,10 +23,10 @@ import hivemind
 import psutil
 
 from . import keys
+from .sockets import remove_sockets, use_own_sockets
 
-__all__ = ["READY_MAX_S", "READY_MIN_S", "REPLICAS", "SOCKETS_ROOT", "DhtProcess", "local_records",
-           "ping_and_refresh", "remove_sockets", "start_process", "store_records", "sweep_sockets",
-           "use_own_sockets"]
+__all__ = ["READY_MAX_S", "READY_MIN_S", "REPLICAS", "DhtProcess", "local_records", "ping_and_refresh",
+           "start_process", "store_records"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,77 +159,6 @@ async def local_records(key: str, wait_for: frozenset[str], wait_s: float, dht: 
             value_bytes = protocol.record_validator.strip_value(record)
         out[subkey] = ValueWithExpiration(protocol.serializer.loads(value_bytes), expiration_time)
     return ValueWithExpiration(out, found.expiration_time)
-
-
-SOCKETS_ROOT = "/tmp"
-"""Where a peer and its DHT process each keep the unix sockets of their p2pd connections, in a folder of
-their own named ``demonet-p2p-<pid>-*``. hivemind puts them straight into /tmp and removes them only
-when its P2P shuts down in order: a peer killed, or a DHT process ended by its peer's death, would leave
-them behind every time. A short fixed root, not ``$TMPDIR``: a unix socket's path is limited to about
-100 bytes."""
-_SOCKETS_PREFIX = "demonet-p2p-"
-_sockets: tuple[int, str] | None = None
-"""(the process id, its socket folder), set by `use_own_sockets` in each process that uses hivemind's P2P."""
-
-
-def sweep_sockets(root: str = SOCKETS_ROOT) -> list[str]:
-    """Remove the socket folders of processes that are gone (killed, so that nothing of theirs could
-    remove them); returns the folders removed. A folder whose process id is alive is left alone, whoever
-    holds that id now, and so is one where a socket still answers (its process lives in another pid
-    namespace that shares this /tmp, as a container's may)."""
-    removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(root):
-            pid = entry.name[len(_SOCKETS_PREFIX):].split("-", 1)[0]
-            if (not entry.name.startswith(_SOCKETS_PREFIX) or not pid.isdigit() or psutil.pid_exists(int(pid))
-                    or _answers(entry.path)):
-                continue
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
-    return removed
-
-
-def _answers(folder: str) -> bool:
-    """Whether a unix socket in `folder` accepts a connection (somebody listens on it)."""
-    import socket
-
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(folder):
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock, contextlib.suppress(OSError):
-                sock.settimeout(1.0)
-                sock.connect(entry.path)
-                return True
-    return False
-
-
-def use_own_sockets() -> str:
-    """Put the p2pd sockets that this process makes from now on (hivemind's P2P: a DHT process's daemon
-    and client, a peer's replica), and multiprocessing's if it has made none yet, into a folder of this
-    process's own, made once; sweep those of processes
-    that are gone first. `remove_sockets` removes it, and so does this process's normal exit. Returns the
-    folder."""
-    global _sockets
-    import multiprocessing.util
-    import tempfile
-
-    from hivemind.p2p import P2P
-
-    if _sockets is None or _sockets[0] != os.getpid():  # a forked DHT process makes its own
-        sweep_sockets()
-        _sockets = (os.getpid(), tempfile.mkdtemp(prefix=f"{_SOCKETS_PREFIX}{os.getpid()}-", dir=SOCKETS_ROOT))
-        P2P._UNIX_SOCKET_PREFIX = f"/unix{_sockets[1]}/hivemind-"  # read by P2P.create and P2P.replicate
-        # At exit, after multiprocessing's finalizers that unlink its sockets (as it removes its own folder).
-        multiprocessing.util.Finalize(None, remove_sockets, exitpriority=-100)
-        config = multiprocessing.current_process()._config
-        if config.get("tempdir") is None:  # multiprocessing's own sockets (its listeners) go there too
-            config["tempdir"] = _sockets[1]
-    return _sockets[1]
-
-
-def remove_sockets() -> None:
-    """Remove this process's socket folder, if it made one (its sockets are no longer needed: at its end)."""
-    if _sockets is not None and _sockets[0] == os.getpid():
-        shutil.rmtree(_sockets[1], ignore_errors=True)
 
 
 def _end(*_: object) -> None:

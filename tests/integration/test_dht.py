@@ -125,8 +125,8 @@ def wait_for(ok: Callable[[], bool], what: str, peers: _Peers, timeout_s: float 
 
 
 def _socket_folders(proc: subprocess.Popen[bytes]) -> list[Path]:
-    """The folders that hold the p2pd sockets of a peer and of its DHT process (`demonet.dht.process`)."""
-    from demonet.dht.process import SOCKETS_ROOT
+    """The folders that hold the p2pd sockets of a peer and of its DHT process (`demonet.dht.sockets`)."""
+    from demonet.dht.sockets import SOCKETS_ROOT
 
     pids = [proc.pid, *(child.pid for child in psutil.Process(proc.pid).children(recursive=True))]
     return [folder for pid in pids for folder in Path(SOCKETS_ROOT).glob(f"demonet-p2p-{pid}-*")]
@@ -351,7 +351,7 @@ def test_a_stopped_peer_leaves_no_dht_process_behind(tmp_path: Path, sig: int, r
         # the next DHT node on the machine sweeps it.
         assert not dht_sockets[0].exists() and own_sockets[0].exists() == (sig == signal.SIGKILL)
         assert "Traceback" not in (tmp_path / "peer.log").read_text()  # nothing it removed was still wanted
-        from demonet.dht.process import sweep_sockets
+        from demonet.dht.sockets import sweep_sockets
         sweep_sockets()
         assert not own_sockets[0].exists()
     finally:

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("hivemind")
 
-from demonet.dht.process import sweep_sockets  # noqa: E402
+from demonet.dht.sockets import sweep_sockets  # noqa: E402
 
 
 def test_only_the_folders_of_processes_that_are_gone_are_swept(tmp_path: Path) -> None:

@@ -96,10 +96,10 @@ def _hivemind(args: argparse.Namespace) -> int:
 
     import hivemind  # type: ignore[import-untyped]
 
-    from demonet.dht.process import use_own_sockets
+    from demonet.dht.sockets import use_own_sockets
 
     model, batches, log = _setup(args)
-    use_own_sockets()  # hivemind's sockets in a folder of this process's own, gone with it (demonet.dht.process)
+    use_own_sockets()  # hivemind's sockets in a folder of this process's own, gone with it (demonet.dht.sockets)
     dht = hivemind.DHT(initial_peers=args.initial_peers or None, host_maddrs=[f"/ip4/{args.host}/tcp/0"],
                        start=True)
     if args.rank == 0:
