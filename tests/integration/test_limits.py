@@ -118,7 +118,7 @@ async def test_a_slow_drip_stream_ends_when_its_round_closes_and_the_round_close
 
 async def test_a_download_loop_is_limited_and_an_honest_peer_still_trains(
         tmp_path: Path, reap_children: Reaper) -> None:
-    coordinator = _start(tmp_path, reap_children, round_timeout_s=10.0)
+    coordinator = _start(tmp_path, reap_children, round_timeout_s=5.0)  # the calls below take well under 1 s
     looper = Peer(coordinator.address, "looper")
     await looper.join()  # its first download
     codes = []
