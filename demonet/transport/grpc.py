@@ -7,17 +7,15 @@ or torch.distributed. Every RPC carries the run token; every wait on the network
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
-import tenacity
 import torch
 
 from demonet import wire
@@ -29,7 +27,7 @@ from demonet.wire import params as wire_params
 from demonet.wire.identity import Identity
 from demonet.wire.signed import digest_part, heartbeat_request, join_request, parameters_request, submit_parts
 
-from . import Digest, JoinInfo, NotMember, Rejected, Resync, RoundResult, StaleRound
+from . import Digest, JoinInfo, NotMember, Rejected, Resync, RoundResult, StaleRound, grpc_retry
 
 __all__ = ["CoordinatorStatus", "GrpcClient"]
 
@@ -37,18 +35,9 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-_RETRY_CODES = (
-    grpc.StatusCode.UNAVAILABLE,  # not listening (yet, or restarting), connection lost
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,  # a coordinator that stops with a grace period cancels the calls still open
-)
 # A round the coordinator no longer (or not yet) holds: the peer lost track and catches up.
 _RESUBMITS = 2  # times a payload is sent again when a restarted coordinator asks for it
 _LOST_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE)
-_AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-_BACKOFF_FIRST_S = 0.2
-"""The first wait before a call is tried again; each next one doubles, up to _BACKOFF_CAP_S."""
-_BACKOFF_CAP_S = 5.0
 _RECONNECT_BACKOFF_MAX_MS = 1000
 _MAX_MESSAGE_BYTES = 64 << 20  # parts are 2 MiB; room for a coordinator that cuts larger ones
 _BUSY_FIRST_S = 0.1
@@ -67,30 +56,6 @@ class _Aggregate:
     parts_at: float  # the last part came (the header's time when aborted)
     decoded_at: float
     trailer: asyncio.Task[str]
-
-
-def _retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
-    """The wait a RESOURCE_EXHAUSTED refusal advertises ("retry-after-s"), or None if it names none."""
-    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return None
-    for key, value in e.trailing_metadata() or ():
-        if key == "retry-after-s":
-            with contextlib.suppress(ValueError):
-                return max(0.0, float(value))
-    return None
-
-
-def _transient(e: BaseException) -> bool:
-    """A failure `GrpcClient._call` tries again: the coordinator is unreachable for now."""
-    return isinstance(e, grpc.aio.AioRpcError) and e.code() in _RETRY_CODES
-
-
-def _rpc_error(state: tenacity.RetryCallState) -> grpc.aio.AioRpcError:
-    """The error a retried attempt failed with (only `_transient` ones are retried)."""
-    assert state.outcome is not None
-    e = state.outcome.exception()
-    assert isinstance(e, grpc.aio.AioRpcError)
-    return e
 
 
 @dataclass(frozen=True)
@@ -205,70 +170,10 @@ class GrpcClient:
     # -- retries ---------------------------------------------------------------------------------------
 
     async def _call(self, what: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
-        """Run `attempt` until it succeeds, retrying while the coordinator is unreachable.
-
-        A failure with one of `_RETRY_CODES` is tried again after a capped exponential backoff, until
-        reconnect_timeout_s has passed since the first failure: then `PeerUnavailable`. A refused token
-        raises PermissionError at once. A call over its rate (RESOURCE_EXHAUSTED with "retry-after-s") is
-        tried again after the advertised wait while the waits stay within reconnect_timeout_s in all, then
-        `PeerUnavailable`; any other error propagates.
-        """
-        waited_s = 0.0
-        while True:
-            try:
-                return await self._call_once(what, attempt)
-            except grpc.aio.AioRpcError as e:
-                wait_s = _retry_after_s(e)
-                if wait_s is None:
-                    raise
-                if waited_s + wait_s > self.reconnect_timeout_s:
-                    raise PeerUnavailable(f"{what}: the coordinator at {self.address} limits this peer's calls "
-                                          f"({e.details()}); waited {waited_s:.0f} s already") from None
-                logger.warning("[%s] %s: %s; waiting %.1f s", self.peer_id or "-", what, e.details(), wait_s)
-                waited_s += wait_s
-                await asyncio.sleep(wait_s)
-
-    async def _call_once(self, what: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
-        """`_call` without the waits of a call over its rate."""
-        give_up_at: list[float] = []  # set at the first failure: the outage is timed from there, not from the call
-
-        def failed(state: tenacity.RetryCallState) -> None:
-            if not give_up_at:
-                give_up_at.append(time.monotonic() + self.reconnect_timeout_s)
-                e = _rpc_error(state)
-                logger.warning("[%s] %s: %s (%s); retrying for up to %.0f s", self.peer_id or "-", what,
-                               e.code().name, e.details(), self.reconnect_timeout_s)
-
-        def unavailable(state: tenacity.RetryCallState) -> NoReturn:
-            e = _rpc_error(state)
-            raise PeerUnavailable(f"{what}: the coordinator at {self.address} was unreachable for "
-                                  f"{self.reconnect_timeout_s:.0f} s (last: {e.code().name} {e.details()})")
-
-        async def back_off(delay_s: float) -> None:
-            # Wake as soon as the channel reconnects: a restarted coordinator gives its members only a
-            # round's grace to come back, so a long sleep could miss it.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay_s):
-                    await self._channel.channel_ready()
-
-        backoff = tenacity.wait_exponential(multiplier=_BACKOFF_FIRST_S, max=_BACKOFF_CAP_S)  # 0.2, 0.4, ... 5 s
-        retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(_transient), after=failed,
-            stop=lambda _: time.monotonic() >= give_up_at[0],
-            wait=lambda state: max(0.0, min(backoff(state), give_up_at[0] - time.monotonic())),
-            sleep=back_off, retry_error_callback=unavailable)
-        try:
-            async for tried in retrying:
-                with tried:
-                    result = await attempt()
-        except grpc.aio.AioRpcError as e:
-            if e.code() in _AUTH_CODES:
-                raise PermissionError(f"{what}: the coordinator at {self.address} refused this peer "
-                                      f"({e.code().name}: {e.details()})") from None
-            raise
-        if give_up_at:
-            logger.info("[%s] %s: the coordinator answers again", self.peer_id or "-", what)
-        return result
+        """`grpc_retry.call` on this client's channel: retried while the coordinator is unreachable, for up to
+        reconnect_timeout_s from the first failure, and after the waits a call over its rate is told."""
+        return await grpc_retry.call(what, attempt, channel=self._channel, address=self.address,
+                                     peer_id=self.peer_id, reconnect_timeout_s=self.reconnect_timeout_s)
 
     # -- unary calls -----------------------------------------------------------------------------------
 

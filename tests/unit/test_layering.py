@@ -80,14 +80,16 @@ def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
     # The wire layer knows the math, the errors and its own messages: no network, no training, no service.
     (("demonet.wire",), NETWORK + ("asyncio", "demonet.transport", "demonet.train") + SERVICES, ()),
     # The training side (replica, loop, data, model) drives transports only through their protocols.
-    (("demonet.train",), NETWORK + ("demonet.transport.grpc",) + SERVICES, ("demonet.train.local",)),
+    (("demonet.train",), NETWORK + ("demonet.transport.grpc", "demonet.transport.grpc_retry") + SERVICES,
+     ("demonet.train.local",)),
     # Built-in tasks are training code too: a peer that builds one pulls in no service.
     (("demonet.tasks",), NETWORK + ("demonet.transport",) + SERVICES, ()),
     # Transports import no service, and the protocols no network library.
     (("demonet.transport",), SERVICES + ("demonet.train", "hivemind"), ()),
-    (("demonet.transport",), NETWORK, ("demonet.transport.grpc",)),
+    (("demonet.transport",), NETWORK, ("demonet.transport.grpc", "demonet.transport.grpc_retry")),
     # DHT mode does not go through the gRPC transport; the coordinator knows nothing of the DHT.
-    (("demonet.dht",), ("grpc", "demonet.transport.grpc", "demonet.coordinator", "demonet.peer"), ()),
+    (("demonet.dht",), ("grpc", "demonet.transport.grpc", "demonet.transport.grpc_retry", "demonet.coordinator",
+                        "demonet.peer"), ()),
     (("demonet.coordinator",), ("hivemind", "demonet.dht", "demonet.peer", "demonet.flex"), ()),
     # Services do not import each other sideways.
     (("demonet.peer",), ("demonet.dht", "demonet.flex", "demonet.coordinator"), ()),

@@ -24,8 +24,7 @@ from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Compressed, DeMo, Payload, aggregate
 from demonet.train import runfolder
 from demonet.train.trainer import settle
-from demonet.transport import NotMember, Resync, RoundResult, StaleRound
-from demonet.transport import grpc as transport_grpc
+from demonet.transport import NotMember, Resync, RoundResult, StaleRound, grpc_retry
 from demonet.transport.grpc import GrpcClient, JoinInfo
 from demonet.wire.identity import submit_statement, verify
 
@@ -382,7 +381,7 @@ async def test_a_resubmission_already_taken_counts_as_accepted() -> None:
 
 
 async def test_unavailable_is_retried_with_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport_grpc, "_BACKOFF_FIRST_S", 0.001)
+    monkeypatch.setattr(grpc_retry, "BACKOFF_FIRST_S", 0.001)
     client = GrpcClient("127.0.0.1:1", token="tok", reconnect_timeout_s=5.0)
     calls = []
 
@@ -401,7 +400,7 @@ async def test_unavailable_is_retried_with_backoff(monkeypatch: pytest.MonkeyPat
 
 async def test_the_outage_is_timed_from_the_first_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     """A long first attempt (a stream that waited for its round) does not use up reconnect_timeout_s."""
-    monkeypatch.setattr(transport_grpc, "_BACKOFF_FIRST_S", 0.01)
+    monkeypatch.setattr(grpc_retry, "BACKOFF_FIRST_S", 0.01)
     client = GrpcClient("127.0.0.1:1", token="tok", reconnect_timeout_s=0.3)
     calls = []
 
@@ -417,7 +416,7 @@ async def test_the_outage_is_timed_from_the_first_failure(monkeypatch: pytest.Mo
 
 
 async def test_gives_up_after_reconnect_timeout_and_a_refused_token_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transport_grpc, "_BACKOFF_FIRST_S", 0.01)
+    monkeypatch.setattr(grpc_retry, "BACKOFF_FIRST_S", 0.01)
     client = GrpcClient("127.0.0.1:1", token="tok", reconnect_timeout_s=0.3)
     calls: list[float] = []
 
