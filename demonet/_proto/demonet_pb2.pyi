@@ -22,6 +22,11 @@ class ValueEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VALUE_ENCODING_INT8: _ClassVar[ValueEncoding]
     VALUE_ENCODING_SIGN: _ClassVar[ValueEncoding]
 
+class ValueCoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VALUE_CODING_PLAIN: _ClassVar[ValueCoding]
+    VALUE_CODING_TOP_PLANE_DEFLATE: _ClassVar[ValueCoding]
+
 class Refusal(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REFUSAL_NONE: _ClassVar[Refusal]
@@ -52,6 +57,8 @@ VALUE_ENCODING_BF16: ValueEncoding
 VALUE_ENCODING_FP16: ValueEncoding
 VALUE_ENCODING_INT8: ValueEncoding
 VALUE_ENCODING_SIGN: ValueEncoding
+VALUE_CODING_PLAIN: ValueCoding
+VALUE_CODING_TOP_PLANE_DEFLATE: ValueCoding
 REFUSAL_NONE: Refusal
 REFUSAL_STALE: Refusal
 REFUSAL_FUTURE: Refusal
@@ -69,7 +76,7 @@ DHT_KIND_PING: DhtKind
 DHT_KIND_CHECK: DhtKind
 
 class SparseTensor(_message.Message):
-    __slots__ = ("name", "shape", "chunk_h", "chunk_w", "k", "index_coding", "indices", "value_encoding", "values", "scales")
+    __slots__ = ("name", "shape", "chunk_h", "chunk_w", "k", "index_coding", "indices", "value_encoding", "values", "scales", "value_coding")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_H_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +87,7 @@ class SparseTensor(_message.Message):
     VALUE_ENCODING_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
+    VALUE_CODING_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     chunk_h: int
@@ -90,7 +98,8 @@ class SparseTensor(_message.Message):
     value_encoding: ValueEncoding
     values: bytes
     scales: bytes
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_h: _Optional[int] = ..., chunk_w: _Optional[int] = ..., k: _Optional[int] = ..., index_coding: _Optional[_Union[IndexCoding, str]] = ..., indices: _Optional[bytes] = ..., value_encoding: _Optional[_Union[ValueEncoding, str]] = ..., values: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
+    value_coding: ValueCoding
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., chunk_h: _Optional[int] = ..., chunk_w: _Optional[int] = ..., k: _Optional[int] = ..., index_coding: _Optional[_Union[IndexCoding, str]] = ..., indices: _Optional[bytes] = ..., value_encoding: _Optional[_Union[ValueEncoding, str]] = ..., values: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., value_coding: _Optional[_Union[ValueCoding, str]] = ...) -> None: ...
 
 class Payload(_message.Message):
     __slots__ = ("version", "step", "encoding", "tensors", "digest")

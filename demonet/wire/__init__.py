@@ -9,7 +9,7 @@ asyncio or a transport. This module only re-exports:
 - `params` (imported on its own): the dense parameters a joining peer downloads.
 
 The codecs behind `codec`: `_batch` (a batch of tensors at a time), `_indices` (index codings),
-`_values` (value encodings), `_bits` (bit plumbing) and `_layout` (enum maps, byte layout).
+`_values` (value encodings and codings), `_bits` (bit plumbing) and `_layout` (enum maps, byte layout).
 """
 
 from .codec import (
@@ -20,6 +20,7 @@ from .codec import (
     MAX_DIMS,
     MAX_NAME_BYTES,
     MAX_TENSORS,
+    VALUE_CODINGS,
     VERSION,
     Expected,
     decode,
@@ -38,6 +39,7 @@ __all__ = [
     "MAX_NAME_BYTES",
     "MAX_PARTS",
     "MAX_TENSORS",
+    "VALUE_CODINGS",
     "VERSION",
     "Expected",
     "Reassembler",

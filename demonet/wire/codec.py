@@ -40,6 +40,7 @@ from ._layout import (
     tensor_layout,
     to_numpy,
 )
+from ._values import VALUE_WIDTH, top_plane_deflate, top_plane_inflate
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -49,6 +50,7 @@ __all__ = [
     "MAX_DIMS",
     "MAX_NAME_BYTES",
     "MAX_TENSORS",
+    "VALUE_CODINGS",
     "VERSION",
     "Expected",
     "decode",
@@ -61,6 +63,10 @@ VERSION = 1
 INDEX_CODINGS = ("packed", "entropy")
 """``packed``: fixed width ceil(log2(h*w)) bits per index, the sender's order. ``entropy``: sorted
 per chunk, Elias-Fano coded (or a bitmap where that is smaller), about 8% over log2(C(4096, 32))."""
+VALUE_CODINGS = ("plain", "deflate")
+"""``plain``: the values' bytes as their encoding writes them. ``deflate``: fp32, bf16 and fp16 values split
+into byte planes, the top plane (sign and high exponent bits) deflated, per tensor where that is smaller:
+lossless, about 20% fewer value bytes for fp32 and 40% for bf16 on a transformer's DeMo payloads."""
 DEFAULT_MAX_BYTES = 256 << 20
 """Largest serialized payload accepted (a GPT-2-small payload at k=32 is about 2-4 MB)."""
 DEFAULT_MAX_ENTRIES = 1 << 27
@@ -119,7 +125,7 @@ def _encode_batch(
     return list(zip((CODING_PB[c] for c in codings), *blobs, strict=True))
 
 
-def encode(payload: Payload, *, step: int, index_coding: str = "entropy") -> bytes:
+def encode(payload: Payload, *, step: int, index_coding: str = "entropy", value_coding: str = "deflate") -> bytes:
     """Serialize a payload for the wire.
 
     Args:
@@ -128,6 +134,8 @@ def encode(payload: Payload, *, step: int, index_coding: str = "entropy") -> byt
         step: the step (round) it belongs to, >= 0.
         index_coding: one of `INDEX_CODINGS`. ``entropy`` (the default: 7.9 bits an index at k = 32 of 4096
             instead of 12, lossless) sends each chunk's entries sorted by index; ``packed`` keeps their order.
+        value_coding: one of `VALUE_CODINGS`; ``deflate`` (the default) is lossless and used per tensor only
+            where it is smaller.
 
     Returns:
         A serialized ``demonet.v1.Payload`` ending with its SHA-256 digest.
@@ -140,6 +148,8 @@ def encode(payload: Payload, *, step: int, index_coding: str = "entropy") -> byt
         raise ValueError(f"encoding should be one of {ENCODINGS}, got {encoding!r}")
     if index_coding not in INDEX_CODINGS:
         raise ValueError(f"index_coding should be one of {INDEX_CODINGS}, got {index_coding!r}")
+    if value_coding not in VALUE_CODINGS:
+        raise ValueError(f"value_coding should be one of {VALUE_CODINGS}, got {value_coding!r}")
     if step < 0:
         raise ValueError(f"step should be >= 0, got {step}")
     items = list(payload.tensors.items())
@@ -151,7 +161,9 @@ def encode(payload: Payload, *, step: int, index_coding: str = "entropy") -> byt
         for i, parts in zip(members, _encode_batch(names, cs, encoding, index_coding), strict=True):
             coded[i] = parts
     msg = pb.Payload(version=VERSION, step=step, encoding=ENCODING_TO_PB[encoding])
+    width = VALUE_WIDTH.get(encoding, 0) if value_coding == "deflate" else 0
     for (name, c), (coding, indices, values, scales) in zip(items, coded, strict=True):
+        deflated = top_plane_deflate(values, width) if width else None
         msg.tensors.add(
             name=name,
             shape=c.shape,
@@ -161,8 +173,9 @@ def encode(payload: Payload, *, step: int, index_coding: str = "entropy") -> byt
             index_coding=coding,
             indices=indices,
             value_encoding=msg.encoding,
-            values=values,
+            values=values if deflated is None else deflated,
             scales=scales,
+            value_coding=pb.VALUE_CODING_PLAIN if deflated is None else pb.VALUE_CODING_TOP_PLANE_DEFLATE,
         )
     body = msg.SerializeToString()
     logger.debug("encoded step %d: %d tensors, %d bytes, %s indices", step, len(msg.tensors), len(body), index_coding)
@@ -182,8 +195,9 @@ class _Inbound:
     coding: int
     layout: Layout
     indices: bytes
-    values: bytes
+    values: bytes  # top-plane deflated where `deflated`: `_decode_batch` inflates them
     scales: bytes
+    deflated: bool
 
 
 def _parse(data: bytes, max_bytes: int) -> Any:
@@ -243,11 +257,16 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
     if k > n:
         raise InvalidPayload(f"{where}: k={k} exceeds the chunk's {n} coefficients")
     value_encoding = PB_TO_ENCODING[encoding]
+    deflated = t.value_coding == pb.VALUE_CODING_TOP_PLANE_DEFLATE
+    if t.value_coding != pb.VALUE_CODING_PLAIN and not deflated:
+        raise InvalidPayload(f"{where}: unknown value coding {t.value_coding}")
+    if deflated and value_encoding not in VALUE_WIDTH:
+        raise InvalidPayload(f"{where}: {value_encoding} values have no byte planes to deflate")
     layout = tensor_layout(coding, value_encoding, shape, chunk, k)
     indices, values, scales = t.indices, t.values, t.scales  # each access copies the bytes: once
     for field, have, want in (
         ("indices", len(indices), layout.index_bytes),
-        ("values", len(values), layout.value_bytes),
+        ("values", len(values), len(values) if deflated else layout.value_bytes),  # deflated: `_plain` checks
         ("scales", len(scales), layout.scale_bytes),
     ):
         if have != want:
@@ -259,13 +278,24 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
         raise InvalidPayload(f"{where}: {CODING_NAME[coding]} indices: the padding bits of the last byte are not 0")
     if value_encoding == "sign" and not padding_ok(values, layout.num_chunks * k):
         raise InvalidPayload(f"{where}: sign values: the padding bits of the last byte are not 0")
-    return _Inbound(name, shape, chunk, coding, layout, indices, values, scales)
+    return _Inbound(name, shape, chunk, coding, layout, indices, values, scales, deflated)
+
+
+def _plain(t: _Inbound, encoding: str) -> bytes:
+    """`t`'s values, inflated where deflated: called only once the payload's entries are within their cap,
+    since a DEFLATE stream can stand for about 1,000 times its size."""
+    if not t.deflated:
+        return t.values
+    try:
+        return top_plane_inflate(t.values, VALUE_WIDTH[encoding], t.layout.value_bytes)
+    except ValueError as e:
+        raise InvalidPayload(f"tensor {t.name!r}: values: {e}") from None
 
 
 def _decode_batch(ts: list[_Inbound], encoding: str) -> tuple[list[Compressed], np.ndarray]:
     """Tensors that share (index coding, n, k), decoded and checked together; and their values, (R, K)."""
     rows = [t.layout.num_chunks for t in ts]
-    blobs = [t.indices for t in ts], [t.values for t in ts], [t.scales for t in ts]
+    blobs = [t.indices for t in ts], [_plain(t, encoding) for t in ts], [t.scales for t in ts]
     try:
         idx_RK, val_RK, scale = decode_batch(
             CODING_NAME[ts[0].coding], blobs, encoding, rows, ts[0].layout.k, ts[0].layout.n

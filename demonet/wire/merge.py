@@ -70,14 +70,17 @@ def decode_contribution(data: bytes, *, expected: Mapping[str, Any], rules: Merg
     return wire.decode(data, expected=expected, max_norm=rules.max_norm)
 
 
-def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected: Mapping[str, Any]) -> Merged:
+def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected: Mapping[str, Any],
+          value_coding: str = "plain") -> Merged:
     """Merge validated payloads (same tensors, in `expected`'s order) into the round's aggregate.
 
     Each coefficient is averaged over the peers that sent it, after median-norm clipping (with
     `rules.clip`); the `rules.topk` largest means per chunk are kept, rounded through
-    `rules.encoding`, and encoded with entropy-coded indices. Deterministic: the same payloads in the
-    same order give the same bytes on every machine, except that clipping's factors come from a
-    float64 sum of squares.
+    `rules.encoding`, and encoded with entropy-coded indices and `value_coding`'s values. Deterministic:
+    the same payloads in the same order give the same payload on every machine, except that clipping's
+    factors come from a float64 sum of squares. With ``plain`` values (the default) they give the same
+    bytes too, which is what DHT mode's verifiers compare; ``deflate`` (the coordinator's aggregate, which
+    nobody compares byte for byte) depends on the zlib build's choices.
 
     `Merged.payload` is not decoded from `Merged.data`, yet it is what `wire.decode(data, expected=...)`
     returns, bit for bit: see `_as_received`.
@@ -88,7 +91,7 @@ def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected
         val, scale = quantize(c.val.float(), rules.encoding)
         tensors[name] = Compressed(idx=c.idx, val=val, shape=c.shape, chunk=c.chunk, scale=scale)
     sent = Payload(tensors=tensors, encoding=rules.encoding)
-    data = wire.encode(sent, step=step, index_coding="entropy")
+    data = wire.encode(sent, step=step, index_coding="entropy", value_coding=value_coding)
     return Merged(data=data, payload=_as_received(sent, expected), factors=tuple(factors))
 
 

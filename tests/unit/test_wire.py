@@ -17,6 +17,7 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 from demonet.optim.payload import ENCODINGS, Compressed, Payload, matrix_shape, quantize
+from demonet.wire import _values
 
 
 def num_chunks(shape: tuple[int, ...], chunk: tuple[int, int]) -> int:
@@ -334,3 +335,61 @@ def test_index_bits_report_totals_match_tensors() -> None:
     for key in ("num_indices", "packed_bits", "entropy_bits"):
         assert report[key] == sum(t[key] for t in report["tensors"].values())
     assert report["packed_over_floor"] >= report["entropy_over_floor"] >= 1.0
+
+
+# --- value codings -----------------------------------------------------------------------------
+
+
+def _demo_payload(encoding: str) -> Payload:
+    """A real DeMo payload: a small GPT's momentum after three steps on the embedded corpus."""
+    from demonet.optim import DeMo
+    from demonet.train.data import Batches, load_corpus
+    from demonet.train.model import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=256, seq_len=32, d_model=64, n_layers=2, n_heads=2))
+    opt = DeMo(model.named_parameters(), lr=1e-3, encoding=encoding)
+    batches = Batches(load_corpus(), batch_size=2, seq_len=32, seed=0)
+    for _ in range(3):
+        x, y = next(batches)
+        model(x, y)[1].backward()  # type: ignore[union-attr]
+        payload = opt.compress()
+        opt.zero_grad()
+    return payload
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_deflated_values_decode_to_the_plain_bits_and_are_smaller(encoding: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    payload = _demo_payload(encoding)
+    plain = wire.encode(payload, step=1, value_coding="plain")
+    assert wire.encode(payload, step=1) == plain  # this model's tensors are too small to be worth a zlib call
+    monkeypatch.setattr(_values, "_DEFLATE_MIN_VALUES", 0)
+    deflated = wire.encode(payload, step=1)  # the default
+    codings = {t.value_coding for t in parse(deflated).tensors}
+    got, want = wire.decode(deflated)[1], wire.decode(plain)[1]
+    for name, c in want.tensors.items():
+        assert torch.equal(got.tensors[name].idx, c.idx) and torch.equal(got.tensors[name].val, c.val), name
+    if encoding in ("fp32", "bf16", "fp16"):
+        assert pb.VALUE_CODING_TOP_PLANE_DEFLATE in codings
+        assert len(deflated) < (0.92 if encoding != "fp16" else 1.0) * len(plain), (encoding, len(deflated), len(plain))
+    else:  # int8 codes and sign bits have no byte planes
+        assert codings == {pb.VALUE_CODING_PLAIN} and deflated == plain
+
+
+def test_values_that_do_not_shrink_stay_plain_and_a_bad_value_coding_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_values, "_DEFLATE_MIN_VALUES", 0)
+    gen = torch.Generator().manual_seed(3)
+    c = make_compressed((64, 64), (8, 8), 16, "fp32", gen)
+    bits = torch.randint(-(2**31), 2**31, c.val.shape, generator=gen, dtype=torch.int64).to(torch.int32)
+    noise = bits.view(torch.float32).nan_to_num(0.0, 0.0, 0.0)  # random signs and exponents: nothing to deflate
+    payload = Payload(tensors={"w": Compressed(idx=c.idx, val=noise, shape=c.shape, chunk=c.chunk)})
+    assert [t.value_coding for t in parse(wire.encode(payload, step=0)).tensors] == [pb.VALUE_CODING_PLAIN]
+    msg = parse(wire.encode(_demo_payload("fp32"), step=0))
+    t = next(t for t in msg.tensors if t.value_coding == pb.VALUE_CODING_TOP_PLANE_DEFLATE)
+    t.value_coding = 9
+    with pytest.raises(InvalidPayload, match="unknown value coding 9"):
+        wire.decode(seal(msg))
+    with pytest.raises(ValueError, match="value_coding should be one of"):
+        wire.encode(payload, step=0, value_coding="zstd")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import random
 import struct
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,19 +22,24 @@ from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 from demonet.optim.payload import ENCODINGS, Compressed, Payload
 from demonet.wire import _indices
+from demonet.wire._values import VALUE_WIDTH, top_plane_inflate
 from tests.unit.test_wire import expected_of, make_compressed, num_chunks, parse, seal, small_payload
 
 
 def _bases() -> list[tuple[bytes, Payload]]:
-    """Valid messages: every encoding and coding, one with n = 15 (a packed width with spare codes)."""
+    """Valid messages: every encoding, index coding and value coding, one tensor with n = 15 (a packed width
+    with spare codes), one with enough values to be deflated."""
     out = []
     for seed, encoding in enumerate(ENCODINGS):
         gen = torch.Generator().manual_seed(seed)
         payload = small_payload(encoding, seed)
         odd = make_compressed((9, 10), (3, 5), 2, encoding, gen)
-        payload = Payload(tensors={**payload.tensors, "odd": odd}, encoding=encoding)
+        big = make_compressed((64, 64), (8, 8), 12, encoding, gen)  # enough values to be deflated
+        payload = Payload(tensors={**payload.tensors, "odd": odd, "big": big}, encoding=encoding)
         for coding in wire.INDEX_CODINGS:
-            out.append((wire.encode(payload, step=seed, index_coding=coding), payload))
+            for values in wire.VALUE_CODINGS:
+                out.append((wire.encode(payload, step=seed, index_coding=coding, value_coding=values), payload))
+    assert any(t.value_coding for data, _ in out for t in parse(data).tensors), "no base has deflated values"
     return out
 
 
@@ -91,6 +97,19 @@ def _tensor(msg: pb.Payload, rng: random.Random) -> Any:
 def _nonempty(msg: pb.Payload, field: str, rng: random.Random) -> Any:
     candidates = [t for t in msg.tensors if len(getattr(t, field))]
     return candidates[rng.randrange(len(candidates))]
+
+
+def _width(msg: pb.Payload) -> int:
+    return VALUE_WIDTH[{pb.VALUE_ENCODING_FP32: "fp32", pb.VALUE_ENCODING_BF16: "bf16"}.get(msg.encoding, "fp16")]
+
+
+def _plain(msg: pb.Payload, t: Any) -> Any:
+    """`t` with its values recoded plain (the same values), so that a mutation can aim at one value's bytes."""
+    if t.value_coding == pb.VALUE_CODING_TOP_PLANE_DEFLATE:
+        width = _width(msg)
+        t.values = top_plane_inflate(t.values, width, num_chunks(tuple(t.shape), (t.chunk_h, t.chunk_w)) * t.k * width)
+        t.value_coding = pb.VALUE_CODING_PLAIN
+    return t
 
 
 def _set_bytes(t: Any, field: str, pos: int, new: bytes) -> None:
@@ -163,7 +182,7 @@ def m_length(msg: pb.Payload, rng: random.Random) -> None:
 
 
 def m_nonfinite(msg: pb.Payload, rng: random.Random) -> None:
-    t = _nonempty(msg, "values", rng)
+    t = _plain(msg, _nonempty(msg, "values", rng))
     if msg.encoding == pb.VALUE_ENCODING_FP32:
         word = struct.pack("<f", rng.choice([float("nan"), float("inf"), -float("inf")]))
         _set_bytes(t, "values", 4 * rng.randrange(len(t.values) // 4), word)
@@ -180,13 +199,40 @@ def m_fp16_scale(msg: pb.Payload, rng: random.Random) -> None:
     """A scale that is not a positive power of two, or one so large that the codes overflow."""
     if msg.encoding != pb.VALUE_ENCODING_FP16:
         return m_nonfinite(msg, rng)
-    t = _tensor(msg, rng)
+    t = _plain(msg, _tensor(msg, rng))
     bad = rng.choice([float("nan"), float("inf"), 0.0, -0.5, 3.0, 2.0**126 * 1.5, "overflow"])
     if bad == "overflow":
         bad = 2.0**127
         t.values = struct.pack("<H", 0x7BFF) * (len(t.values) // 2)  # 65504 * 2^127 = inf
     t.scales = struct.pack("<f", bad)
     return None
+
+
+def m_value_coding(msg: pb.Payload, rng: random.Random) -> None:
+    """A value coding that does not apply, or a top plane whose stream is cut, runs on, or inflates to more."""
+    deflated = [t for t in msg.tensors if t.value_coding == pb.VALUE_CODING_TOP_PLANE_DEFLATE]
+    if not deflated or rng.random() < 0.2:
+        t = _nonempty(msg, "values", rng)
+        t.value_coding = rng.choice([2, 7, 1 << 20]) if msg.encoding in (pb.VALUE_ENCODING_FP32, pb.VALUE_ENCODING_BF16,
+                                                                          pb.VALUE_ENCODING_FP16) else 1
+        return
+    t = deflated[rng.randrange(len(deflated))]
+    width = _width(msg)
+    num = num_chunks(tuple(t.shape), (t.chunk_h, t.chunk_w)) * t.k
+    low, plain = num * (width - 1), _plain(msg, pb.SparseTensor(**{f.name: v for f, v in t.ListFields()})).values
+    top = bytes(plain[width - 1 :: width])
+    kind = rng.randrange(4)
+    if kind == 0:  # the stream cut short
+        t.values = t.values[: low + rng.randrange(len(t.values) - low)]
+    elif kind == 1:  # bytes after the end of the stream
+        t.values += rng.randbytes(rng.randint(1, 9))
+    elif kind == 2:  # a valid stream of one byte more (or many more: a small bomb)
+        more = top + bytes(rng.choice([1, 1 << 20]))
+        packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+        t.values = t.values[:low] + packer.compress(more) + packer.flush()
+    else:  # one byte fewer
+        packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+        t.values = t.values[:low] + packer.compress(top[:-1]) + packer.flush()
 
 
 def m_padding_bits(msg: pb.Payload, rng: random.Random) -> None:
@@ -261,6 +307,7 @@ MUTATIONS: list[Callable[[pb.Payload, random.Random], None]] = [
     m_length,
     m_nonfinite,
     m_fp16_scale,
+    m_value_coding,
     m_padding_bits,
     m_upper_bits,
     m_out_of_range,
