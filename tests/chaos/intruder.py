@@ -27,6 +27,7 @@ import hashlib
 import json
 import random
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -306,6 +307,15 @@ class Intruder:
         msg = _parse(good)
         msg.tensors[0].values = msg.tensors[0].values[:-4]
         yield "payload_short_values", _seal(msg)
+        for what in ("deflate_overflow", "deflate_cut"):  # fp32 values as byte planes whose deflated top plane lies
+            msg = _parse(good)
+            planes = np.frombuffer(msg.tensors[0].values, np.uint8).reshape(-1, 4).T  # (4 planes, values)
+            packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+            stream = packer.compress(planes[-1].tobytes() + bytes(1 << 20 if what == "deflate_overflow" else 0))
+            stream += packer.flush()
+            msg.tensors[0].values = planes[:-1].tobytes() + (stream if what == "deflate_overflow" else stream[:-3])
+            msg.tensors[0].value_coding = pb.VALUE_CODING_TOP_PLANE_DEFLATE
+            yield f"payload_{what}", _seal(msg)
         msg = _parse(good)
         msg.version = 99
         yield "payload_version", _seal(msg)

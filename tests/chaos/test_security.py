@@ -60,7 +60,8 @@ def test_bad_input_at_every_rpc_is_refused_and_harms_nothing(cluster: Coordinato
         assert tried.get(category, 0) >= 1, category
     codes = result["codes"]
     assert codes.get("bad_token:UNAUTHENTICATED") == tried["bad_token"], codes
-    for what in ("nan", "inf", "neg_inf", "huge_norm", "wrong_shape", "wrong_name", "missing_tensor"):
+    for what in ("nan", "inf", "neg_inf", "huge_norm", "wrong_shape", "wrong_name", "missing_tensor",
+                 "deflate_overflow", "deflate_cut"):
         assert codes.get(f"payload_{what}:REFUSAL_INVALID") == tried[f"payload_{what}"], (what, codes)
     # The same stream again: the very payload the round holds (DUPLICATE), or, when the round closed right
     # after it took the first (the honest members were in), a closed round (STALE); never a second payload.

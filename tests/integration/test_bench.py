@@ -37,6 +37,14 @@ def test_every_system_runs_and_the_report_is_written(tmp_path: Path) -> None:
     for name, r in runs.items():
         assert r["finished"] and r["steps"] == 2, (name, r)
         assert math.isfinite(r["loss_last"]) and r["sent_per_step"] > 0 and r["recv_per_step"] > 0, (name, r)
+    # The evidence model's payloads and aggregates travel with deflated values (tests/unit/test_wire.py): every
+    # demonet system's peers end each round on the same parameters.
+    for name in (n for n in SYSTEMS if n.startswith("demonet")):
+        digests: dict[int, set[str]] = {}
+        for path in (out / f"{name}-100mbit").glob("metrics-peer-*.jsonl"):
+            for row in map(json.loads, path.read_text().splitlines()):
+                digests.setdefault(row["round"], set()).add(row["param_digest"])
+        assert sorted(digests) == [0, 1] and all(len(d) == 1 for d in digests.values()), (name, digests)
     for name in ("loss_vs_step.png", "loss_vs_time.png"):
         assert (plots / name).read_bytes().startswith(b"\x89PNG"), name
     assert "| 100 Mbit/s | adamw-ddp | 2 | 8 |" in (out / "results.md").read_text()  # 2 peers x 4 sequences
