@@ -65,8 +65,9 @@ INDEX_CODINGS = ("packed", "entropy")
 per chunk, Elias-Fano coded (or a bitmap where that is smaller), about 8% over log2(C(4096, 32))."""
 VALUE_CODINGS = ("plain", "deflate")
 """``plain``: the values' bytes as their encoding writes them. ``deflate``: fp32, bf16 and fp16 values split
-into byte planes, the top plane (sign and high exponent bits) deflated, per tensor where that is smaller:
-lossless, about 20% fewer value bytes for fp32 and 40% for bf16 on a transformer's DeMo payloads."""
+into byte planes, the top plane (sign and high exponent bits) deflated, per tensor of 512 values or more
+where that is smaller: lossless, 12% fewer bytes for an fp32 payload and 21% for a bf16 one on the
+evidence model (docs/benchmarks.md#deflated-values)."""
 DEFAULT_MAX_BYTES = 256 << 20
 """Largest serialized payload accepted (a GPT-2-small payload at k=32 is about 2-4 MB)."""
 DEFAULT_MAX_ENTRIES = 1 << 27
