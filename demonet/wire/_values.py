@@ -48,7 +48,7 @@ def top_plane_deflate(values: bytes, width: int) -> bytes | None:
     planes_WN = np.frombuffer(values, np.uint8).reshape(-1, width).T  # (width, values)
     packer = zlib.compressobj(_DEFLATE_LEVEL, zlib.DEFLATED, -15)  # raw DEFLATE: no header, no checksum
     top = packer.compress(planes_WN[-1].tobytes()) + packer.flush()
-    if len(top) + len(values) - planes_WN.shape[1] >= len(values):
+    if len(top) >= planes_WN.shape[1]:  # the top plane did not shrink
         return None
     return planes_WN[:-1].tobytes() + top
 

@@ -22,6 +22,7 @@ from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 from demonet.optim.payload import ENCODINGS, Compressed, Payload
 from demonet.wire import _indices
+from demonet.wire._layout import PB_TO_ENCODING
 from demonet.wire._values import VALUE_WIDTH, top_plane_inflate
 from tests.unit.test_wire import expected_of, make_compressed, num_chunks, parse, seal, small_payload
 
@@ -100,7 +101,7 @@ def _nonempty(msg: pb.Payload, field: str, rng: random.Random) -> Any:
 
 
 def _width(msg: pb.Payload) -> int:
-    return VALUE_WIDTH[{pb.VALUE_ENCODING_FP32: "fp32", pb.VALUE_ENCODING_BF16: "bf16"}.get(msg.encoding, "fp16")]
+    return VALUE_WIDTH[PB_TO_ENCODING[msg.encoding]]
 
 
 def _plain(msg: pb.Payload, t: Any) -> Any:
