@@ -126,21 +126,33 @@ class DhtNode:
     async def check_initial_peers(self) -> int:
         """Ping the initial peers' stream handlers; returns how many answered as peers of this run.
 
+        While none has answered, the unanswered ones are pinged again for up to ``bootstrap_timeout_s``:
+        a peer whose first ping timed out (a loaded machine, a daemon still opening its handlers) would
+        otherwise go on unchecked, and one with a wrong token would then wait for a run it cannot see.
+
         Raises:
             PermissionError: one refused this peer's messages, or answered without the run token's HMAC.
         """
-        answered = 0
-        for maddr in self.opts.initial_peers:
-            address = maddr.rsplit("/p2p/", 1)[-1] if "/p2p/" in maddr else ""
-            if not address:
-                continue
-            try:
-                await self.streams.call(address, pb.DHT_KIND_PING, 0, timeout_s=self.opts.exchange_timeout_s)
+        pending = {maddr.rsplit("/p2p/", 1)[-1]: maddr for maddr in self.opts.initial_peers if "/p2p/" in maddr}
+        give_up_at, answered = time.monotonic() + self.opts.bootstrap_timeout_s, 0
+        failures: dict[str, PeerUnavailable] = {}
+        while pending:
+            for address, maddr in list(pending.items()):
+                try:
+                    await self.streams.call(address, pb.DHT_KIND_PING, 0, timeout_s=self.opts.exchange_timeout_s)
+                except PeerUnavailable as e:
+                    if "run token" in str(e):
+                        raise PermissionError(f"the peer at {maddr} refused our messages: wrong run token") from None
+                    failures[address] = e
+                    continue
                 answered += 1
-            except PeerUnavailable as e:
-                if "run token" in str(e):
-                    raise PermissionError(f"the peer at {maddr} refused our messages: wrong run token") from None
-                logger.warning("[%s] the initial peer %s did not answer: %s", self.peer_id, maddr, e)
+                del pending[address]
+            if answered or not pending or time.monotonic() >= give_up_at:
+                break
+            logger.info("[%s] no initial peer answered a ping yet; trying again", self.peer_id)
+            await asyncio.sleep(1.0)
+        for address, maddr in pending.items():
+            logger.warning("[%s] the initial peer %s did not answer: %s", self.peer_id, maddr, failures[address])
         return answered
 
     # -- records ---------------------------------------------------------------------------------------

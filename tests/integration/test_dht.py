@@ -219,7 +219,8 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path, reap_children: Reaper)
     after = [r for r in peers.rows("a")[killed_at:] if r["contributors"] == 2]
     assert after, peers.rows("a")
 
-    assert bad.wait(timeout=WAIT_S) == 2, peers.log("x")
+    wait_for(lambda: bad.poll() is not None, "the wrong-token peer to exit", peers)
+    assert bad.returncode == 2, peers.log("x")
     assert "wrong run token" in peers.log("x")
     assert "bad run token" in peers.log("a")
 
@@ -268,7 +269,11 @@ def test_overlapped_dht_peers_agree_and_serve_a_late_joiner_the_round_parameters
 
 async def _wrong_token_nodes() -> None:
     """Two nodes with the run token and one without, over loopback (run by the test in a fresh process)."""
+    from dataclasses import replace
+
+    from demonet._proto import demonet_pb2 as pb
     from demonet.dht.gatherer import DhtGatherer, DhtOptions
+    from demonet.dht.streams import Reply
 
     def opts(token: str, initial: tuple[str, ...] = ()) -> DhtOptions:
         return DhtOptions(run="auth", token=token, initial_peers=initial, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
@@ -287,6 +292,17 @@ async def _wrong_token_nodes() -> None:
         with pytest.raises(PermissionError, match="wrong run token"):
             await bad.check_initial_peers()
         assert good.refused == 1
+        # An initial peer whose first ping answers too late (a loaded machine): pinged again, not skipped.
+        stalls = [3.0]
+
+        async def slow_ping(head: Any, data: bytes | None) -> Any:
+            await asyncio.sleep(stalls.pop() if stalls else 0.0)
+            return Reply()
+
+        good._node.streams.serve(pb.DHT_KIND_PING, slow_ping)
+        late = await DhtGatherer.create(replace(opts(TOKEN, (maddr,)), exchange_timeout_s=1.0), "late", {})
+        nodes.append(late)
+        assert await late.check_initial_peers() == 1 and not stalls
         for node, round, digest in ((good, 3, "d" * 32), (bad, 7, "e" * 32)):  # the records an announcement carries
             await node._node.store_many(node._board.state_records(round, digest))
         assert await other.head_round() == 3  # the wrong-token record is not read
