@@ -327,21 +327,24 @@ class DeMo(OverlapState, torch.optim.Optimizer):
             self._check_payload(kept)
         self.undo_lookahead()
         copy_of = self._kept_momentum()
-        for slot in self._slots:
-            c = payload.tensors[slot.name]
-            m_BN = self._bucket_of[slot.name].momentum_BN
-            m_CN = m_BN[slot.start:slot.stop]
-            idx_CK = c.idx.to(m_CN.device)  # an aggregate decoded from the wire is on the CPU
-            back_CK = c.val.to(m_CN.device, m_CN.dtype) * self.options.alpha
-            if kept is not None:
-                a = kept.tensors[slot.name]
-                # Count, not assign: padding repeats a real index with value 0 and must not unset it.
-                held_CN = torch.zeros(m_CN.shape, dtype=torch.int32, device=m_CN.device)
-                held_CN.scatter_add_(1, a.idx.to(m_CN.device), (a.val != 0).to(m_CN.device, torch.int32))
-                back_CK = torch.where(held_CN.gather(1, idx_CK) > 0, 0.0, back_CK)
-            m_CN.scatter_add_(1, idx_CK, back_CK)
-            if id(m_BN) in copy_of:  # an undoable compress is pending: its undo keeps this restore
-                copy_of[id(m_BN)][slot.start:slot.stop].scatter_add_(1, idx_CK, back_CK)
+        alpha = self.options.alpha
+        for bucket in self._buckets:  # one set of ops a bucket: its slots' rows are consecutive, in order
+            m_BN, parts = bucket.momentum_BN, [payload.tensors[s.name] for s in bucket.slots]
+            copy_BN = copy_of.get(id(m_BN))
+            if len({c.k for c in parts}) > 1:  # not a payload of this optimizer's compress: slot by slot
+                for slot, c in zip(bucket.slots, parts, strict=True):
+                    rows = slice(slot.start, slot.stop)
+                    held = None if kept is None else (kept.tensors[slot.name].idx, kept.tensors[slot.name].val)
+                    _restore_rows(m_BN[rows], None if copy_BN is None else copy_BN[rows], c.idx, c.val, held, alpha)
+                continue
+            held_iv = None
+            if kept is not None:  # padded with index 0 and value 0: not held
+                held_parts = [kept.tensors[s.name] for s in bucket.slots]
+                width = max(a.k for a in held_parts)
+                held_iv = (torch.cat([_pad_cols(a.idx, width, 0) for a in held_parts]),
+                           torch.cat([_pad_cols(a.val, width, 0.0) for a in held_parts]))
+            _restore_rows(m_BN, copy_BN, torch.cat([c.idx for c in parts]), torch.cat([c.val for c in parts]),
+                          held_iv, alpha)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -389,6 +392,23 @@ class DeMo(OverlapState, torch.optim.Optimizer):
                     view.copy_(entries[key]) if key in entries else view.zero_()
             if "step" in entries:
                 self.state[slot.param]["step"] = entries["step"].detach().clone().float().cpu()
+
+
+def _restore_rows(m_CN: torch.Tensor, copy_CN: torch.Tensor | None, idx_CK: torch.Tensor, val_CK: torch.Tensor,
+                  held: tuple[torch.Tensor, torch.Tensor] | None, alpha: float) -> None:
+    """`DeMo.restore` for the momentum rows `m_CN`: add back ``alpha * val`` at `idx`, less the entries that
+    `held` (an aggregate's indices and values for these rows) holds with a nonzero value; into `copy_CN`
+    as well (an undoable compress's copy of the momentum)."""
+    idx_CK = idx_CK.to(m_CN.device)  # an aggregate decoded from the wire is on the CPU
+    back_CK = val_CK.to(m_CN.device, m_CN.dtype) * alpha
+    if held is not None:
+        # Count, not assign: padding repeats a real index with value 0 and must not unset it.
+        held_CN = torch.zeros(m_CN.shape, dtype=torch.int32, device=m_CN.device)
+        held_CN.scatter_add_(1, held[0].to(m_CN.device), (held[1] != 0).to(m_CN.device, torch.int32))
+        back_CK = torch.where(held_CN.gather(1, idx_CK) > 0, 0.0, back_CK)
+    m_CN.scatter_add_(1, idx_CK, back_CK)
+    if copy_CN is not None:  # an undoable compress is pending: its undo keeps this restore
+        copy_CN.scatter_add_(1, idx_CK, back_CK)
 
 
 def _pad_cols(x_CK: torch.Tensor, width: int, fill: torch.Tensor | float) -> torch.Tensor:

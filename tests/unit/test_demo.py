@@ -282,3 +282,51 @@ def test_restore_only_what_the_aggregate_dropped() -> None:
     want = after.clone()
     want.scatter_add_(1, c.idx[:, 4:], c.val[:, 4:])  # the two dropped entries come back
     assert torch.equal(opt.state[ps[0]]["momentum"], want)
+
+
+def _restored_entry_by_entry(momenta: dict[str, torch.Tensor], payload: Payload, kept: Payload | None,
+                             alpha: float) -> dict[str, torch.Tensor]:
+    """`DeMo.restore` entry by entry: a payload entry comes back unless the aggregate holds its index
+    in the same row with a nonzero value."""
+    out = {name: m.clone() for name, m in momenta.items()}
+    for name, c in payload.tensors.items():
+        for row in range(c.idx.shape[0]):
+            held = set() if kept is None else {
+                int(i) for i, v in zip(kept.tensors[name].idx[row], kept.tensors[name].val[row], strict=True) if v != 0}
+            for i, v in zip(c.idx[row].tolist(), c.val[row], strict=True):
+                if i not in held:
+                    out[name][row, i] += v * alpha
+    return out
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+@pytest.mark.parametrize("mixed_k", [False, True], ids=["one-k", "mixed-k"])
+def test_restore_of_a_bucket_matches_entry_by_entry(alpha: float, mixed_k: bool) -> None:
+    """Several parameters share a bucket (one chunk shape); the aggregate holds another number of entries
+    for each, with zero padding. `mixed_k`: one parameter's payload holds fewer entries per row (not
+    what `compress` makes: restored parameter by parameter)."""
+    shapes = [(64, 64), (32, 64), (96, 32)]
+    ps = _params(11, shapes)
+    opt = DeMo(ps, lr=0.1, compression_topk=6, compression_chunk=16, alpha=alpha)
+    assert len(opt._buckets) == 1
+    _set_grads(ps, 0)
+    payload = opt.compress()
+    if mixed_k:
+        c = payload.tensors["1"]
+        payload = Payload(tensors={**payload.tensors, "1": type(c)(idx=c.idx[:, :3], val=c.val[:, :3], shape=c.shape,
+                                                                    chunk=c.chunk)})
+    g = torch.Generator().manual_seed(5)
+    kept = {}
+    for n, (name, c) in enumerate(payload.tensors.items()):
+        # Two of this peer's entries, one random index of the others, then n entries of padding: the index of
+        # an entry it dropped (which must come back) with the value 0. n + 3 entries a row.
+        other = torch.randint(0, c.totalk, (c.idx.shape[0], 1), generator=g)
+        idx = torch.cat([c.idx[:, :2], other, c.idx[:, 2:3].expand(-1, n)], dim=1)
+        val = torch.cat([c.val[:, :2], torch.ones(c.idx.shape[0], 1), torch.zeros(c.idx.shape[0], n)], dim=1)
+        kept[name] = type(c)(idx=idx, val=val, shape=c.shape, chunk=c.chunk)
+    momenta = {s.name: opt._bucket_of[s.name].momentum_BN[s.start:s.stop] for s in opt._slots}
+    for held in (Payload(tensors=kept), None):
+        want = _restored_entry_by_entry(momenta, payload, held, alpha)
+        opt.restore(payload, held)
+        for name, m in momenta.items():
+            assert torch.equal(m, want[name]), name
