@@ -35,6 +35,16 @@ __all__ = ["DeMo"]
 _STATE_KEYS = ("momentum", "exp_avg", "exp_avg_sq")
 
 
+_NO_DYNAMO_CODE = torch._disable_dynamo(lambda: None).__code__  # the wrapper's code (making one imports nothing)
+
+
+def _undecorated(method: Any) -> Any:
+    """`method` without torch's `_disable_dynamo` wrapper, if it has that one (and only that one)."""
+    if getattr(method, "__code__", None) is _NO_DYNAMO_CODE and callable(getattr(method, "__wrapped__", None)):
+        return method.__wrapped__
+    return method
+
+
 class DeMo(OverlapState, torch.optim.Optimizer):
     """Decoupled Momentum Optimization (Peng, Quesnelle, Kingma 2024; arXiv 2411.19870).
 
@@ -65,6 +75,13 @@ class DeMo(OverlapState, torch.optim.Optimizer):
         options: the settings beyond the reference's (`DeMoOptions`); or give its fields as keywords,
             e.g. ``DeMo(params, lr=1e-3, base="sgd")``.
     """
+
+    # torch.optim.Optimizer wraps these in torch._disable_dynamo, which imports torch._dynamo at their first
+    # call: about 2 s of CPU and 70 MB in every peer and coordinator process. DeMo is never traced by
+    # torch.compile (its apply must give the same bits everywhere), so it calls them unwrapped.
+    add_param_group = _undecorated(torch.optim.Optimizer.add_param_group)
+    state_dict = _undecorated(torch.optim.Optimizer.state_dict)
+    zero_grad = _undecorated(torch.optim.Optimizer.zero_grad)
 
     # The drop-in signature is fixed by the reference; everything else is one DeMoOptions.
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, compression_decay: float = 0.999,
@@ -380,7 +397,7 @@ class DeMo(OverlapState, torch.optim.Optimizer):
                 if key in entries and (slot is None or entries[key].shape != (slot.stop - slot.start,
                                                                              self._bucket_of[slot.name].momentum_BN.shape[1])):
                     raise ValueError(f"state_dict entry {i}.{key} does not fit this optimizer's parameters")
-        super().load_state_dict(state_dict)
+        _undecorated(torch.optim.Optimizer.load_state_dict)(self, state_dict)
         self._kept = None  # a pending compress is of the momentum this replaces
         for slot in self._slots:
             bucket = self._bucket_of[slot.name]

@@ -450,10 +450,10 @@ def _check_beats(beats: asyncio.Task[None] | None) -> None:
 
 
 def warm_up() -> None:
-    """Pay torch's one-time costs before joining: the optimizer's lazy import of torch._dynamo and the
-    first backward take seconds, and a peer admitted at once must train within the round timeout."""
+    """Pay torch's one-time costs before joining: the first backward takes about a second, and a peer
+    admitted at once must train within the round timeout. (DeMo does not import torch._dynamo, as
+    torch's own optimizers do at their construction: `demonet.optim.demo`.)"""
     p = torch.zeros(2, requires_grad=True)
-    torch.optim.SGD([p], lr=0.1)
     torch.autograd.backward((p * 2).sum())
 
 
