@@ -35,12 +35,14 @@ __all__ = ["DeMo"]
 _STATE_KEYS = ("momentum", "exp_avg", "exp_avg_sq")
 
 
-_NO_DYNAMO_CODE = torch._disable_dynamo(lambda: None).__code__  # the wrapper's code (making one imports nothing)
+_disable_dynamo = getattr(torch, "_disable_dynamo", None)  # a torch without it wraps nothing of this kind
+_NO_DYNAMO_CODE = None if _disable_dynamo is None else _disable_dynamo(lambda: None).__code__  # imports nothing
 
 
 def _undecorated(method: Any) -> Any:
     """`method` without torch's `_disable_dynamo` wrapper, if it has that one (and only that one)."""
-    if getattr(method, "__code__", None) is _NO_DYNAMO_CODE and callable(getattr(method, "__wrapped__", None)):
+    code = getattr(method, "__code__", None)
+    if code is not None and code is _NO_DYNAMO_CODE and callable(getattr(method, "__wrapped__", None)):
         return method.__wrapped__
     return method
 
