@@ -39,6 +39,11 @@ _T = TypeVar("_T")
 _RESUBMITS = 2  # times a payload is sent again when a restarted coordinator asks for it
 _LOST_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE)
 _RECONNECT_BACKOFF_MAX_MS = 1000
+_CONNECT_TIMEOUT_MS = 10_000
+"""How long one connection attempt may take (gRPC's `grpc.min_reconnect_backoff_ms`, which is the attempt's
+deadline as well as a backoff floor): the TCP, TLS and HTTP/2 handshakes take 2 to 4 round trips, and a
+lost SYN is sent again by the kernel after 1 s and 3 s. A failed attempt (refused: a restarting
+coordinator) fails at once and is tried again after the short backoff all the same."""
 _MAX_MESSAGE_BYTES = 64 << 20  # parts are 2 MiB; room for a coordinator that cuts larger ones
 _BUSY_FIRST_S = 0.1
 """The first wait before a Submit refused BUSY is sent again; each next one doubles, up to 1 s."""
@@ -123,7 +128,10 @@ class GrpcClient:
                    # gRPC's own reconnect backoff grows to 120 s by default: after a coordinator outage
                    # of a few seconds, a peer could try again only after the restarted coordinator had
                    # dropped it (it gives members a heartbeat timeout to come back). Probe every second.
-                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   # An attempt's deadline is the larger of the backoff and the minimum: with the minimum
+                   # at the backoff's 200 ms, a link of a 0.6 s round trip lost most attempts and one of
+                   # 2.4 s never connected ("timed out before receiving SETTINGS frame").
+                   ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", _CONNECT_TIMEOUT_MS),
                    ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MAX_MS)]
         if root_cert is None:
             self._channel = grpc.aio.insecure_channel(address, options=options)

@@ -41,6 +41,15 @@ DHT_GATE = GATE.replace("_warm_up()\n", "import demonet.dht.gatherer\n_warm_up()
 """The same gate, with the DHT transport (and hivemind) imported before the peer is let in."""
 
 
+def self_signed_cert(tmp: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for "localhost" and its key, made by the openssl command in `tmp`."""
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
 def listening_line(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
     """The first stdout line of a starting coordinator ("listening on HOST:PORT"), or "" if none came
     within ``timeout_s`` (a hung process fails the test instead of blocking it)."""

@@ -14,24 +14,15 @@ import pytest
 
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pbg
-from tests.integration.common import tiny_config
+from tests.integration.common import self_signed_cert, tiny_config
 from tests.procs import Reaper
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")]
 
 
-
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
-
-
 def test_a_run_over_tls(tmp_path: Path, reap_children: Reaper) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=5.0, steps=3))
     env = {**os.environ, "DEMONET_TOKEN": "tls-token"}
     coordinator = reap_children.add(subprocess.Popen(
