@@ -2,7 +2,7 @@
 every chunk 1.5 s each way (`python -m demonet.lab.netlab proxy`, a round trip of 3 s: a congested uplink
 behind a deep buffer), and a `demonet peer` process that reaches the coordinator only through it, with plaintext
 and with TLS. The peer must connect (the HTTP/2 and TLS handshakes cross the link: one connection attempt
-takes 1.5 s in plaintext, 6 s with TLS) and train its rounds."""
+takes 1.5 s in plaintext, 6 s with TLS) and train its round."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "long-links-token"
 DELAY_MS = 1500
-STEPS = 2
+STEPS = 1
 START_TIMEOUT_S = 90.0
-PEER_TIMEOUT_S = 150.0  # its start, then about ten round trips to join and load, and two per round
+PEER_TIMEOUT_S = 150.0  # its start, then about ten round trips to join and load, and two for its round
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
@@ -61,6 +61,6 @@ def test_a_peer_trains_over_a_link_of_a_3_s_round_trip(tmp_path: Path, reap_chil
     assert [r["round"] for r in rows] == list(range(STEPS))
     assert all(math.isfinite(r["loss"]) and r["contributors"] == 1 for r in rows), rows
     # The link was in the path: a round (its upload, then the aggregate's stream) takes a round trip at least.
-    assert all(r["round_time_s"] >= 2 * DELAY_MS / 1000 for r in rows[1:]), rows
+    assert all(r["round_time_s"] >= 2 * DELAY_MS / 1000 for r in rows), rows
     coordinator.wait(timeout=60)  # it ends after its last round
     assert coordinator.returncode == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
