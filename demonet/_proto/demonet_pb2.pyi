@@ -221,6 +221,22 @@ class HeartbeatReply(_message.Message):
     member: bool
     def __init__(self, round: _Optional[int] = ..., member: bool = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("peer_id", "round", "signature")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ("left",)
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    left: bool
+    def __init__(self, left: bool = ...) -> None: ...
+
 class ParametersRequest(_message.Message):
     __slots__ = ("peer_id", "round", "resync", "signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]

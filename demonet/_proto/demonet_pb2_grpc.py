@@ -69,6 +69,11 @@ class CoordinatorStub(object):
                 request_serializer=demonet__pb2.StatusRequest.SerializeToString,
                 response_deserializer=demonet__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/demonet.v1.Coordinator/Leave',
+                request_serializer=demonet__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=demonet__pb2.LeaveReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer(object):
@@ -116,6 +121,12 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=demonet__pb2.StatusRequest.FromString,
                     response_serializer=demonet__pb2.StatusReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=demonet__pb2.LeaveRequest.FromString,
+                    response_serializer=demonet__pb2.LeaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +360,33 @@ class Coordinator(object):
             '/demonet.v1.Coordinator/Status',
             demonet__pb2.StatusRequest.SerializeToString,
             demonet__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/demonet.v1.Coordinator/Leave',
+            demonet__pb2.LeaveRequest.SerializeToString,
+            demonet__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -74,6 +74,9 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> Non
         "Status": grpc.unary_unary_rpc_method_handler(
             servicer.Status, request_deserializer=_parser(pb.StatusRequest),
             response_serializer=pb.StatusReply.SerializeToString),
+        "Leave": grpc.unary_unary_rpc_method_handler(
+            servicer.Leave, request_deserializer=_parser(pb.LeaveRequest),
+            response_serializer=pb.LeaveReply.SerializeToString),
     }
     name = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))

@@ -157,6 +157,12 @@ class LocalClient:
         async with self.hub.cond:
             return self.hub.rounds.round, self.hub.rounds.heartbeat(self.peer_id, _now())
 
+    async def leave(self, round: int) -> bool:
+        async with self.hub.cond:
+            left = self.hub.rounds.leave(self.peer_id)
+            self.hub.cond.notify_all()
+        return left
+
     async def get_parameters(self, round: int, expected: Expected, *,
                              resync: bool = False) -> tuple[int, dict[str, torch.Tensor], int]:
         hub = self.hub

@@ -140,6 +140,15 @@ class Rounds:
             self.joiners[peer_id] = now
         self._forget(peer_id)  # as a joiner it counts again from its next round as a member
 
+    def leave(self, peer_id: str) -> bool:
+        """A member or admitted joiner that stops (a graceful stop): rounds stop waiting for it now, not after
+        its heartbeat timeout (a payload of it already in still counts); it must join again to come back.
+        Returns whether it was one."""
+        member = self.members.pop(peer_id, None) is not None
+        joiner = self.joiners.pop(peer_id, None) is not None
+        self._forget(peer_id)
+        return member or joiner
+
     def submit(self, peer_id: str, round: int, now: float) -> None:
         """Count a member's payload for the open round.
 

@@ -27,7 +27,7 @@ from demonet.config import Config
 from demonet.optim import Payload
 from demonet.train.data import data_seed
 from demonet.train.task import param_specs
-from demonet.wire.identity import heartbeat_statement, parameters_statement
+from demonet.wire.identity import heartbeat_statement, leave_statement, parameters_statement
 
 from . import weights
 from .handlers import Malformed
@@ -282,6 +282,23 @@ class CoordinatorServicer(Submissions, pb_grpc.CoordinatorServicer):
         async with self.cond:
             member = self.rounds.heartbeat(request.peer_id, _now())
             return pb.HeartbeatReply(round=self.rounds.round, member=member)
+
+    async def Leave(self, request: pb.LeaveRequest, context: grpc.aio.ServicerContext[Any, Any]) -> pb.LeaveReply:
+        """A member's graceful stop: the open round and the next ones stop waiting for it at once."""
+        await self._admit(request, context)
+        session = self.identities.session(request.peer_id)
+        if session is None:  # no key joined under this id: it is no member
+            return pb.LeaveReply(left=False)
+        await self._signed(request.peer_id, request.signature,
+                           leave_statement(session, request.peer_id, request.round), context)
+        async with self.cond:
+            left = self.rounds.leave(request.peer_id)
+            self.metrics.set_round(self.rounds.round, len(self.rounds.members), len(self.rounds.submitted))
+            self.cond.notify_all()  # a round whose other members are all in closes now
+        if left:
+            logger.info("[coordinator round=%d] %s left (stopped at its round %d)", self.rounds.round,
+                        request.peer_id, request.round)
+        return pb.LeaveReply(left=left)
 
     async def GetParameters(self, request: pb.ParametersRequest,
                             context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.PayloadPart]:

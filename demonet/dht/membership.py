@@ -102,6 +102,10 @@ class DhtMembership:
     async def heartbeat(self, round: int) -> None:
         """A DHT peer's announcements each round are its heartbeat."""
 
+    async def leave(self, round: int) -> None:
+        """Nothing is said: the members freeze the next round without this peer once its deadline passes
+        (docs/dht.md#known-limits)."""
+
     async def begin_round(self, round: int, digest: str,
                           named_parameters: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
         """Serve this peer's parameters to joiners as those of the round. Its state (digest, address, the

@@ -113,6 +113,10 @@ class NodeLink:
         if self.inner is not None:  # rank 0 alone: no collective in the heartbeat task
             await self.inner.heartbeat(round)
 
+    async def leave(self, round: int) -> None:
+        if self.inner is not None:  # rank 0 speaks for the node; no collective on the way out
+            await self.inner.leave(round)
+
     async def begin_round(self, round: int, digest: str,
                           named_parameters: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
         """The coordinator needs nothing before a round."""

@@ -192,7 +192,15 @@ class RoundLoop:
                     if not await self.run_round(metrics):
                         break
                     _check_beats(beats)
-        self.log.info("stopping" if self.stop.is_set() else "the run is over")
+        if self.stop.is_set():
+            self.log.info("stopping")
+            if beats is not None:  # no heartbeat after the leave (its answer, "no member", would join again)
+                beats.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beats
+            await self.membership.leave(self.round)  # before the checkpoint: the others go on meanwhile
+        else:
+            self.log.info("the run is over")
         return 0
 
     def _go(self, next_round: int) -> bool:

@@ -168,6 +168,11 @@ class Membership(Protocol):
         """Say this peer is alive at `round`; join again if the run dropped it (`keep_alive` calls it)."""
         ...
 
+    async def leave(self, round: int) -> None:
+        """A graceful stop at `round`: tell the run, so that its rounds stop waiting for this peer (best effort:
+        a run that cannot be told drops the peer as it drops a silent one)."""
+        ...
+
     async def begin_round(self, round: int, digest: str,
                           named_parameters: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:
         """Called before a round's training with the digest the peer starts it with."""

@@ -30,6 +30,7 @@ class CoordinatorClient(Protocol):
 
     async def join(self, *, probe: bool = False) -> JoinInfo: ...
     async def heartbeat(self, round: int) -> tuple[int, bool]: ...
+    async def leave(self, round: int) -> bool: ...
     async def get_parameters(self, round: int, expected: Expected, *,
                              resync: bool = False) -> tuple[int, dict[str, torch.Tensor], int]: ...
     digest_follows: bool
@@ -72,6 +73,11 @@ class CoordinatorMembership:
             logger.warning("[%s round=%d] the coordinator dropped this member: joining again", self.client.peer_id,
                            round)
             await self.join()
+
+    async def leave(self, round: int) -> None:
+        if await self.client.leave(round):
+            logger.info("[%s round=%d] left the run: its rounds no longer wait for this peer", self.client.peer_id,
+                        round)
 
     async def begin_round(self, round: int, digest: str,
                           named_parameters: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:

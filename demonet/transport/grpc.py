@@ -25,7 +25,14 @@ from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Payload
 from demonet.wire import params as wire_params
 from demonet.wire.identity import Identity
-from demonet.wire.signed import digest_part, heartbeat_request, join_request, parameters_request, submit_parts
+from demonet.wire.signed import (
+    digest_part,
+    heartbeat_request,
+    join_request,
+    leave_request,
+    parameters_request,
+    submit_parts,
+)
 
 from . import Digest, JoinInfo, NotMember, Rejected, Resync, RoundResult, StaleRound, grpc_retry
 
@@ -227,6 +234,21 @@ class GrpcClient:
         reply = await self._call("Heartbeat", lambda: self._stub.Heartbeat(request, metadata=self._metadata,
                                                                            timeout=self.call_timeout_s))
         return int(reply.round), bool(reply.member)
+
+    async def leave(self, round: int) -> bool:
+        """Tell the coordinator this member stops at `round` (a graceful stop), so that rounds stop waiting
+        for it. One try, not retried: a peer on its way out does not wait for an unreachable coordinator,
+        which then drops it after its heartbeat timeout as before. Returns whether the coordinator took it."""
+        if not self._session:  # never joined: no member
+            return False
+        request = leave_request(self.identity, self._session, self.peer_id, round)
+        try:
+            reply = await self._stub.Leave(request, metadata=self._metadata, timeout=self.call_timeout_s)
+        except grpc.aio.AioRpcError as e:  # UNIMPLEMENTED from a coordinator of an earlier version included
+            logger.warning("[%s round=%d] Leave: %s %s; the coordinator drops this peer after its heartbeat "
+                           "timeout", self.peer_id, round, e.code().name, e.details())
+            return False
+        return bool(reply.left)
 
     async def status(self) -> CoordinatorStatus:
         """The coordinator's open round, members and counters."""

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 __all__ = ["KEY_BYTES", "SIGNATURE_BYTES", "Identity", "KeyFileError", "fingerprint", "heartbeat_statement",
-           "join_statement", "parameters_statement", "parse_public", "public_text", "read_allowlist",
+           "join_statement", "leave_statement", "parameters_statement", "parse_public", "public_text", "read_allowlist",
            "statement", "submit_statement", "verify"]
 
 KEY_BYTES = 32
@@ -187,6 +187,10 @@ def join_statement(nonce: bytes, peer_id: str, public: bytes) -> bytes:
 
 def heartbeat_statement(session: bytes, peer_id: str, round: int) -> bytes:
     return statement("heartbeat", session, peer_id, round)
+
+
+def leave_statement(session: bytes, peer_id: str, round: int) -> bytes:
+    return statement("leave", session, peer_id, round)
 
 
 def parameters_statement(session: bytes, peer_id: str, round: int, resync: bool) -> bytes:

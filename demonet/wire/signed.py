@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from demonet._proto import demonet_pb2 as pb
 
-from .identity import Identity, heartbeat_statement, join_statement, parameters_statement, submit_statement
+from .identity import (
+    Identity,
+    heartbeat_statement,
+    join_statement,
+    leave_statement,
+    parameters_statement,
+    submit_statement,
+)
 from .parts import DEFAULT_PART_BYTES, split
 
-__all__ = ["digest_part", "heartbeat_request", "join_request", "parameters_request", "submit_parts"]
+__all__ = ["digest_part", "heartbeat_request", "join_request", "leave_request", "parameters_request", "submit_parts"]
 
 
 def join_request(identity: Identity, peer_id: str, nonce: bytes) -> pb.JoinRequest:
@@ -23,6 +30,11 @@ def join_request(identity: Identity, peer_id: str, nonce: bytes) -> pb.JoinReque
 def heartbeat_request(identity: Identity, session: bytes, peer_id: str, round: int) -> pb.HeartbeatRequest:
     return pb.HeartbeatRequest(peer_id=peer_id, round=round,
                                signature=identity.sign(heartbeat_statement(session, peer_id, round)))
+
+
+def leave_request(identity: Identity, session: bytes, peer_id: str, round: int) -> pb.LeaveRequest:
+    return pb.LeaveRequest(peer_id=peer_id, round=round,
+                           signature=identity.sign(leave_statement(session, peer_id, round)))
 
 
 def parameters_request(identity: Identity, session: bytes, peer_id: str, round: int, *,

@@ -43,7 +43,7 @@ from demonet.errors import InvalidPayload
 from demonet.optim import DeMo
 from demonet.train.model import GPT
 from demonet.wire.identity import Identity, submit_statement
-from demonet.wire.signed import heartbeat_request, join_request, parameters_request
+from demonet.wire.signed import heartbeat_request, join_request, leave_request, parameters_request
 
 POISONER = """
 import sys
@@ -103,7 +103,7 @@ CALL_S = 2.0
 """Deadline of every call the intruder makes."""
 METHODS = {  # name -> (kind, reply type)
     "Challenge": ("unary", pb.ChallengeReply), "Join": ("unary", pb.JoinReply),
-    "Heartbeat": ("unary", pb.HeartbeatReply),
+    "Heartbeat": ("unary", pb.HeartbeatReply), "Leave": ("unary", pb.LeaveReply),
     "GetParameters": ("stream_out", pb.PayloadPart), "Submit": ("stream_in", pb.SubmitReply),
     "GetAggregate": ("stream_out", pb.AggregateChunk), "Status": ("unary", pb.StatusReply),
 }
@@ -170,6 +170,7 @@ class Intruder:
     async def tokens(self) -> None:
         valid = {"Challenge": pb.ChallengeRequest(peer_id="thief", public_key=self.key.public),
                  "Join": pb.JoinRequest(peer_id="thief"), "Heartbeat": pb.HeartbeatRequest(peer_id="thief"),
+                 "Leave": pb.LeaveRequest(peer_id="thief"),
                  "GetParameters": pb.ParametersRequest(peer_id="thief"), "Status": pb.StatusRequest(),
                  "GetAggregate": pb.AggregateRequest(peer_id="thief"),
                  "Submit": pb.SubmitPart(peer_id="thief", part=pb.PayloadPart(count=1, total_bytes=1, data=b"x"))}
@@ -411,7 +412,7 @@ class Intruder:
 
     async def impersonation(self, victim: str, run_config: dict[str, Any]) -> None:
         """Speak for `victim` (an honest member) with this intruder's own key and session: a challenge for
-        its id, a join with this key's nonce, a heartbeat, a download and a payload, each refused."""
+        its id, a join with this key's nonce, a heartbeat, a leave, a download and a payload, each refused."""
         r, digest = (await self.status()).round, (await self.status()).param_digest
         code, _ = await self.call("Challenge", pb.ChallengeRequest(peer_id=victim, public_key=self.key.public)
                                   .SerializeToString(), self.meta())
@@ -423,6 +424,7 @@ class Intruder:
             code, _ = await self.call("Join", join_request(self.key, victim, nonce).SerializeToString(), self.meta())
             self.record("impersonate_Join", code == "OK", code)
         for method, msg in (("Heartbeat", heartbeat_request(self.key, self.session, victim, r)),
+                            ("Leave", leave_request(self.key, self.session, victim, r)),
                             ("GetParameters", parameters_request(self.key, self.session, victim, r))):
             code, _ = await self.call(method, msg.SerializeToString(), self.meta())
             self.record(f"impersonate_{method}", code == "OK", code)

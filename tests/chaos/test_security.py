@@ -67,7 +67,7 @@ def test_bad_input_at_every_rpc_is_refused_and_harms_nothing(cluster: Coordinato
     # after it took the first (the honest members were in), a closed round (STALE); never a second payload.
     replayed = codes.get("replay_same_round:REFUSAL_DUPLICATE", 0) + codes.get("replay_same_round:REFUSAL_STALE", 0)
     assert replayed == 1, codes
-    for method in ("Challenge", "Join", "Heartbeat", "GetParameters", "Submit"):  # as "a", with its own key
+    for method in ("Challenge", "Join", "Heartbeat", "Leave", "GetParameters", "Submit"):  # as "a", its own key
         assert codes.get(f"impersonate_{method}:PERMISSION_DENIED") == 1, (method, codes)
     # None harmed the state: every round closed on one digest that every honest peer holds, loss fell.
     by_round = cluster.by_round(HONEST)

@@ -286,7 +286,7 @@ async def test_requests_that_do_not_parse_get_a_clear_error_and_change_nothing(c
     md = honest.md
     async with grpc.aio.insecure_channel(coordinator.address) as channel:
         for method, message in (("Join", "JoinRequest"), ("Heartbeat", "HeartbeatRequest"),
-                                ("Status", "StatusRequest")):
+                                ("Status", "StatusRequest"), ("Leave", "LeaveRequest")):
             call = channel.unary_unary(f"/demonet.v1.Coordinator/{method}")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call(junk, metadata=md, timeout=10)
@@ -316,7 +316,7 @@ async def test_requests_that_do_not_parse_get_a_clear_error_and_change_nothing(c
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     after = await honest.status()
     assert (after.round, after.members, after.param_digest) == (before.round, before.members, before.param_digest)
-    assert after.rejected == before.rejected + 7
+    assert after.rejected == before.rejected + 8
     assert "Exception deserializing" not in (coordinator.tmp / "coordinator.log").read_text()
 
 

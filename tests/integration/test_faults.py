@@ -1,5 +1,6 @@
 """Faults with real processes over real sockets on loopback: a peer killed with SIGKILL and restarted,
-a late joiner, and the coordinator killed with SIGKILL and restarted on its port from its state. Each
+a peer stopped with SIGTERM (it leaves: no round waits for it), a late joiner, and the coordinator killed
+with SIGKILL and restarted on its port from its state. Each
 runs with plain rounds and with overlapped ones (`[net] overlap = 1`): a peer killed mid-pipeline, a
 joiner entering it and a coordinator restart under it must end the same way.
 
@@ -25,9 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+import grpc
 import pytest
 
+from demonet._proto import demonet_pb2 as pb
+from demonet._proto import demonet_pb2_grpc as pbg
 from demonet.train.runfolder import final_rows
+from demonet.wire.identity import Identity
+from demonet.wire.signed import leave_request
 from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round, tiny_config
 from tests.procs import Reaper, free_port
 
@@ -43,11 +49,11 @@ WAIT_S = 60.0
 class _Run:
     """The processes of one test: coordinators and peers, each logging into tmp; `reaper` kills them."""
 
-    def __init__(self, tmp: Path, steps: int, start_peers: int, reaper: Reaper, overlap: int) -> None:
+    def __init__(self, tmp: Path, steps: int, start_peers: int, reaper: Reaper, overlap: int, **net: float) -> None:
         self.tmp, self.steps, self.start_peers, self.reaper, self.overlap = tmp, steps, start_peers, reaper, overlap
         self.out = tmp / "out"
-        (tmp / "run.toml").write_text(tiny_config(round_timeout_s=ROUND_TIMEOUT_S, heartbeat_interval_s=0.5,
-                                                  heartbeat_timeout_s=4.0, overlap=overlap))
+        net = {"round_timeout_s": ROUND_TIMEOUT_S, "heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 4.0, **net}
+        (tmp / "run.toml").write_text(tiny_config(overlap=overlap, **net))
         self.env = {**os.environ, "DEMONET_TOKEN": TOKEN}
         self.procs: list[subprocess.Popen[bytes]] = []
         self.names: dict[int, str] = {}  # pid -> log name
@@ -133,8 +139,10 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, run: _Run) -
 
 
 @pytest.fixture(params=[0, 1], ids=["plain", "overlap"])
-def run_factory(tmp_path: Path, reap_children: Reaper, request: pytest.FixtureRequest) -> Callable[[int, int], _Run]:
-    return lambda steps, start_peers: _Run(tmp_path, steps, start_peers, reap_children, int(request.param))
+def run_factory(tmp_path: Path, reap_children: Reaper, request: pytest.FixtureRequest) -> Callable[..., _Run]:
+    """(steps, start_peers, **[net] settings) -> a `_Run`, with plain rounds and with overlapped ones."""
+    return lambda steps, start_peers, **net: _Run(tmp_path, steps, start_peers, reap_children, int(request.param),
+                                                 **net)
 
 
 def _by_round(run: _Run, peers: list[str], rows: Callable[[str], list[dict[str, Any]]] | None = None
@@ -197,6 +205,48 @@ def test_a_peer_killed_mid_run_is_waited_for_until_the_deadline_then_rejoins(run
     log = run.peer_log(c_again)
     assert "joined" in log and "starting with zero momentum" in log, log  # its checkpoint is from before
     _check_end(run, by_round, ["a", "b", "c"])
+
+
+def _forged_leave(address: str, peer_id: str) -> tuple[grpc.StatusCode, tuple[str, ...]]:
+    """A Leave for `peer_id` signed by another key; returns its status code and the members after it."""
+    metadata = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.insecure_channel(address) as channel:
+        stub: Any = pbg.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+        try:
+            stub.Leave(leave_request(Identity.generate(), b"a session", peer_id, 0), metadata=metadata, timeout=10)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code = e.code()
+        return code, tuple(stub.Status(pb.StatusRequest(), metadata=metadata, timeout=10).members)
+
+
+def test_a_peer_stopped_by_sigterm_leaves_and_no_round_waits_for_it(run_factory: Any) -> None:
+    # A silent member is waited for until it is dropped: 30 s here, and a round's deadline is 60 s. A peer
+    # that stops gracefully says so (Leave), and the next rounds close as soon as the others are in.
+    run = run_factory(40, 3, round_timeout_s=60.0, heartbeat_timeout_s=30.0)
+    coordinator = run.coordinator()
+    a, b, c = (run.peer(p) for p in ("a", "b", "c"))
+    wait_for(lambda: min(run.last_round(p) for p in ("a", "b", "c")) >= 5, WAIT_S, "the first rounds", run)
+    code, members = _forged_leave(run.address, "c")  # not signed by c's key: refused, c stays
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "c" in members, (code, members)
+    os.kill(c.pid, signal.SIGTERM)
+    assert run.wait_exit([c]) == [0], run.logs()
+    stopped = run.last_round("c")
+    assert stopped < run.steps - 10, stopped
+    codes = run.wait_exit([a, b])
+    assert codes == [0, 0], f"exit codes {codes}\n{run.logs()}"
+    run.stop(coordinator)
+
+    log = run.log("coordinator-1")
+    assert re.search(r"\] c left \(stopped at its round \d+\)", log) and "dropped c" not in log, run.logs()
+    assert "left the run" in run.peer_log(c), run.peer_log(c)
+    by_round = _by_round(run, ["a", "b", "c"])
+    for p in ("a", "b"):
+        rows = run.rows(p)
+        assert [r["round"] for r in rows] == list(range(run.steps))
+        assert max(r["round_time_s"] for r in rows) < 10.0, [r["round_time_s"] for r in rows]  # none waited 30 s
+    for n in range(stopped + 2, run.steps):  # (an overlapped c sent its next payload before it stopped)
+        assert set(by_round[n]) == {"a", "b"} and by_round[n]["a"]["contributors"] == 2, by_round[n]
 
 
 def test_a_late_joiner_downloads_the_parameters_and_agrees_from_its_first_round(run_factory: Any) -> None:

@@ -30,11 +30,14 @@ TOKEN = "grpc-round-test-token"
 PROCESS_TIMEOUT_S = 180.0
 
 
-def _peer_main(argv: list[str]) -> None:
-    """A peer process (spawned: a fresh interpreter, as on another machine)."""
+def _peer_main(argv: list[str], gate: Any = None) -> None:
+    """A peer process (spawned: a fresh interpreter, as on another machine); with `gate` (an Event), it
+    imports torch and demonet first, then waits for the gate before it runs."""
     os.environ["DEMONET_TOKEN"] = TOKEN
     from demonet.peer import main
 
+    if gate is not None:
+        gate.wait()
     raise SystemExit(main(argv))
 
 
@@ -67,8 +70,8 @@ def spawn(reap_children: Reaper) -> Any:
     """Start peer processes with the spawn context; every one still alive at the end is killed."""
     ctx = mp.get_context("spawn")
 
-    def start(argv: list[str]) -> Any:
-        proc = ctx.Process(target=_peer_main, args=(argv,))
+    def start(argv: list[str], gate: Any = None) -> Any:
+        proc = ctx.Process(target=_peer_main, args=(argv, gate))
         proc.start()
         return reap_children.add(proc)
 
@@ -82,8 +85,9 @@ def _metrics(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _check_rounds(rows: list[dict[str, Any]], peers: set[str], steps: int) -> None:
-    """Digests agree in every round; once every peer is in, each one is in every round to the last."""
+def _check_rounds(rows: list[dict[str, Any]], peers: set[str], steps: int, all_in: int | None = None) -> None:
+    """Digests agree in every round; once every peer is in (from round `all_in`, by default the first
+    round of the last peer to enter), each one is in every round to the last."""
     by_round: dict[int, list[dict[str, Any]]] = {}
     for r in rows:
         by_round.setdefault(r["round"], []).append(r)
@@ -92,7 +96,8 @@ def _check_rounds(rows: list[dict[str, Any]], peers: set[str], steps: int) -> No
     for round_, rs in by_round.items():
         assert len({r["param_digest"] for r in rs}) == 1, f"round {round_}: {rs}"
     assert max(by_round) == steps - 1
-    all_in = max(min(r["round"] for r in rows if r["peer"] == p) for p in peers)  # joiners enter at boundaries
+    if all_in is None:  # joiners enter at boundaries
+        all_in = max(min(r["round"] for r in rows if r["peer"] == p) for p in peers)
     for round_ in range(all_in, steps):
         assert {r["peer"] for r in by_round[round_]} == peers, f"round {round_}"
 
@@ -113,15 +118,18 @@ def test_three_peer_processes_agree_every_round(tmp_path: Path, spawn: Any, reap
     assert all((out / f"peer-p{i}.pt").exists() for i in range(3))
 
 
-def test_a_peer_stopped_by_sigterm_saves_and_resumes(tmp_path: Path, spawn: Any, reap_children: Reaper) -> None:
+def test_a_peer_stopped_by_sigterm_saves_leaves_and_resumes(tmp_path: Path, spawn: Any,
+                                                            reap_children: Reaper) -> None:
     out = tmp_path / "out"
-    # The round the peer leaves in waits for it (and its membership holds) long enough for a restart,
-    # which on a loaded machine takes more than the few seconds of importing torch.
-    coordinator = _Coordinator(tmp_path, 40, reap_children, timeout_s=60.0, heartbeat_timeout_s=60.0)
+    # A round would wait for a silent member until it is dropped, here 60 s: the peer that stops says it
+    # leaves, so the other one goes on alone at once, and the restart joins again a few rounds later.
+    coordinator = _Coordinator(tmp_path, 60, reap_children, timeout_s=60.0, heartbeat_timeout_s=60.0)
     argv = ["--coordinator", coordinator.address, "--out", str(out), "--threads", "1", "--checkpoint-every", "0"]
     try:
         stays = spawn([*argv, "--peer-id", "stays"])
         leaves = spawn([*argv, "--peer-id", "leaves"])
+        gate = mp.get_context("spawn").Event()
+        back = spawn([*argv, "--peer-id", "leaves"], gate)  # the restart, held until the first one is gone
         deadline = time.monotonic() + PROCESS_TIMEOUT_S
         log = out / "metrics-leaves.jsonl"
         while not (log.exists() and len(log.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
@@ -130,13 +138,21 @@ def test_a_peer_stopped_by_sigterm_saves_and_resumes(tmp_path: Path, spawn: Any,
         leaves.join(timeout=30)
         assert leaves.exitcode == 0
         assert (out / "peer-leaves.pt").exists()
-        back = spawn([*argv, "--peer-id", "leaves"])
+        stopped = max(r["round"] for r in _metrics(out) if r["peer"] == "leaves")
+        gate.set()
         for proc in (stays, back):
             proc.join(timeout=max(1.0, deadline - time.monotonic()))
         assert (stays.exitcode, back.exitcode) == (0, 0), (tmp_path / "coordinator.log").read_text()
     finally:
         coordinator.stop()
-    _check_rounds(_metrics(out), {"stays", "leaves"}, 40)
+    assert "leaves left" in (tmp_path / "coordinator.log").read_text()
+    rows = _metrics(out)
+    rounds = sorted(r["round"] for r in rows if r["peer"] == "leaves")
+    again = min(n for n in rounds if n > stopped)  # its first round after the restart
+    assert rounds == [*range(rounds[0], stopped + 1), *range(again, 60)] and again < 50, rounds
+    kept = sorted(r["round"] for r in rows if r["peer"] == "stays")
+    assert kept == list(range(kept[0], 60)) and kept[0] <= stopped, kept  # on alone, then with the restart
+    _check_rounds(rows, {"stays", "leaves"}, 60, all_in=again)
 
 
 def test_demonet_up_writes_the_run_folder(tmp_path: Path) -> None:

@@ -122,7 +122,8 @@ def test_names_that_differ_are_named() -> None:
 
 
 def test_stop_ends_the_run_and_leaving_early_saves(tmp_path: Path) -> None:
-    with _join(tmp_path, [], rounds=0) as run:  # a run with no end
+    hubs: list[LocalCoordinator] = []
+    with _join(tmp_path, hubs, rounds=0) as run:  # a run with no end
         model = GPT(run.config.model)
         opt = run.optimizer(model)
         assert _train(run, model, opt, rounds=2) == 2
@@ -131,6 +132,18 @@ def test_stop_ends_the_run_and_leaving_early_saves(tmp_path: Path) -> None:
     assert run.reason == "stopped"
     assert len(_rows(tmp_path)) == 2
     assert torch.load(tmp_path / "peer-u.pt", weights_only=True)["round"] == 2
+    assert "u" not in hubs[0].rounds.members  # it told the coordinator it left: no round waits for it
+
+
+def test_leaving_the_with_block_mid_run_leaves_the_run(tmp_path: Path) -> None:
+    hubs: list[LocalCoordinator] = []
+    with _join(tmp_path, hubs, rounds=0) as run:
+        model = GPT(run.config.model)
+        opt = run.optimizer(model)
+        assert _train(run, model, opt, rounds=2) == 2
+        assert "u" in hubs[0].rounds.members  # the loop waits for the user's next round
+    assert run.reason == "left"
+    assert "u" not in hubs[0].rounds.members and "u" not in hubs[0].rounds.joiners
 
 
 def test_join_needs_one_transport() -> None:

@@ -49,6 +49,26 @@ def test_silent_peers_are_dropped_but_not_after_submitting() -> None:
     assert not r.heartbeat("c", 6.0)  # it must join again
 
 
+def test_a_member_that_leaves_is_not_waited_for_and_its_payload_in_still_counts() -> None:
+    r = Rounds(cfg=CFG, now=0.0)
+    r.join("a", 0.0)
+    r.members.update(dict.fromkeys("bcd", 0.0))
+    r.joiners["e"] = 0.0  # admitted for the next round
+    r.submit("a", 0, 1.0)
+    r.submit("b", 0, 1.0)
+    assert not r.due(1.0)  # c and d are members still out
+    assert r.leave("c") and not r.due(1.0)
+    r.submit("d", 0, 1.5)
+    assert r.leave("d")  # its payload is in: it still counts
+    assert r.due(1.5)  # well before the deadline (10 s) and before c would have been dropped (5 s)
+    assert r.leave("e") and not r.leave("c") and not r.leave("zed")  # a joiner; gone already; never there
+    closed = r.close(1.5)
+    assert closed.contributors == ("a", "b", "d") and not closed.aborted
+    assert set(r.members) == {"a", "b"} and not r.joiners  # d and e must join again
+    with pytest.raises(SubmitRejected, match="not a member"):
+        r.submit("c", 1, 2.0)
+
+
 @pytest.mark.parametrize(("peer", "round_", "reason"), [
     ("a", 0, "closed"), ("a", 2, "has not opened"), ("zed", 1, "not a member"),
 ])
