@@ -1,0 +1,105 @@
+"""Benchmark: what a graceful stop costs the peers that stay, in coordinator mode on loopback.
+
+A `demonet coordinator` and three `demonet peer` processes (a, b, c) train a tiny model with the default
+`[net]` timeouts (a round's deadline 30 s, heartbeats every 2 s, a silent member dropped after 15 s).
+Once c has made 5 rounds it gets SIGTERM: it ends its open round and stops. Printed per run: the seconds
+from the SIGTERM to a's first round after c's last one was over, and a's longest and median round from
+then on. With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base REV`) each
+run is made on DIR's code too, alternating, on the same machine.
+Run from the repo root: `python bench/graceful_stop.py`. Prints a table; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CONFIG = """[model]
+d_model = 32
+n_layers = 1
+n_heads = 2
+seq_len = 32
+[train]
+seq_len = 32
+batch_size = 2
+"""
+WAIT_S = 120.0
+
+
+def _rows(out: Path, peer: str) -> list[dict[str, Any]]:
+    path = out / f"metrics-{peer}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _wait(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"graceful_stop: timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def run(code: Path) -> tuple[float, float, float]:
+    """(seconds from c's SIGTERM to a's round after c's last, a's longest and median round after c's last)."""
+    with tempfile.TemporaryDirectory() as tmp_:
+        tmp = Path(tmp_)
+        out = tmp / "out"
+        (tmp / "run.toml").write_text(CONFIG)
+        env = {**os.environ, "PYTHONPATH": str(code), "DEMONET_TOKEN": "graceful-stop-bench"}
+        procs: list[subprocess.Popen[Any]] = []
+        try:
+            coordinator = subprocess.Popen(
+                [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--steps", "40",
+                 "--start-peers", "3", "--config", str(tmp / "run.toml")], cwd=code, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            procs.append(coordinator)
+            assert coordinator.stdout is not None
+            address = coordinator.stdout.readline().split()[-1]
+            peers = {p: subprocess.Popen([sys.executable, "-m", "demonet", "peer", "--coordinator", address,
+                                          "--peer-id", p, "--out", str(out), "--threads", "1"], cwd=code, env=env,
+                                         stderr=subprocess.DEVNULL) for p in "abc"}
+            procs += peers.values()
+            _wait(lambda: len(_rows(out, "c")) >= 5, "c's first 5 rounds")
+            start = time.monotonic()
+            peers["c"].send_signal(signal.SIGTERM)
+            peers["c"].wait(timeout=WAIT_S)
+            last = _rows(out, "c")[-1]["round"]
+            _wait(lambda: any(r["round"] > last + 1 for r in _rows(out, "a")), "a's rounds after c's last")
+            stall = time.monotonic() - start
+            for p in "ab":
+                peers[p].wait(timeout=WAIT_S)
+            after = [r["round_time_s"] for r in _rows(out, "a") if r["round"] > last]
+            return stall, max(after), statistics.median(after)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=2, help="runs per code (2)")
+    parser.add_argument("--baseline", type=Path, help="a checkout of another commit: run it too, alternating")
+    args = parser.parse_args()
+    here = Path(__file__).resolve().parent.parent
+    codes = [("baseline", args.baseline.resolve()), ("this tree", here)] if args.baseline else [("this tree", here)]
+    print("| code | run | SIGTERM to a's next round s | a's longest round after s | a's median round after s |")
+    print("|---|---|---|---|---|")
+    for n in range(args.runs):
+        for name, code in codes:
+            stall, longest, median = run(code)
+            print(f"| {name} | {n + 1} | {stall:.2f} | {longest:.2f} | {median:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
