@@ -23,15 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONFIG = """[model]
-d_model = 32
-n_layers = 1
-n_heads = 2
-seq_len = 32
-[train]
-seq_len = 32
-batch_size = 2
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from demonet.lab.tiny import TINY_MODEL  # noqa: E402
+
 WAIT_S = 120.0
 
 
@@ -53,7 +48,7 @@ def run(code: Path) -> tuple[float, float, float]:
     with tempfile.TemporaryDirectory() as tmp_:
         tmp = Path(tmp_)
         out = tmp / "out"
-        (tmp / "run.toml").write_text(CONFIG)
+        (tmp / "run.toml").write_text(TINY_MODEL)  # the default [net] timeouts
         env = {**os.environ, "PYTHONPATH": str(code), "DEMONET_TOKEN": "graceful-stop-bench"}
         procs: list[subprocess.Popen[Any]] = []
         try:

@@ -274,9 +274,8 @@ class JoinedRun:
                 self.reason = f"unreachable: {error}"
             else:
                 self.reason = "stopped" if self._stop.is_set() else "the run is over"
-        except _Left:  # closed while the loop waited for the user's round: the loop did not say it leaves
+        except _Left:
             self.reason = self.reason or "left"
-            await self._loop.membership.leave(self._loop.round)
         except Exception as e:  # handed to the user's thread, which raises it
             error, self.reason = e, f"failed: {e}"
         finally:

@@ -174,10 +174,12 @@ class RoundLoop:
             self.unreachable = e
             return 1
         finally:
-            if beats is not None:
+            if beats is not None:  # first: a heartbeat after the leave would be told "no member" and join again
                 beats.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await beats
+            if self.stop.is_set():  # a graceful stop (also a joined run closed mid-round): say so, then save
+                await self.membership.leave(self.round)
             if started:
                 await asyncio.to_thread(self._save)
 
@@ -192,15 +194,7 @@ class RoundLoop:
                     if not await self.run_round(metrics):
                         break
                     _check_beats(beats)
-        if self.stop.is_set():
-            self.log.info("stopping")
-            if beats is not None:  # no heartbeat after the leave (its answer, "no member", would join again)
-                beats.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await beats
-            await self.membership.leave(self.round)  # before the checkpoint: the others go on meanwhile
-        else:
-            self.log.info("the run is over")
+        self.log.info("stopping" if self.stop.is_set() else "the run is over")
         return 0
 
     def _go(self, next_round: int) -> bool:

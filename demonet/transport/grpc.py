@@ -136,8 +136,9 @@ class GrpcClient:
                    # of a few seconds, a peer could try again only after the restarted coordinator had
                    # dropped it (it gives members a heartbeat timeout to come back). Probe every second.
                    # An attempt's deadline is the larger of the backoff and the minimum: with the minimum
-                   # at the backoff's 200 ms, a link of a 0.6 s round trip lost most attempts and one of
-                   # 2.4 s never connected ("timed out before receiving SETTINGS frame").
+                   # at the backoff's 200 ms, behind a proxy holding each byte 0.8 s each way a peer needed
+                   # several attempts, and behind 1.5 s none got through ("timed out before receiving
+                   # SETTINGS frame").
                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", _CONNECT_TIMEOUT_MS),
                    ("grpc.max_reconnect_backoff_ms", _RECONNECT_BACKOFF_MAX_MS)]
         if root_cert is None:
