@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,12 @@ GOAL_BYTES = 1.5
 
 def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = False,
            code: Path | None = None, env: dict[str, str] | None = None,
-           coordinator_cpu: int | None = None) -> tuple[int, float, str]:
+           coordinator_cpu: int | None = None, coordinator_share: float | None = None) -> tuple[int, float, str]:
     """`demonet up [--dht]` with N peers (on the demonet in `code`, default this tree; `env`: more
     variables, e.g. DEMONET_NET_* settings); returns (exit code, wall seconds, the tail of its stderr).
     `coordinator_cpu`: the coordinator alone on that CPU and every other process on the others, as if it
-    ran on a machine of its own (Linux affinity)."""
+    ran on a machine of its own (Linux affinity). `coordinator_share`: the coordinator held to this
+    fraction of one CPU (a cgroup's CPU quota; root), a coordinator slower than its peers."""
     cmd = [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", str(steps), "--out",
            str(out), "--no-progress", *(["--dht"] if dht else [])]
     if config:
@@ -54,10 +56,59 @@ def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = Fa
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
                             preexec_fn=None if others is None else lambda: os.sched_setaffinity(0, others))
-    if coordinator_cpu is not None:
-        _pin_coordinator(proc.pid, coordinator_cpu)
-    _, stderr = proc.communicate()
+    with contextlib.ExitStack() as stack:
+        if coordinator_cpu is not None:
+            _pin_coordinator(proc.pid, coordinator_cpu)
+        if coordinator_share is not None:
+            stack.enter_context(_limited_coordinator(proc.pid, coordinator_share))
+        _, stderr = proc.communicate()
     return proc.returncode, time.perf_counter() - start, stderr[-2000:]
+
+
+def _coordinator_pid(up_pid: int) -> int | None:
+    with contextlib.suppress(OSError):
+        for child in Path(f"/proc/{up_pid}/task/{up_pid}/children").read_text().split():
+            if b"demonet coordinator" in Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" "):
+                return int(child)
+    return None
+
+
+@contextlib.contextmanager
+def _limited_coordinator(up_pid: int, share: float, for_s: float = 15.0) -> Iterator[None]:
+    """Hold `demonet up`'s coordinator child to `share` of one CPU: a cgroup with a CPU quota (v2's
+    cpu.max, else v1's cpu controller), its threads moved in while the run starts; removed at the end."""
+    name, period = f"demonet-bench-{os.getpid()}", 100_000
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    group = Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu") / name
+    group.mkdir()
+    try:
+        if v2:
+            (group / "cpu.max").write_text(f"{int(share * period)} {period}")
+        else:
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(int(share * period)))
+        deadline = time.monotonic() + for_s
+        while time.monotonic() < deadline:
+            pid = _coordinator_pid(up_pid)
+            for task in os.listdir(f"/proc/{pid}/task") if pid is not None else ():
+                with contextlib.suppress(OSError):
+                    (group / ("cgroup.threads" if v2 else "tasks")).write_text(task)
+            time.sleep(0.05)
+        yield
+    finally:
+        pid = _coordinator_pid(up_pid)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task") if pid is not None else ():
+                with contextlib.suppress(OSError):  # back to the root group, so that this one can go
+                    (group.parent / ("cgroup.threads" if v2 else "tasks")).write_text(task)
+        deadline = time.monotonic() + 30
+        while group.exists():
+            try:
+                group.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
 
 def _pin_coordinator(up_pid: int, cpu: int, for_s: float = 15.0) -> None:
@@ -65,23 +116,23 @@ def _pin_coordinator(up_pid: int, cpu: int, for_s: float = 15.0) -> None:
     makes later inherit the mask of the thread that makes them)."""
     deadline = time.monotonic() + for_s
     while time.monotonic() < deadline:
+        pid = _coordinator_pid(up_pid)
         with contextlib.suppress(OSError):
-            for child in Path(f"/proc/{up_pid}/task/{up_pid}/children").read_text().split():
-                if b"demonet coordinator" in Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" "):
-                    for task in os.listdir(f"/proc/{child}/task"):
-                        with contextlib.suppress(OSError):
-                            os.sched_setaffinity(int(task), {cpu})
+            for task in os.listdir(f"/proc/{pid}/task") if pid is not None else ():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(task), {cpu})
         time.sleep(0.05)
 
 
-COORDINATOR_PHASES = ("encode", "submit", "wait", "download", "decode", "digest")
+COORDINATOR_PHASES = ("encode", "submit", "wait", "download", "decode", "digest", "check")
 """A coordinator-mode round's exchange, as its peers' rows break it down (`GrpcClient.gather`)."""
 
 
 def phase_means(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The mean of each phase over the rows that have phases (round 0 left out)."""
+    """The mean of each phase over the rows that have phases (round 0 left out; a phase a row lacks is 0 there)."""
     phased = [r["phases"] for r in rows if r["round"] > 0 and r.get("phases")]
-    return {k: statistics.fmean(p.get(k, 0.0) for p in phased) for k in phased[0]} if phased else {}
+    names = dict.fromkeys(k for p in phased for k in p)
+    return {k: statistics.fmean(p.get(k, 0.0) for p in phased) for k in names}
 
 
 def print_phases(title: str, names: tuple[str, ...], results: dict[Any, dict[str, Any]]) -> None:
@@ -125,6 +176,9 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a checkout of another commit: run it too, side by side")
     parser.add_argument("--coordinator-cpu", type=int, help="the coordinator alone on this CPU, the peers on the "
                         "others: as on a machine of its own (Linux)")
+    parser.add_argument("--coordinator-share", type=float, help="the coordinator held to this fraction of one "
+                        "CPU (a cgroup's CPU quota; Linux, root): a coordinator slower than its peers, as a CPU "
+                        "coordinator of GPU peers is")
     args = parser.parse_args()
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
 
@@ -138,6 +192,8 @@ def main() -> None:
     else:
         print(f"# The coordinator alone on CPU {args.coordinator_cpu}, the N peers on the other {cores - 1}, one torch "
               "thread per peer,")
+    if args.coordinator_share is not None:
+        print(f"# The coordinator held to {args.coordinator_share:g} of one CPU (a cgroup's CPU quota).")
     print("# so compute_s itself grows with N once N exceeds the cores; round 0 is left out of the medians.")
     print()
     print("| peers | rounds | round s (median) | compute s (median) | round / compute | slowest peer's compute s "
@@ -151,14 +207,15 @@ def main() -> None:
             if args.baseline is not None:
                 out = Path(tmp) / f"baseline-{n}"
                 code, _, err = run_up(n, args.steps, args.config, out, code=args.baseline,
-                                     coordinator_cpu=args.coordinator_cpu)
+                                     coordinator_cpu=args.coordinator_cpu, coordinator_share=args.coordinator_share)
                 metrics = out / "metrics.jsonl"
                 if code == 0 and metrics.exists():
                     baseline[n] = measure([json.loads(line) for line in metrics.read_text().splitlines()])
                 else:
                     print(err, file=sys.stderr)
             out = Path(tmp) / f"peers-{n}"
-            code, wall, err = run_up(n, args.steps, args.config, out, coordinator_cpu=args.coordinator_cpu)
+            code, wall, err = run_up(n, args.steps, args.config, out, coordinator_cpu=args.coordinator_cpu,
+                                     coordinator_share=args.coordinator_share)
             metrics = out / "metrics.jsonl"
             rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
             if code != 0 or not rows:
@@ -173,8 +230,8 @@ def main() -> None:
                   f"| {wall:.0f} |")
 
     print_phases("where a round's exchange goes: encode, submit, wait for the aggregate's header (the other "
-                 "peers, then the close), download, decode, the wait for the canonical digest after the peer's "
-                 "own apply",
+                 "peers, then the close), download, decode, the wait for the canonical digest: right after the "
+                 "peer's own apply where it had come by then (digest), else after the next round's backward (check)",
                  COORDINATOR_PHASES, results)
 
     if args.baseline is not None:

@@ -67,13 +67,17 @@ class _Handoff(Trainer):
         super().__init__(model, opt, iter(()), _no_loss, device=device, checkpoint=checkpoint)
         self.to_user, self.to_loop = to_user, to_loop
 
-    def train_step(self) -> tuple[float, Payload]:
-        """Hand the round to the user's thread and wait for its loss; then compress its gradients."""
+    def forward_backward(self) -> float:
+        """Hand the round to the user's thread and wait for its loss: its backward is done by then."""
         self.to_user.put(("ready", None))
         loss = self.to_loop.get()
         if loss is _LEAVE:
             raise _Left()
-        return loss, self.opt.compress()
+        return float(loss)
+
+    def compress(self, undoable: bool = False) -> Payload:
+        """The user's gradients into the momentum, and the round's payload (the user's loop zeroes them)."""
+        return self.opt.compress(undoable=undoable)
 
 
 def _no_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:

@@ -51,6 +51,9 @@ class Replica(Protocol):
     def digest(self) -> str: ...
     def load(self, tensors: dict[str, torch.Tensor]) -> None: ...
     def train_step(self) -> tuple[float, Payload]: ...
+    def forward_backward(self) -> float: ...
+    def compress(self, undoable: bool = False) -> Payload: ...
+    def drop_gradients(self) -> None: ...
     def restore(self, payload: Payload) -> None: ...
     def settle(self, payload: Payload, result: RoundResult, contributed: bool) -> None: ...
     def save(self, meta: dict[str, Any]) -> None: ...
@@ -60,11 +63,9 @@ class Replica(Protocol):
 
 class Overlapping(Replica, Protocol):
     """A replica that can train a round while the previous one's exchange runs (`[net] overlap = 1`):
-    `train_step` split in two, and a lookahead (`demonet.optim.DeMo.lookahead`) that `settle`,
-    `restore` and `load` replace."""
+    an undoable `compress`, and a lookahead (`demonet.optim.DeMo.lookahead`) that `settle`, `restore` and
+    `load` replace."""
 
-    def forward_backward(self) -> float: ...
-    def compress(self, undoable: bool = False) -> Payload: ...
     def undo_compress(self) -> None: ...
     def commit_compress(self) -> None: ...
     def hold(self) -> None: ...
@@ -87,6 +88,16 @@ class _InFlight:
     digest: asyncio.Future[str] | None = None
     """The digest the round starts from, when its payload left before it was known (set once the round
     before is settled; cancelled if the peer will not start this round from it)."""
+    checked_s: float = 0.0
+    """How long the round waited, after its forward and backward, for the round before's canonical digest."""
+
+
+@dataclass
+class _Unchecked:
+    """A settled round whose canonical digest is still on its way: its metrics row waits for it."""
+
+    result: RoundResult
+    row: dict[str, Any]
 
 
 class RoundLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -140,6 +151,9 @@ class RoundLoop:
     unreachable: PeerUnavailable | None = None
     """Why `run` returned 1: the run could not be reached (None otherwise)."""
     log: RoundLog = field(init=False)
+    _unchecked: _Unchecked | None = field(default=None, init=False)
+    """A plain round whose canonical digest had not come when it was settled: checked after the next
+    round's forward and backward, before its compress (`_check_before_compress`)."""
 
     def __post_init__(self) -> None:
         self.log = RoundLog(self.peer_id, lambda: self.round)
@@ -190,10 +204,15 @@ class RoundLoop:
             if self.overlap:
                 await self._overlapped(metrics, beats)
             else:
-                while await self.membership.agree(self._go(self.round)):
-                    if not await self.run_round(metrics):
-                        break
-                    _check_beats(beats)
+                try:
+                    while await self.membership.agree(self._go(self.round)):
+                        if not await self.run_round(metrics):
+                            break
+                        _check_beats(beats)
+                    if self._unchecked is not None:  # the last round's digest
+                        await self._check(self._unchecked, metrics)
+                finally:
+                    self._write_unchecked(metrics)
         self.log.info("stopping" if self.stop.is_set() else "the run is over")
         return 0
 
@@ -288,12 +307,40 @@ class RoundLoop:
         return self.replica.digest()
 
     async def run_round(self, metrics: TextIO | None) -> bool:
-        """Train, gather and settle one round; False when the peer should stop (SIGTERM)."""
+        """Train, gather and settle one round; False when the peer should stop (SIGTERM).
+
+        When the round before's canonical digest had not come by its settle (`_unchecked`), it is checked
+        after this round's forward and backward, before the compress: on the canonical parameters the
+        round goes on; off them, its gradients are dropped (its compress never ran, so the momentum is as
+        the check at the settle would have left it), the run's parameters are loaded, and the round is
+        trained again from them."""
         await self.membership.begin_round(self.round, self.digest, self.replica.named_parameters)
         t0 = time.perf_counter()
-        loss, payload, staged = await asyncio.to_thread(self._train_step)
-        flight = self._submit(payload, staged, loss, started=t0, compute_s=time.perf_counter() - t0)
-        return await self._land(flight, metrics) != "stopped"
+        if self._unchecked is None:
+            loss, payload, staged = await asyncio.to_thread(self._train_step)
+            compute_s, checked_s = time.perf_counter() - t0, 0.0
+        else:
+            loss = await asyncio.to_thread(self.replica.forward_backward)
+            compute_s = time.perf_counter() - t0
+            on_canonical, checked_s = await self._check_before_compress(metrics)
+            if not on_canonical:
+                return True
+            t1 = time.perf_counter()
+            payload, staged = await asyncio.to_thread(self._compress, self.replica, False)
+            compute_s += time.perf_counter() - t1
+        flight = self._submit(payload, staged, loss, started=t0, compute_s=compute_s)
+        flight.checked_s = checked_s
+        return await self._land(flight, metrics, defer=True) != "stopped"
+
+    async def _check_before_compress(self, metrics: TextIO | None) -> tuple[bool, float]:
+        """The deferred check of the round before (`run_round`); returns (on the canonical parameters, the
+        seconds this round waited for the digest)."""
+        unchecked, t0 = self._unchecked, time.perf_counter()
+        assert unchecked is not None
+        if await self._check(unchecked, metrics) == "applied":
+            return True, time.perf_counter() - t0
+        await asyncio.to_thread(self.replica.drop_gradients)
+        return False, 0.0
 
     async def _overlapped(self, metrics: TextIO | None, beats: asyncio.Task[None] | None) -> None:
         """Rounds with `overlap` = 1: round r+1's forward and backward run while round r's payload travels.
@@ -375,14 +422,20 @@ class RoundLoop:
         return loss, payload, to_host(payload)
 
     @staticmethod
-    def _compress(replica: Overlapping, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
+    def _compress(replica: Replica, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
         """The round's payload and its host copy on its way (`to_host`: on a GPU the exchange must not wait
         for the next round's kernels)."""
         payload = replica.compress(undoable=undoable)
         return payload, to_host(payload)
 
-    async def _land(self, flight: _InFlight, metrics: TextIO | None) -> str:
-        """Wait for an in-flight round's outcome and settle it; write its metrics row.
+    async def _land(self, flight: _InFlight, metrics: TextIO | None, *, defer: bool = False) -> str:
+        """Wait for an in-flight round's outcome and settle it; check its digest and write its metrics row.
+
+        `defer` (plain rounds): a canonical digest that has not come by the settle (coordinator mode: the
+        coordinator applies the round while this peer does) is checked after the next round's forward and
+        backward (`run_round`), and the row written then, unless this round ends with a checkpoint. Only
+        where the gatherer serves this process alone (`digest_follows`): a FlexDeMo node's ranks must
+        agree at the same points.
 
         Returns:
             "applied" (the peer is at the next round), "caught_up" (the payload missed the run, or the
@@ -408,42 +461,81 @@ class RoundLoop:
         t1 = time.perf_counter()
         self.digest = await asyncio.to_thread(self._settle, flight.payload, result)
         settled = time.perf_counter()
+        row: dict[str, Any] = {
+            "round": self.round, "peer": self.peer_id, "loss": flight.loss, "bytes_up": result.bytes_up,
+            "bytes_down": result.bytes_down, "param_digest": self.digest, "round_time_s": settled - flight.started,
+            "compute_s": flight.compute_s + settled - t1, "wait_s": wait_s + flight.checked_s,
+            "contributors": len(result.contributors), "aborted": result.aborted, "canonical_digest": "",
+            "overlap": self.overlap, "time": time.time(), **self.row_extra}
+        if result.phases:
+            row["phases"] = dict(result.phases)
+        if flight.checked_s:  # the wait, after this round's backward, for the round before's canonical digest
+            row.setdefault("phases", {})["check"] = flight.checked_s
+        self.log.info("loss %.4f, up %d B, down %d B, %d contributors%s", flight.loss, result.bytes_up,
+                      result.bytes_down, len(result.contributors), " (aborted)" if result.aborted else "")
+        self.round += 1
+        later = result.digest_later
+        if (defer and self.gatherer.digest_follows and later is not None and not later.done()
+                and not self._checkpoint_due()):
+            self._unchecked = _Unchecked(result, row)
+            return "applied"
+        return await self._check(_Unchecked(result, row), metrics, deferred=False)
+
+    def _checkpoint_due(self) -> bool:
+        return bool(self.checkpoint_every) and self.round % self.checkpoint_every == 0
+
+    async def _check(self, unchecked: _Unchecked, metrics: TextIO | None, *, deferred: bool = True) -> str:
+        """Compare a settled round's digest with the canonical one (waiting for it if it comes later), load
+        the run's parameters if they differ, write the round's row, and save a checkpoint when one is due.
+        Not `deferred` (right after the settle): the wait counts in the round's time.
+
+        Returns "applied" (on the canonical parameters) or "caught_up" (the run's were loaded)."""
+        self._unchecked = None
+        result, row = unchecked.result, unchecked.row
+        t0 = time.perf_counter()
         try:  # the coordinator applies the round while this peer does: its digest may come only now
             canonical = await result.canonical_digest()
         except DemonetError as e:  # a coordinator that died after its publish: the next Submit's check stands in
             self.log.warning("%s; the coordinator checks the digest again at the next submit", e)
             canonical = ""
-        digest_wait_s = time.perf_counter() - settled
-        row: dict[str, Any] = {
-            "round": self.round, "peer": self.peer_id, "loss": flight.loss, "bytes_up": result.bytes_up,
-            "bytes_down": result.bytes_down, "param_digest": self.digest,
-            "round_time_s": time.perf_counter() - flight.started,
-            "compute_s": flight.compute_s + settled - t1, "wait_s": wait_s + digest_wait_s,
-            "contributors": len(result.contributors), "aborted": result.aborted,
-            "canonical_digest": canonical, "overlap": self.overlap, **self.row_extra}
-        if result.phases:
-            row["phases"] = dict(result.phases)
-        if result.digest_later is not None:  # after this peer's settle, the wait for the coordinator's digest
-            row.setdefault("phases", {})["digest"] = digest_wait_s
+        row["canonical_digest"] = canonical
+        if result.digest_later is not None and not deferred:  # the wait after this peer's settle
+            waited = time.perf_counter() - t0
+            row.setdefault("phases", {})["digest"] = waited
+            row["round_time_s"] += waited
+            row["wait_s"] += waited
+            row["time"] = time.time()
         landed = "applied"
         if await self.membership.agree(bool(canonical) and self.digest != canonical):
-            self.log.warning("digest %s after applying, the run has %s: downloading parameters", self.digest[:12],
-                             canonical[:12])
-            await self._load(await self.membership.parameters(self.round + 1, self.replica.expected(), resync=True))
+            self.log.warning("digest %s after applying round %d, the run has %s: downloading parameters",
+                             self.digest[:12], row["round"], canonical[:12])
+            await self._load(await self.membership.parameters(self.round, self.replica.expected(), resync=True))
             self.resyncs += 1
             row["param_digest"], row["resynced"] = self.digest, True
             landed = "caught_up"
-        else:
-            self.round += 1
-        row["resyncs"], row["time"] = self.resyncs, time.time()
+        self._write_row(row, metrics)
+        if self._checkpoint_due():
+            await asyncio.to_thread(self._save)
+        return landed
+
+    def _write_row(self, row: dict[str, Any], metrics: TextIO | None) -> None:
+        row["resyncs"] = self.resyncs
         if metrics is not None:
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-        self.log.info("loss %.4f, up %d B, down %d B, %d contributors%s", flight.loss, result.bytes_up,
-                      result.bytes_down, len(result.contributors), " (aborted)" if result.aborted else "")
-        if self.checkpoint_every and self.round % self.checkpoint_every == 0:
-            await asyncio.to_thread(self._save)
-        return landed
+
+    def _write_unchecked(self, metrics: TextIO | None) -> None:
+        """The row of a round whose check an error or a stop cut short: with its digest if it came."""
+        unchecked, self._unchecked = self._unchecked, None
+        if unchecked is None:
+            return
+        later = unchecked.result.digest_later
+        assert later is not None
+        if later.done() and not later.cancelled() and later.exception() is None:
+            unchecked.row["canonical_digest"] = later.result()
+        else:
+            later.cancel()
+        self._write_row(unchecked.row, metrics)
 
 
 def _check_beats(beats: asyncio.Task[None] | None) -> None:

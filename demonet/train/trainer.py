@@ -128,6 +128,11 @@ class DeMoSteps:
         self.opt.zero_grad(set_to_none=True)
         return payload
 
+    def drop_gradients(self) -> None:
+        """Forget the gradients of a forward and backward whose round will not be compressed (they were
+        taken on parameters the run does not hold)."""
+        self.opt.zero_grad(set_to_none=True)
+
     def undo_compress(self) -> None:
         """Take the pending undoable `compress` back: the momentum as before it, the gradients gone."""
         self.opt.undo_compress()

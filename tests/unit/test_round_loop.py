@@ -51,6 +51,7 @@ class _Run:
         self.tmp_path, self.stop_at, self.overlap, self.hold, self.wrap = tmp_path, stop_at, overlap, hold, wrap
         self.hub = LocalCoordinator(_cfg(), total_rounds=ROUNDS, faults=faults, on_close=self._closed)
         self.loops: dict[str, RoundLoop] = {}
+        self.trainers: dict[str, Trainer] = {}
         self.restored: dict[str, list[int]] = {}
         self.codes: dict[str, int] = {}
         self.joins = 0  # the faulty peer's joins (probes left out)
@@ -66,12 +67,13 @@ class _Run:
             self._hold(client, self.hold)
         if peer_id == FAULTY:
             self._count_joins(client)
-        if peer_id == FAULTY and self.wrap is not None:
-            self.wrap(client)
         membership = CoordinatorMembership(client)
         info = await membership.join()
-        trainer = Trainer.for_run(self.hub.cfg, data_seed=info.data_seed, device=torch.device("cpu"),
-                                  checkpoint=self.tmp_path / f"peer-{peer_id}.pt")
+        trainer = self.trainers[peer_id] = Trainer.for_run(self.hub.cfg, data_seed=info.data_seed,
+                                                           device=torch.device("cpu"),
+                                                           checkpoint=self.tmp_path / f"peer-{peer_id}.pt")
+        if peer_id == FAULTY and self.wrap is not None:  # its client's calls and its trainer's steps
+            self.wrap(client)
         loop = RoundLoop(trainer, membership, membership.client, peer_id, self.tmp_path / f"metrics-{peer_id}.jsonl",
                          checkpoint_every=0, stop_grace_s=0.2, overlap=self.overlap)
         self.loops[peer_id] = loop
@@ -191,12 +193,24 @@ def test_a_fault_plan_names_known_faults() -> None:
         LocalCoordinator(_cfg(), total_rounds=1, faults={("p0", 1): "lost"})
 
 
-@pytest.mark.parametrize("later", ["comes", "lost"])
-async def test_a_canonical_digest_that_comes_after_the_aggregate_is_checked_after_the_settle(
+def _momentum(trainer: Trainer) -> list[torch.Tensor]:
+    return [t.clone() for state in trainer.opt.state_dict()["state"].values() for t in state.values()
+            if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("later", ["comes", "lost", "differs"])
+async def test_a_canonical_digest_that_comes_after_the_aggregate_is_checked_before_the_next_compress(
         tmp_path: Path, overlap: int, later: str) -> None:
-    """As the gRPC coordinator sends it (the GetAggregate stream's trailer): the peer applies the aggregate,
-    then waits for the digest. One that never comes (the stream broke off: a coordinator that died after
-    its publish) is not checked there; the coordinator checks the peer's digest at its next Submit."""
+    """As the gRPC coordinator sends it (the GetAggregate stream's trailer), round 2's digest comes after
+    its aggregate. A plain peer settles the round and trains round 3's forward and backward meanwhile,
+    then waits for the digest before round 3's compress; an overlapped peer waits for it after the settle.
+    One that never comes (the stream broke off: a coordinator that died after its publish) is not
+    checked there; the coordinator checks the peer's digest at its next Submit. One that differs: the
+    peer loads the run's parameters, and a plain peer drops round 3's gradients, so that the momentum
+    round 3 is compressed into is the one the settle of round 2 left."""
+    after_settle: list[list[torch.Tensor]] = []
+    compressed_from: dict[int, list[torch.Tensor]] = {}  # round -> the momentum of its last compress
+
     def wrap(client: Any) -> None:
         gather = client.gather
 
@@ -210,13 +224,29 @@ async def test_a_canonical_digest_that_comes_after_the_aggregate_is_checked_afte
                 settled = loop.digest
                 while loop.digest == settled:  # until the peer has applied the round (an overlapped peer
                     await asyncio.sleep(0.001)  # may still be compressing the next one when it comes)
+                after_settle.append(_momentum(trainer))
+                while not overlap and backwards[0] < 4:  # a plain peer: until round 3's backward is done
+                    await asyncio.sleep(0.001)
                 await asyncio.sleep(0.05)
                 if later == "lost":
                     raise InvalidPayload("GetAggregate(2): the stream broke off before the canonical digest")
-                return str(result.param_digest)
+                return "0" * 32 if later == "differs" else str(result.param_digest)
             return dataclasses.replace(result, param_digest="", digest_later=asyncio.create_task(digest()))
 
         client.gather = later_digest
+        trainer = run.trainers[FAULTY]
+        backwards, forward_backward, compress = [0], trainer.forward_backward, trainer.compress
+
+        def counted() -> float:
+            loss = forward_backward()
+            backwards[0] += 1
+            return loss
+
+        def recorded(undoable: bool = False) -> Payload:
+            compressed_from[run.loops[FAULTY].round] = _momentum(trainer)
+            return compress(undoable)
+
+        trainer.forward_backward, trainer.compress = counted, recorded  # type: ignore[method-assign]
 
     run = _Run(tmp_path, {}, overlap=overlap, wrap=wrap)
     await run.run()
@@ -224,12 +254,21 @@ async def test_a_canonical_digest_that_comes_after_the_aggregate_is_checked_afte
     path = tmp_path / f"metrics-{FAULTY}.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(ROUNDS))
-    assert rows[2]["phases"]["digest"] >= 0.04  # the wait for it, after the settle
-    assert rows[-1]["resyncs"] == 0 and not any(r.get("resynced") for r in rows)
-    assert rows[2]["canonical_digest"] == ("" if later == "lost" else rows[2]["param_digest"])
+    if overlap:
+        assert rows[2]["phases"]["digest"] >= 0.04  # the wait for it, after the settle
+    else:  # the wait for it, after round 3's backward (a round 3 trained again after a resync waits for none)
+        assert "digest" not in rows[2].get("phases", {})
+        if later != "differs":
+            assert rows[3]["phases"]["check"] >= 0.04 and rows[3]["wait_s"] >= rows[3]["phases"]["check"]
+            assert rows[3]["round_time_s"] > rows[3]["wait_s"]
+    assert rows[2]["canonical_digest"] == {"lost": "", "comes": rows[2]["param_digest"], "differs": "0" * 32}[later]
     assert all(r["param_digest"] == r["canonical_digest"] for r in rows if r["round"] != 2)
+    assert rows[-1]["resyncs"] == (later == "differs") and rows[2].get("resynced", False) == (later == "differs")
     assert run.restored == {"p0": [], FAULTY: []}  # the aggregate was applied: nothing went back whole
     assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
+    if not overlap:  # round 3's payload: from the momentum the settle of round 2 left, to the bit
+        assert len(after_settle) == 1
+        assert all(torch.equal(a, b) for a, b in zip(after_settle[0], compressed_from[3], strict=True))
 
 
 async def test_an_overlapped_payload_leaves_before_the_round_before_is_settled(tmp_path: Path) -> None:
