@@ -77,7 +77,7 @@ def _coordinator_pid(up_pid: int) -> int | None:
 def _limited_coordinator(up_pid: int, share: float, for_s: float = 15.0) -> Iterator[None]:
     """Hold `demonet up`'s coordinator child to `share` of one CPU: a cgroup with a CPU quota (v2's
     cpu.max, else v1's cpu controller), its threads moved in while the run starts; removed at the end."""
-    name, period = f"demonet-bench-{os.getpid()}", 100_000
+    name, period = f"demonet-bench-{os.getpid()}", 10_000  # a short period: an even pace, not bursts
     v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
     group = Path("/sys/fs/cgroup" if v2 else "/sys/fs/cgroup/cpu") / name
     group.mkdir()
