@@ -1,7 +1,9 @@
-"""Benchmark: what a graceful stop costs the peers that stay, in coordinator mode on loopback.
+"""Benchmark: what a graceful stop costs the peers that stay, on loopback.
 
 A `demonet coordinator` and three `demonet peer` processes (a, b, c) train a tiny model with the default
-`[net]` timeouts (a round's deadline 30 s, heartbeats every 2 s, a silent member dropped after 15 s).
+`[net]` timeouts (a round's deadline 30 s, heartbeats every 2 s, a silent member dropped after 15 s); with
+`--dht`, three `demonet peer --dht` processes and no coordinator (a round freezes without a member that
+did not announce 30 s after the first announcement).
 Once c has made 5 rounds it gets SIGTERM: it ends its open round and stops. Printed per run: the seconds
 from the SIGTERM to a's first round after c's last one was over, and a's longest and median round from
 then on. With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base REV`) each
@@ -12,6 +14,7 @@ Run from the repo root: `python bench/graceful_stop.py`. Prints a table; not a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -43,7 +46,43 @@ def _wait(cond: Any, what: str) -> None:
         time.sleep(0.01)
 
 
-def run(code: Path) -> tuple[float, float, float]:
+def _coordinator_peers(code: Path, tmp: Path, out: Path, env: dict[str, str],
+                       procs: list[subprocess.Popen[Any]]) -> dict[str, subprocess.Popen[Any]]:
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--steps", "40",
+         "--start-peers", "3", "--config", str(tmp / "run.toml")], cwd=code, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    procs.append(coordinator)
+    assert coordinator.stdout is not None
+    address = coordinator.stdout.readline().split()[-1]
+    peers = {p: subprocess.Popen([sys.executable, "-m", "demonet", "peer", "--coordinator", address, "--peer-id", p,
+                                  "--out", str(out), "--threads", "1"], cwd=code, env=env, stderr=subprocess.DEVNULL)
+             for p in "abc"}
+    procs += peers.values()
+    return peers
+
+
+def _dht_peers(code: Path, tmp: Path, out: Path, env: dict[str, str],
+               procs: list[subprocess.Popen[Any]]) -> dict[str, subprocess.Popen[Any]]:
+    """a starts the DHT; b and c bootstrap from the multiaddr it logs."""
+    argv = [sys.executable, "-m", "demonet", "peer", "--dht", "--run", "graceful", "--host-maddr",
+            "/ip4/127.0.0.1/tcp/0", "--config", str(tmp / "run.toml"), "--steps", "60", "--start-peers", "3",
+            "--out", str(out), "--threads", "1"]
+    peers: dict[str, subprocess.Popen[Any]] = {}
+    maddr: list[str] = []
+    for p in "abc":
+        with open(tmp / f"{p}.log", "w") as log:
+            peers[p] = subprocess.Popen([*argv, "--peer-id", p, *maddr], cwd=code, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(peers[p])
+        if not maddr:
+            _wait(lambda: "dht listening on " in (tmp / "a.log").read_text(), "a's DHT node")
+            line = next(ln for ln in (tmp / "a.log").read_text().splitlines() if ln.startswith("dht listening on "))
+            maddr = ["--initial-peers", line.removeprefix("dht listening on ").strip()]
+    return peers
+
+
+def run(code: Path, dht: bool) -> tuple[float, float, float]:
     """(seconds from c's SIGTERM to a's round after c's last, a's longest and median round after c's last)."""
     with tempfile.TemporaryDirectory() as tmp_:
         tmp = Path(tmp_)
@@ -52,17 +91,7 @@ def run(code: Path) -> tuple[float, float, float]:
         env = {**os.environ, "PYTHONPATH": str(code), "DEMONET_TOKEN": "graceful-stop-bench"}
         procs: list[subprocess.Popen[Any]] = []
         try:
-            coordinator = subprocess.Popen(
-                [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--steps", "40",
-                 "--start-peers", "3", "--config", str(tmp / "run.toml")], cwd=code, env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            procs.append(coordinator)
-            assert coordinator.stdout is not None
-            address = coordinator.stdout.readline().split()[-1]
-            peers = {p: subprocess.Popen([sys.executable, "-m", "demonet", "peer", "--coordinator", address,
-                                          "--peer-id", p, "--out", str(out), "--threads", "1"], cwd=code, env=env,
-                                         stderr=subprocess.DEVNULL) for p in "abc"}
-            procs += peers.values()
+            peers = (_dht_peers if dht else _coordinator_peers)(code, tmp, out, env, procs)
             _wait(lambda: len(_rows(out, "c")) >= 5, "c's first 5 rounds")
             start = time.monotonic()
             peers["c"].send_signal(signal.SIGTERM)
@@ -77,7 +106,8 @@ def run(code: Path) -> tuple[float, float, float]:
         finally:
             for proc in procs:
                 if proc.poll() is None:
-                    proc.kill()
+                    with contextlib.suppress(ProcessLookupError):  # a DHT peer's session: its DHT and p2pd too
+                        os.killpg(proc.pid, signal.SIGKILL) if dht else proc.kill()
                     proc.wait()
 
 
@@ -85,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=2, help="runs per code (2)")
     parser.add_argument("--baseline", type=Path, help="a checkout of another commit: run it too, alternating")
+    parser.add_argument("--dht", action="store_true", help="DHT mode: three `demonet peer --dht`, no coordinator")
     args = parser.parse_args()
     here = Path(__file__).resolve().parent.parent
     codes = [("baseline", args.baseline.resolve()), ("this tree", here)] if args.baseline else [("this tree", here)]
@@ -92,7 +123,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for n in range(args.runs):
         for name, code in codes:
-            stall, longest, median = run(code)
+            stall, longest, median = run(code, args.dht)
             print(f"| {name} | {n + 1} | {stall:.2f} | {longest:.2f} | {median:.3f} |", flush=True)
 
 

@@ -61,6 +61,9 @@ class RoundBoard:
         """Peer -> the DHT time of its latest announcement read."""
         self.addresses: dict[str, str] = {}
         """Peer -> its libp2p address in its latest announcement read (to reach it again after a partition)."""
+        self.left: dict[str, int] = {}
+        """Peer -> the round it said it leaves before (`leave`; forgotten once a later record of it is read):
+        a round from then on neither waits for it nor counts it in its majority's base, unless it announced."""
         self.waited: set[int] = set()
         """Rounds that had no majority at their freeze and found one only later (a heal, or a base that
         shrank): too late for their exchange, they are aborted by everyone."""
@@ -116,6 +119,25 @@ class RoundBoard:
             addresses = {str(v.get("address", "")) for v in (await self.states(rounds[0] - 1)).values()}
         if await self._node.reconnect(addresses - {self._node.address}):
             await self._node.store_many(records)
+
+    async def leave(self, r: int) -> bool:
+        """Say that this peer leaves the run before round `r` (a graceful stop; `r` the round after the last
+        one it applied, or the open one it abandoned): a ``left`` time in its record among the announcements
+        of `r`, stored on every node it knows and on its members' and confirmed (up to exchange_timeout_s).
+        It keeps this peer's own announcement of `r`, if it made one, which the record replaces: a round it
+        announced keeps it as a member. The members then freeze `r` and the rounds after without waiting
+        for it, and leave it out of their majority's base. Returns whether every node confirmed it."""
+        record = {**self._announcements.get(r, {}), "left": now()}
+        peers = (self.expected.get(r) or set()) | self.previous.get(r, set())
+        try:
+            await self._node.store_many({self._node.key("members", r): record},
+                                        also=[self.addresses[p] for p in peers if p in self.addresses
+                                              and p != self._node.peer_id])
+        except Exception as e:  # noqa: BLE001 - on its way out: the members drop it by the round's deadline
+            logger.warning("[%s round=%d] could not say it leaves (%s: %s); the members freeze round %d without "
+                           "it at its deadline", self._node.peer_id, r, type(e).__name__, e, r)
+            return False
+        return self._node.everywhere
 
     def state_records(self, round: int, digest: str) -> dict[str, dict[str, Any]]:
         """This peer's state in `round` (its digest, its address, the peers it expects: what a joiner
@@ -248,6 +270,10 @@ class RoundBoard:
         for p, v in found.items():
             if isinstance(v.get("join"), float | int):
                 joins[p] = float(v["join"])
+            if isinstance(v.get("left"), float | int):
+                self.left[p] = min(self.left.get(p, r), r)
+            elif p in joins and self.left.get(p, r + 1) <= r or self.left.get(p, r) < r:
+                del self.left[p]  # it came back (a restart): a registration, or a record of a later round
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 loss = v.get("loss")  # optional: only for the dashboards
                 reports = v.get("reports")
@@ -305,10 +331,11 @@ class RoundBoard:
                 searched = time.monotonic() if not local else searched
                 read_at = now()
                 announced = await self._announced(r, local=local, wait_for=absent, wait_s=wait_s)
-                wait_s, absent = 0.0, set(expected or ()) - set(announced)
-                base = None if previous is None else rules.majority_base(previous, self.last_seen, now=read_at,
-                                                                         leave_after_s=opts.leave_after_s)
-                frozen = rules.freeze(announced, expected=expected, start_peers=opts.start_peers,
+                here = rules.staying(expected, previous, announced, {p for p, at in self.left.items() if at <= r})
+                wait_s, absent = 0.0, set(here.expected or ()) - set(announced)
+                base = None if here.previous is None else rules.majority_base(
+                    here.previous, self.last_seen, now=read_at, leave_after_s=opts.leave_after_s)
+                frozen = rules.freeze(announced, expected=here.expected, start_peers=opts.start_peers,
                                       window_s=opts.window_s, base=base)
                 if not final(frozen, read_at) or frozen.complete:
                     break

@@ -111,6 +111,10 @@ class DhtGatherer:
         """The latest round any peer of the run has started, or None if the DHT knows no run yet."""
         return await self._board.head_round()
 
+    async def leave(self, round: int) -> bool:
+        """Say that this peer leaves the run before `round` (`RoundBoard.leave`); whether every node took it."""
+        return await self._board.leave(round)
+
     async def register(self, rounds: Iterable[int]) -> None:
         """Ask to be admitted at these rounds (the members of the round before decide at its freeze)."""
         await self._board.register(rounds)

@@ -103,8 +103,12 @@ class DhtMembership:
         """A DHT peer's announcements each round are its heartbeat."""
 
     async def leave(self, round: int) -> None:
-        """Nothing is said: the members freeze the next round without this peer once its deadline passes
-        (docs/dht.md#known-limits)."""
+        """Tell the others this peer leaves before `round` (a graceful stop): its record among the round's
+        announcements (`RoundBoard.leave`), so that their rounds neither wait for it nor count it in their
+        majority's base."""
+        if await self.dht.leave(round):
+            logger.info("[%s round=%d] left the run: its rounds no longer wait for this peer", self.info.peer_id,
+                        round)
 
     async def begin_round(self, round: int, digest: str,
                           named_parameters: Callable[[], list[tuple[str, torch.Tensor]]]) -> None:

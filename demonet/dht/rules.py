@@ -84,6 +84,30 @@ class Frozen:
     be applied. False: this peer is on a minority side (a partition) and waits."""
 
 
+@dataclass(frozen=True)
+class Staying:
+    """A round's expected peers and the base of its majority, less the peers that left (`staying`)."""
+
+    expected: frozenset[str] | None
+    previous: frozenset[str] | None
+
+
+def staying(expected: Iterable[str] | None, previous: Iterable[str] | None, announced: Collection[str],
+            left: Collection[str]) -> Staying:
+    """`expected` and `previous` (the base before `majority_base`) of a round, less the peers in `left` (they
+    said they leave the run before this round or one before it) that did not announce the round.
+
+    A peer that leaves says so itself, in a record only it can store, before the round it does not
+    announce: no partition can make it up. So it leaves the base at once, where a silent member leaves
+    only after `leave_after_s`: the last member of a run whose other members all left goes on alone. A
+    peer that read the record and one that did not yet freeze the same members (it announced nothing);
+    their bases may differ by it until the record arrives. None stays None (the first round; no base).
+    """
+    gone = set(left) - set(announced)
+    return Staying(None if expected is None else frozenset(expected) - gone,
+                   None if previous is None else frozenset(previous) - gone)
+
+
 def has_majority(members: Iterable[str], base: Collection[str] | None) -> bool:
     """Whether `members` hold more than half of `base` (None or empty: no base yet, e.g. the first round).
 

@@ -244,6 +244,35 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path, reap_children: Reaper)
     assert all(r["contributors"] <= 3 for rs in rows.values() for r in rs)  # x never does
 
 
+def test_peers_that_stop_gracefully_leave_and_the_last_one_goes_on_alone(tmp_path: Path, reap_children: Reaper) -> None:
+    """Three peers; c is stopped (SIGTERM), then b: each says it leaves (its record among the next round's
+    announcements), so no round waits for it until the round's deadline, and each leaves the majority's
+    base at once: a, the last member, goes on alone to the run's end (a silent member would hold it
+    `leave_after_s`, 600 s: 1 of a base of 2 is no majority)."""
+    steps = 150
+    peers = _Peers(tmp_path, reap_children, steps=steps, start_peers=3)
+    peers.bootstrap("a")
+    peers.start("b")
+    peers.start("c")
+    wait_for(lambda: len(peers.rows("c")) >= 3, "three rounds with c", peers)
+    peers.stop(["c"])
+    assert peers.procs["c"].returncode == 0 and "left the run" in peers.log("c"), peers.log("c")[-3000:]
+    stopped = len(peers.rows("a"))
+    wait_for(lambda: any(r["contributors"] == 2 for r in peers.rows("a")[stopped:]), "rounds of a and b", peers)
+    peers.stop(["b"])
+    assert peers.procs["b"].returncode == 0 and "left the run" in peers.log("b"), peers.log("b")[-3000:]
+    wait_for(lambda: peers.procs["a"].poll() is not None, "a to end the run alone", peers)
+    assert peers.procs["a"].returncode == 0, peers.log("a")[-3000:]
+    rows = peers.rows("a")
+    assert [r["round"] for r in rows] == list(range(steps)), [r["round"] for r in rows]
+    assert [r["contributors"] for r in rows[-3:]] == [1, 1, 1]
+    # No round waited for a peer that had left: the window (round_timeout_s) is 3 s.
+    assert max(r["round_time_s"] for r in rows[3:]) < 3.0, [round(r["round_time_s"], 2) for r in rows]
+    assert "no majority" not in peers.log("a"), peers.log("a")[-3000:]
+    digests = _digests_by_round([r for name in ("a", "b", "c") for r in peers.rows(name)])
+    assert all(len(d) == 1 for d in digests.values()), {k: v for k, v in digests.items() if len(v) > 1}
+
+
 def test_overlapped_dht_peers_agree_and_serve_a_late_joiner_the_round_parameters(
         tmp_path: Path, reap_children: Reaper) -> None:
     """DHT mode with `overlap = 1`: every round on one digest, and a joiner loads a round's parameters from

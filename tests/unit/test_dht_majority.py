@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 
 from demonet.dht.board import RoundBoard
-from demonet.dht.rules import Announcement, freeze, has_majority, late_majority, majority_base, next_base
+from demonet.dht.rules import (
+    Announcement,
+    freeze,
+    has_majority,
+    late_majority,
+    majority_base,
+    next_base,
+    staying,
+)
 from demonet.dht.streams import DhtOptions
 from demonet.transport import NotMember
 
@@ -186,6 +194,43 @@ def test_a_lone_survivor_goes_on_once_the_silent_leave_its_base(monkeypatch: pyt
     board, _ = _board({}, 5)
     frozen, _ = asyncio.run(board.enter(5, "d"))  # a and b never seen: out of the base after leave_after_s
     assert frozen.members == ("c",) and frozen.majority and 5 in board.waited
+
+
+def test_peers_that_left_are_neither_waited_for_nor_counted_in_the_base_unless_they_announced() -> None:
+    here = staying({"a", "b", "c", "j"}, {"a", "b", "c"}, {"c": 1.0}, left={"a", "b"})
+    assert here.expected == {"c", "j"} and here.previous == {"c"}
+    assert has_majority({"c"}, here.previous) and not has_majority({"c"}, {"a", "b", "c"})
+    # One that announced the round is in it, whatever it said after: the same members for every reader.
+    assert staying({"a", "c"}, {"a", "c"}, {"a", "c"}, left={"a"}).expected == {"a", "c"}
+    assert staying(None, None, {}, left={"a"}) == staying(None, None, {}, left=())  # the first round: no base
+
+
+@pytest.mark.timeout(5)
+def test_a_round_freezes_at_once_without_the_members_that_said_they_leave() -> None:
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    leaving = {name: RoundBoard(_FakeNode(name, records)) for name in ("a", "b")}  # type: ignore[arg-type]
+    for board in leaving.values():
+        assert asyncio.run(board.leave(5))
+    board, _ = _board(records, 5)
+    frozen, _ = asyncio.run(board.enter(5, "d"))  # 1 of a base of 3 without the leaves: no majority
+    assert frozen.members == ("c",) and frozen.complete and frozen.majority and 5 not in board.waited
+    assert board.left == {"a": 5, "b": 5}
+
+    # a comes back (a restart): its registration for round 7, read with round 6's records, undoes its leave.
+    records["members/6"] = {"a": {"join": 100.0}}
+    asyncio.run(board._announced(6))
+    assert board.left == {"b": 5}
+
+
+def test_a_peer_that_leaves_a_round_it_announced_keeps_its_announcement() -> None:
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    board = RoundBoard(_FakeNode("a", records))  # type: ignore[arg-type]
+    board._announcements[5] = {"t": 1.0, "digest": "d", "address": "addr-a", "client": False}
+    asyncio.run(board.leave(5))
+    record = records["members/5"]["a"]
+    assert record["digest"] == "d" and isinstance(record["left"], float)
+    reader, _ = _board(records, 5)
+    assert set(asyncio.run(reader._announced(5))) == {"a"}  # still a member of round 5
 
 
 def test_late_announcements_rescue_a_round_that_had_no_majority_at_its_deadline() -> None:
