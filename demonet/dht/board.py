@@ -81,7 +81,7 @@ class RoundBoard:
         """Told when this peer starts (True) and stops (False) waiting for a majority in a round."""
         self._reconnecting: asyncio.Task[Any] | None = None  # a waiting peer's pings to its base
         # This peer's announcement stores not yet confirmed by every node (each bounded by exchange_timeout_s).
-        self._storing: set[asyncio.Task[None]] = set()
+        self._storing: set[asyncio.Task[bool]] = set()
         self._entered = 0.0  # when the last `enter` started its store (perf_counter)
         self._steady = False  # the last freeze was complete, without a wait: its records all arrived here
 
@@ -130,14 +130,13 @@ class RoundBoard:
         record = {**self._announcements.get(r, {}), "left": now()}
         peers = (self.expected.get(r) or set()) | self.previous.get(r, set())
         try:
-            await self._node.store_many({self._node.key("members", r): record},
-                                        also=[self.addresses[p] for p in peers if p in self.addresses
-                                              and p != self._node.peer_id])
+            return await self._node.store_many({self._node.key("members", r): record},
+                                               also=[self.addresses[p] for p in peers if p in self.addresses
+                                                     and p != self._node.peer_id])
         except Exception as e:  # noqa: BLE001 - on its way out: the members drop it by the round's deadline
             logger.warning("[%s round=%d] could not say it leaves (%s: %s); the members freeze round %d without "
                            "it at its deadline", self._node.peer_id, r, type(e).__name__, e, r)
             return False
-        return self._node.everywhere
 
     def state_records(self, round: int, digest: str) -> dict[str, dict[str, Any]]:
         """This peer's state in `round` (its digest, its address, the peers it expects: what a joiner
@@ -230,7 +229,7 @@ class RoundBoard:
             also=[self.addresses[p] for p in peers if p in self.addresses and p != self._node.peer_id]))
         self._storing.add(storing)
 
-        def confirmed(task: asyncio.Task[None]) -> None:
+        def confirmed(task: asyncio.Task[bool]) -> None:
             self._storing.discard(task)
             timing["announce"] = time.perf_counter() - t0
 

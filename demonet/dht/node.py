@@ -187,9 +187,10 @@ class DhtNode:
         """
         await self.store_many({key: value})
 
-    async def store_many(self, values: dict[str, dict[str, Any]], also: Iterable[str] = ()) -> None:
+    async def store_many(self, values: dict[str, dict[str, Any]], also: Iterable[str] = ()) -> bool:
         """`store` for several keys at once: in a run of a few peers, one call to each node for all of them,
-        and to the nodes of `also` (libp2p addresses) as well. Sets `everywhere`."""
+        and to the nodes of `also` (libp2p addresses) as well. Sets `everywhere`. Returns whether every node
+        it went to confirmed it."""
         subkey, expiration_time = keys.subkey(self.peer_id, self.identity.public), now() + self.ttl_s
         records = [(key, subkey, json.dumps(value), expiration_time) for key, value in values.items()]
         try:
@@ -199,9 +200,10 @@ class DhtNode:
         except TimeoutError:
             logger.warning("[%s] the DHT did not confirm storing %s within %s s (a node does not answer)",
                            self.peer_id, ", ".join(values), self.opts.exchange_timeout_s)
-            return
+            return False
         if not ok:
             logger.debug("[%s] a DHT node did not store %s", self.peer_id, ", ".join(values))
+        return bool(ok)
 
     async def get(self, key: str) -> dict[str, dict[str, Any]]:
         """The valid records under `key` by peer id; nothing if the DHT does not answer within exchange_timeout_s.

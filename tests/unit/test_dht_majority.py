@@ -130,10 +130,11 @@ class _FakeNode:
         self.stored.append(key)
         self.records.setdefault(key, {})[self.peer_id] = value
 
-    async def store_many(self, values: dict[str, dict[str, Any]], also: Any = ()) -> None:
+    async def store_many(self, values: dict[str, dict[str, Any]], also: Any = ()) -> bool:
         self.also.append(sorted(also))
         for key, value in values.items():
             await self.store(key, value)
+        return True
 
     async def get(self, key: str) -> dict[str, dict[str, Any]]:
         self.searches.append(key)
