@@ -74,7 +74,7 @@ def _coordinator_pid(up_pid: int) -> int | None:
 
 
 @contextlib.contextmanager
-def _limited_coordinator(up_pid: int, share: float, for_s: float = 15.0) -> Iterator[None]:
+def _limited_coordinator(up_pid: int, share: float) -> Iterator[None]:
     """Hold `demonet up`'s coordinator child to `share` of one CPU: a cgroup with a CPU quota (v2's
     cpu.max, else v1's cpu controller), its threads moved in while the run starts; removed at the end."""
     name, period = f"demonet-bench-{os.getpid()}", 10_000  # a short period: an even pace, not bursts
@@ -87,13 +87,7 @@ def _limited_coordinator(up_pid: int, share: float, for_s: float = 15.0) -> Iter
         else:
             (group / "cpu.cfs_period_us").write_text(str(period))
             (group / "cpu.cfs_quota_us").write_text(str(int(share * period)))
-        deadline = time.monotonic() + for_s
-        while time.monotonic() < deadline:
-            pid = _coordinator_pid(up_pid)
-            for task in os.listdir(f"/proc/{pid}/task") if pid is not None else ():
-                with contextlib.suppress(OSError):
-                    (group / ("cgroup.threads" if v2 else "tasks")).write_text(task)
-            time.sleep(0.05)
+        _each_coordinator_thread(up_pid, (group / ("cgroup.threads" if v2 else "tasks")).write_text)
         yield
     finally:
         pid = _coordinator_pid(up_pid)
@@ -111,16 +105,22 @@ def _limited_coordinator(up_pid: int, share: float, for_s: float = 15.0) -> Iter
                 time.sleep(0.1)
 
 
-def _pin_coordinator(up_pid: int, cpu: int, for_s: float = 15.0) -> None:
+def _pin_coordinator(up_pid: int, cpu: int) -> None:
     """Move every thread of `demonet up`'s coordinator child to `cpu`, while the run starts (threads it
     makes later inherit the mask of the thread that makes them)."""
+    _each_coordinator_thread(up_pid, lambda task: os.sched_setaffinity(int(task), {cpu}))
+
+
+def _each_coordinator_thread(up_pid: int, move: Any, for_s: float = 15.0) -> None:
+    """Call `move(thread id)` on every thread of `demonet up`'s coordinator child, again and again for
+    `for_s` while the run starts (a thread that has gone in between is skipped)."""
     deadline = time.monotonic() + for_s
     while time.monotonic() < deadline:
         pid = _coordinator_pid(up_pid)
         with contextlib.suppress(OSError):
             for task in os.listdir(f"/proc/{pid}/task") if pid is not None else ():
                 with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(task), {cpu})
+                    move(task)
         time.sleep(0.05)
 
 
