@@ -39,14 +39,16 @@ GOAL_BYTES = 1.5
 
 def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = False,
            code: Path | None = None, env: dict[str, str] | None = None,
-           coordinator_cpu: int | None = None, coordinator_share: float | None = None) -> tuple[int, float, str]:
+           coordinator_cpu: int | None = None, coordinator_share: float | None = None,
+           up_args: tuple[str, ...] = ()) -> tuple[int, float, str]:
     """`demonet up [--dht]` with N peers (on the demonet in `code`, default this tree; `env`: more
     variables, e.g. DEMONET_NET_* settings); returns (exit code, wall seconds, the tail of its stderr).
     `coordinator_cpu`: the coordinator alone on that CPU and every other process on the others, as if it
     ran on a machine of its own (Linux affinity). `coordinator_share`: the coordinator held to this
-    fraction of one CPU (a cgroup's CPU quota; root), a coordinator slower than its peers."""
+    fraction of one CPU (a cgroup's CPU quota; root), a coordinator slower than its peers. `up_args`: more
+    `demonet up` flags."""
     cmd = [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", str(steps), "--out",
-           str(out), "--no-progress", *(["--dht"] if dht else [])]
+           str(out), "--no-progress", *(["--dht"] if dht else []), *up_args]
     if config:
         cmd += ["--config", config]
     root = (code or Path(__file__).resolve().parent.parent).resolve()
@@ -179,7 +181,10 @@ def main() -> None:
     parser.add_argument("--coordinator-share", type=float, help="the coordinator held to this fraction of one "
                         "CPU (a cgroup's CPU quota; Linux, root): a coordinator slower than its peers, as a CPU "
                         "coordinator of GPU peers is")
+    parser.add_argument("--state-every-s", type=float, help="this tree's coordinator writes its state at most "
+                        "this often (`demonet up --state-every-s`; not passed to --baseline, whose code may lack it)")
     args = parser.parse_args()
+    mine = () if args.state_every_s is None else ("--state-every-s", str(args.state_every_s))
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
 
     import torch
@@ -192,6 +197,8 @@ def main() -> None:
     else:
         print(f"# The coordinator alone on CPU {args.coordinator_cpu}, the N peers on the other {cores - 1}, one torch "
               "thread per peer,")
+    if args.state_every_s is not None:
+        print(f"# This tree's coordinator writes its state at most every {args.state_every_s:g} s.")
     if args.coordinator_share is not None:
         print(f"# The coordinator held to {args.coordinator_share:g} of one CPU (a cgroup's CPU quota).")
     print("# so compute_s itself grows with N once N exceeds the cores; round 0 is left out of the medians.")
@@ -215,7 +222,7 @@ def main() -> None:
                     print(err, file=sys.stderr)
             out = Path(tmp) / f"peers-{n}"
             code, wall, err = run_up(n, args.steps, args.config, out, coordinator_cpu=args.coordinator_cpu,
-                                     coordinator_share=args.coordinator_share)
+                                     coordinator_share=args.coordinator_share, up_args=mine)
             metrics = out / "metrics.jsonl"
             rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
             if code != 0 or not rows:

@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--task", metavar="MODULE:FUNCTION", help="the model, data and loss to train, a demonet.Task "
                                                               "(default: the built-in byte-level GPT)")
     up.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens")
+    up.add_argument("--state-every-s", type=float, default=0.0,
+                    help="the coordinator writes its state at most this often (0: after every round it can)")
     up.add_argument("--threads-per-peer", type=int, default=1, help="torch CPU threads of each peer (1)")
     up.add_argument("--device", default="cpu", help="every peer's device: cpu, cuda or cuda:N (cpu)")
     up.add_argument("--no-progress", action="store_true", help="no progress bar")

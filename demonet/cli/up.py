@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dht:
         return _up_dht(args, out, env)
     argv = ["coordinator", "--listen", "127.0.0.1:0", "--steps", str(args.steps),
-            "--state-dir", str(out / "coordinator"), "--start-peers", str(args.peers), *_dashboard_argv(args)]
+            "--state-dir", str(out / "coordinator"), "--state-every-s", str(args.state_every_s),
+            "--start-peers", str(args.peers), *_dashboard_argv(args)]
     if args.config:
         argv += ["--config", args.config]
     if args.task:  # the peers take it from the run's config

@@ -150,6 +150,7 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
             web[0].close()
         await server.stop(grace=3.0)
         if servicer.persister is not None:  # the newest round's state, before the process exits
+            await servicer.persist_last()
             await servicer.persister.flush()
         logger.info("[coordinator] stopped at round %d", servicer.rounds.round)
 
@@ -161,6 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="rounds in the run (default: train.steps; 0: no end)")
     parser.add_argument("--state-dir", help="persist the state here after every round (in the background, once "
                                             "the round is published), and resume from it")
+    parser.add_argument("--state-every-s", type=float, default=0.0,
+                        help="write the state at most this often (seconds from one write's start to the next; "
+                             "0: after every round the writer is free for); a crash loses up to this much")
     parser.add_argument("--token-file", help="file holding the run token (default: the DEMONET_TOKEN env var)")
     parser.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens (30)")
     parser.add_argument("--min-peers", type=int, help="payloads needed to apply a round at its deadline (1)")
@@ -214,12 +218,15 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--tls-cert and --tls-key go together")
             tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes())
         steps = total_rounds(args.steps, cfg)
+        if not args.state_every_s >= 0:
+            raise ValueError(f"--state-every-s should be >= 0, got {args.state_every_s}")
         http = HttpPorts(metrics=args.metrics_port, dashboard=args.dashboard_port, dashboard_on=not args.no_dashboard)
     except (ValueError, OSError) as e:
         print(f"demonet coordinator: {e}", file=sys.stderr)
         return 2
     opts = CoordinatorOptions(token=token, state_dir=Path(args.state_dir) if args.state_dir else None,
-                              total_rounds=steps, init_file=Path(args.init) if args.init else None)
+                              state_every_s=args.state_every_s, total_rounds=steps,
+                              init_file=Path(args.init) if args.init else None)
 
     def announce(address: str) -> None:
         print(f"listening on {address}", flush=True)

@@ -52,6 +52,11 @@ class Persister:
     the rounds a crash would lose, never the time of a round. So at most two snapshots are held (the
     one being written and the pending one), besides the live parameters.
 
+    `due` says whether a round that closes now should be snapshotted at all: only when no write runs or
+    waits, and `every_s` has passed since the last write began. A round closed while the writer is busy
+    is not cloned, to be thrown away (a clone of the parameters is a copy of the model each round: for a
+    large model more memory and time than the write), and `every_s` bounds how often the disk is written.
+
     A write that fails (a full disk, no permission) is logged as an ERROR with its traceback and
     counted (`demonet_persist_failures_total`); the rounds go on, the file on disk keeps the last
     completed write, and the next round's snapshot tries again. `flush` writes the newest snapshot
@@ -64,11 +69,16 @@ class Persister:
         metrics: counts failures and coalesced snapshots, times the writes, and shows the round on disk.
         write: writes one body (`write_state`; a test passes one that waits for its cue).
         on_disk: the round the state file in `state_dir` starts (a resume), None if there is none.
+        every_s: the least time from one write's start to the next (0: a write whenever the writer is free).
     """
 
     def __init__(self, state_dir: Path, metrics: Metrics,
-                 write: Callable[[Path, dict[str, Any]], None] = write_state, on_disk: int | None = None) -> None:
-        self.state_dir, self.metrics, self._write_body = state_dir, metrics, write
+                 write: Callable[[Path, dict[str, Any]], None] = write_state, on_disk: int | None = None,
+                 every_s: float = 0.0) -> None:
+        if not every_s >= 0:
+            raise ValueError(f"every_s should be >= 0, got {every_s}")
+        self.state_dir, self.metrics, self._write_body, self.every_s = state_dir, metrics, write, every_s
+        self._began: float | None = None  # monotonic time the last write began
         self.written_round = on_disk
         """The round the state file on disk starts (None: there is no state file)."""
         if on_disk is not None:
@@ -83,6 +93,13 @@ class Persister:
     def busy(self) -> bool:
         """Whether a write is running or waiting."""
         return self._pending is not None or (self._task is not None and not self._task.done())
+
+    def due(self) -> bool:
+        """Whether the state of a round that closes now should be snapshotted and submitted: the writer is
+        free and `every_s` has passed since its last write began (at once after a failed write)."""
+        if self.busy:
+            return False
+        return self._began is None or self._failing or time.monotonic() - self._began >= self.every_s
 
     def submit(self, snapshot: Snapshot) -> None:
         """Persist `snapshot` in the background (it replaces a pending older one); returns at once."""
@@ -121,7 +138,7 @@ class Persister:
 
     async def _write(self, snapshot: Snapshot) -> bool:
         """Write one snapshot in a worker thread; False (logged, counted) if the write failed."""
-        started = time.monotonic()
+        started = self._began = time.monotonic()
         try:
             await asyncio.to_thread(self._write_body, self.state_dir, snapshot.body)
         except _WRITE_ERRORS as e:

@@ -57,6 +57,9 @@ class CoordinatorOptions:
     state_dir: Path | None = None
     """Where the state is persisted after every round (in the background, once the round is published);
     None keeps it in memory only."""
+    state_every_s: float = 0.0
+    """The least time between the starts of two state writes (0: after every round the writer is free
+    for). A crash loses the rounds since the last write: up to this long, plus one write."""
     total_rounds: int = 0
     """The run ends after this many rounds (0: no end)."""
     max_payload_bytes: int = 1 << 30
@@ -113,7 +116,11 @@ class CoordinatorServicer(Submissions, pb_grpc.CoordinatorServicer):
                 self.aggregates[item.round] = item
             self.metrics.restore(saved.get("counters", {}))
         self.persister = None if opts.state_dir is None else Persister(
-            opts.state_dir, metrics, on_disk=self.rounds.round if saved is not None else None)
+            opts.state_dir, metrics, on_disk=self.rounds.round if saved is not None else None,
+            every_s=opts.state_every_s)
+        self._unsaved: tuple[ClosedAggregate, dict[str, Any]] | None = None
+        """The last closed round and the state file's extras as of its close, where its state was not
+        snapshotted (the writer was busy, or wrote less than `state_every_s` ago): `persist_last` saves it."""
         self._init_params(saved is not None)
         self.metrics.set_round(self.rounds.round, len(self.rounds.members), 0)
 
@@ -460,7 +467,8 @@ class CoordinatorServicer(Submissions, pb_grpc.CoordinatorServicer):
         the last one, and the peers that had gone ahead get back in step (a Submit or GetAggregate for a
         round that has not opened sends them to catch up)."""
         started = _now()
-        digest, body = await asyncio.to_thread(self._apply, closed.round, applied)
+        snapshot = self.persister is not None and self.persister.due()
+        digest, body = await asyncio.to_thread(self._apply, closed.round, applied, snapshot)
         async with self.cond:
             if applied is not None:
                 closed = replace(closed, param_digest=digest)
@@ -473,13 +481,25 @@ class CoordinatorServicer(Submissions, pb_grpc.CoordinatorServicer):
                     len(closed.contributors), ", ".join(closed.contributors), closed.param_digest[:12],
                     f"; clipped {', '.join(closed.clipped)}" if closed.clipped else "", 1e3 * close_s,
                     1e3 * (_now() - started))
-        if self.persister is not None and body is not None:
-            self.persister.submit(Snapshot(closed.round + 1, {**body, **extra, "aggregates": [closed]}))
+        if self.persister is not None:
+            self._unsaved = None if body is not None else (closed, extra)
+            if body is not None:
+                self.persister.submit(Snapshot(closed.round + 1, {**body, **extra, "aggregates": [closed]}))
         if self.opts.total_rounds and closed.round + 1 >= self.opts.total_rounds:
             self.finished.set()
 
-    def _apply(self, round: int, applied: Payload | None) -> tuple[str, dict[str, Any] | None]:
-        """`CanonicalState.advance` (unless the round was aborted), then (when persisting) the snapshot of
-        its result, in one worker thread."""
+    def _apply(self, round: int, applied: Payload | None, snapshot: bool) -> tuple[str, dict[str, Any] | None]:
+        """`CanonicalState.advance` (unless the round was aborted), then (`snapshot`: the writer takes it)
+        the snapshot of its result, in one worker thread."""
         digest = self.state.advance(round, applied) if applied is not None else self.state.digest
-        return digest, self.state.snapshot() if self.persister is not None else None
+        return digest, self.state.snapshot() if snapshot else None
+
+    async def persist_last(self) -> None:
+        """Hand the writer the state of the last closed round where its close did not (at the end of the
+        run, with no apply in flight: the parameters are still those of that close)."""
+        if self.persister is None or self._unsaved is None:
+            return
+        closed, extra = self._unsaved
+        self._unsaved = None
+        body = await asyncio.to_thread(self.state.snapshot)
+        self.persister.submit(Snapshot(closed.round + 1, {**body, **extra, "aggregates": [closed]}))

@@ -126,3 +126,35 @@ async def test_a_failed_write_is_logged_counted_and_tried_again(
     persister.submit(_snapshot(state, 3))  # and the rounds after it as usual
     await persister.flush()
     assert _on_disk(tmp_path)["rounds"]["round"] == 3
+
+
+async def test_a_snapshot_is_due_only_when_the_writer_is_free_and_the_interval_has_passed(
+        cfg: Config, tmp_path: Path) -> None:
+    cue, began = threading.Event(), threading.Event()
+
+    def held_write(state_dir: Path, body: dict[str, Any]) -> None:
+        began.set()
+        assert cue.wait(10), "the test never gave the cue"
+        write_state(state_dir, body)
+
+    state = CanonicalState(cfg)
+    every = Persister(tmp_path / "every", Metrics(), write=held_write)
+    assert every.due()  # nothing written yet
+    every.submit(_snapshot(state, 1))
+    assert await asyncio.to_thread(began.wait, 10)
+    assert not every.due()  # a round closed during the write is not cloned, to be thrown away
+    cue.set()
+    await every.flush()
+    assert every.due()  # every_s=0: the next round's close, once the writer is free
+    with pytest.raises(ValueError, match="every_s"):
+        Persister(tmp_path, Metrics(), every_s=-1.0)
+    sparse = Persister(tmp_path / "sparse", Metrics(), every_s=600.0)
+    sparse.submit(_snapshot(state, 1))
+    await sparse.flush()
+    assert not sparse.due()  # written less than every_s ago
+    blocker = tmp_path / "sparse" / (STATE_FILE + ".tmp")
+    blocker.mkdir()  # the next write fails ...
+    sparse.submit(_snapshot(state, 2))
+    while sparse.busy:
+        await asyncio.sleep(0.01)
+    assert sparse.due()  # ... and the round after tries again at once, whatever the interval
