@@ -52,10 +52,10 @@ def _cpu(up: psutil.Process) -> dict[int, tuple[str, float]]:
 
 
 def measure(peers: int, dht: bool, config: str | None, skip: int, seconds: float, code: Path | None,
-            out: Path) -> dict[str, Any]:
+            out: Path, up_args: tuple[str, ...] = ()) -> dict[str, Any]:
     root = (code or Path(__file__).resolve().parent.parent).resolve()
     cmd = [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", "100000", "--out", str(out),
-           "--no-progress", *(["--dht"] if dht else []), *(["--config", config] if config else [])]
+           "--no-progress", *(["--dht"] if dht else []), *(["--config", config] if config else []), *up_args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root, env=env)
     rows = out / "metrics-peer-0.jsonl"
@@ -93,11 +93,17 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=20, help="rounds before the reading starts (20)")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long CPU is read (20)")
     parser.add_argument("--baseline", type=Path, help="a checkout of another commit: run it too, side by side")
+    parser.add_argument("--modes", default="coordinator,dht", help="modes, comma-separated (coordinator,dht)")
+    parser.add_argument("--state-every-s", type=float, help="this tree's coordinator writes its state at most "
+                        "this often (`demonet up --state-every-s`; not passed to --baseline)")
     args = parser.parse_args()
+    mine = () if args.state_every_s is None else ("--state-every-s", str(args.state_every_s))
     cores = os.cpu_count() or 1
     print(f"# CPU per round by process: `demonet up [--dht] --peers {args.peers}`, "
           f"{'config ' + args.config if args.config else 'the embedded default model'}, read over {args.seconds:g} s "
-          f"after round {args.skip}, on {cores} cores")
+          f"after round {args.skip}, on {cores} cores"
+          + ("" if args.state_every_s is None else f"; this tree's coordinator writes its state at most every "
+                                                   f"{args.state_every_s:g} s"))
     print()
     print("| mode | code | rounds read | round ms | peer process ms (each) | DHT process ms (each) | p2pd ms (each) "
           "| coordinator ms | total ms | of the cores' ms |")
@@ -105,10 +111,11 @@ def main() -> None:
     totals: dict[tuple[str, str], float] = {}
     codes = [("this tree", None)] + ([("baseline", args.baseline)] if args.baseline else [])
     with tempfile.TemporaryDirectory(prefix="round_cpu-") as tmp:
-        for mode in ("coordinator", "dht"):
+        for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
             for label, code in codes:
                 m = measure(args.peers, mode == "dht", args.config, args.skip, args.seconds, code,
-                            Path(tmp) / f"{mode}-{label.replace(' ', '-')}")
+                            Path(tmp) / f"{mode}-{label.replace(' ', '-')}",
+                            up_args=mine if code is None and mode == "coordinator" else ())
                 kinds = m["kinds"]
                 each = {k: f"{ms / n:.1f}" for k, (n, ms) in kinds.items()}
                 total = sum(ms for _, ms in kinds.values())
