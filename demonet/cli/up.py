@@ -134,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     if args.peers < 1 or args.steps < 1 or args.threads_per_peer < 1:
         print("demonet up: --peers, --steps and --threads-per-peer should be >= 1", file=sys.stderr)
         return 2
+    if not args.state_every_s >= 0:  # NaN too
+        print(f"demonet up: --state-every-s should be >= 0, got {args.state_every_s}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)

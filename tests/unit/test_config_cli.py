@@ -46,6 +46,14 @@ def test_train_command_rejects_bad_flags(capsys: pytest.CaptureFixture[str], tmp
     assert not (tmp_path / "x").exists()  # nothing was written
 
 
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_up_command_rejects_a_bad_state_interval(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                 value: str) -> None:
+    assert main(["up", "--peers", "1", "--steps", "1", "--out", str(tmp_path / "x"), "--state-every-s", value]) == 2
+    assert "--state-every-s should be >= 0" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # nothing was started or written
+
+
 @pytest.mark.slow
 def test_train_command_runs_a_local_cluster(tmp_path: Path) -> None:
     out = tmp_path / "run"
