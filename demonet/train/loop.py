@@ -32,6 +32,7 @@ from demonet.transport import (
     Parameters,
     Resync,
     RoundResult,
+    StaleRound,
     keep_alive,
 )
 
@@ -439,7 +440,8 @@ class RoundLoop:
 
         Returns:
             "applied" (the peer is at the next round), "caught_up" (the payload missed the run, or the
-            digest differed, and the run's parameters were loaded), or "stopped" (SIGTERM, round abandoned).
+            digest differed, and the run's parameters were loaded), or "stopped" (SIGTERM, round abandoned; or
+            the run's last round closed without this peer: nothing left to catch up to).
         """
         t_wait = time.perf_counter()
         try:
@@ -450,6 +452,11 @@ class RoundLoop:
                 raise
             if isinstance(e, Resync):  # the run holds other parameters
                 self.resyncs += 1
+            if isinstance(e, StaleRound) and self.total_rounds and e.open_round >= self.total_rounds:
+                # Nothing left to catch up to: the coordinator serves the last parameters only while it lingers.
+                self.log.warning("%s: %s; the run's %d rounds are done: this peer ends at round %d", type(e).__name__,
+                                 e, self.total_rounds, self.round)
+                return "stopped"
             self.log.warning("%s: %s; catching up", type(e).__name__, e)
             await self._load(await self.membership.catch_up(e, self.round, self.replica.expected()))
             return "caught_up"

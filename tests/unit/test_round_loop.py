@@ -167,6 +167,21 @@ async def test_an_aborted_round_restores_every_payload_and_applies_nothing(tmp_p
     assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
 
 
+async def test_a_peer_whose_last_round_closed_without_it_ends_there_without_catching_up(
+        tmp_path: Path, overlap: int, caplog: pytest.LogCaptureFixture) -> None:
+    # The run's last round closed without its payload (a slow link): there is no round left to catch up to,
+    # and the coordinator serves the last parameters only while it lingers: it ends at once, exit 0.
+    run = _Run(tmp_path, {(FAULTY, ROUNDS - 1): "stale"}, overlap=overlap)
+    with caplog.at_level("WARNING", logger="demonet.train.loop"):
+        await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    assert run.restored[FAULTY] == [ROUNDS - 1]  # its payload went back into its momentum
+    assert [r["round"] for r in run.rows(FAULTY)] == list(range(ROUNDS - 1))
+    assert run.loops[FAULTY].round == ROUNDS - 1  # no download: it keeps the parameters of its last round
+    assert run.loops[FAULTY].digest == run.rows("p0")[-2]["param_digest"] != run.hub.state.digest
+    assert any(f"rounds are done: this peer ends at round {ROUNDS - 1}" in r.getMessage() for r in caplog.records)
+
+
 async def test_an_unreachable_run_ends_the_peer_with_its_checkpoint(tmp_path: Path, overlap: int) -> None:
     run = _Run(tmp_path, {(FAULTY, 2): "down"}, overlap=overlap)
     await run.run()
