@@ -484,7 +484,7 @@ class CoordinatorServicer(Submissions, pb_grpc.CoordinatorServicer):
         if self.persister is not None:
             self._unsaved = None if body is not None else (closed, extra)
             if body is not None:
-                self.persister.submit(Snapshot(closed.round + 1, {**body, **extra, "aggregates": [closed]}))
+                self._hand_over(closed, extra, body)
         if self.opts.total_rounds and closed.round + 1 >= self.opts.total_rounds:
             self.finished.set()
 
@@ -501,5 +501,9 @@ class CoordinatorServicer(Submissions, pb_grpc.CoordinatorServicer):
             return
         closed, extra = self._unsaved
         self._unsaved = None
-        body = await asyncio.to_thread(self.state.snapshot)
+        self._hand_over(closed, extra, await asyncio.to_thread(self.state.snapshot))
+
+    def _hand_over(self, closed: ClosedAggregate, extra: dict[str, Any], body: dict[str, Any]) -> None:
+        """Give the writer the state as of `closed`: the parameters' snapshot `body`, the close's `extra`."""
+        assert self.persister is not None
         self.persister.submit(Snapshot(closed.round + 1, {**body, **extra, "aggregates": [closed]}))
