@@ -43,20 +43,23 @@ def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False, topk
         if part.shape != first.shape or part.chunk != first.chunk or part.idx.shape[0] != first.idx.shape[0]:
             raise ValueError(
                 f"cannot merge tensors of shape {part.shape} chunk {part.chunk} and {first.shape} {first.chunk}")
-    idx_CU, val_CU = _merge_rows([p.idx for p in parts], [p.val for p in parts], count_zeros=count_zeros, topk=topk)
+    idx_CU, val_CU = _merge_rows([p.idx for p in parts], [p.val for p in parts], count_zeros=count_zeros, topk=topk,
+                                 n=first.totalk)
     return Compressed(idx=idx_CU, val=val_CU, shape=first.shape, chunk=first.chunk)
 
 
 def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tensor], *, count_zeros: bool,
-                topk: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                topk: int | None, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`merge_tensor` on bare (C, K_peer) rows of coefficient indices. Every op is row-wise, so rows of
-    several tensors can be merged in one call and split afterwards.
+    several tensors can be merged in one call and split afterwards. `n`: the coefficients per chunk
+    (the indices are below it), where known.
 
-    The work is on the entries sent (T per row, every peer's K together), never on a dense row of the
-    chunk's coefficients: each row's union of indices is sorted out of the sent ones, and each peer's
-    entries are summed at their place in that union, peer by peer in the given order. Where the
-    dense sum would be 0 + v_1 + v_2 + ... in that order for a coefficient, so is this one: the same
-    bits, on every device (each peer's places in a row are unique, so no atomics race).
+    The work is on the entries sent (T per row, every peer's K together): each row's union of indices,
+    in index order, is found from them (`_places`), and each peer's entries are summed at their place in
+    that union, peer by peer in the given order. Where the dense sum would be 0 + v_1 + v_2 + ... in that
+    order for a coefficient, so is this one: the same bits, on every device. On the CPU one scatter adds
+    every peer's entries, a row's in the order given (the CPU kernel walks a row's entries one by one);
+    elsewhere one scatter per peer, whose places in a row are unique, so no atomics race.
     """
     num_chunks = idx_list[0].shape[0]
     out_dtype = val_list[0].dtype
@@ -64,22 +67,23 @@ def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tenso
     device = val_list[0].device
     sent_CT = torch.cat(list(idx_list), dim=1)
     width_t = sent_CT.shape[1]
-    sorted_CT, order_CT = torch.sort(sent_CT, dim=1, stable=True)  # faster on the sorted rows payloads arrive in
-    first_CT = torch.ones_like(sorted_CT, dtype=torch.bool)
-    first_CT[:, 1:] = sorted_CT[:, 1:] != sorted_CT[:, :-1]
-    place_CT = first_CT.cumsum(dim=1) - 1  # each sorted entry's place in its row's union
-    union_CT = torch.zeros_like(sorted_CT).scatter_(1, place_CT, sorted_CT)  # a run writes its index, all alike
-    place_CT = torch.empty_like(place_CT).scatter_(1, order_CT, place_CT)  # the same places, as the entries were sent
+    place_CT = _places(sent_CT, n)
+    union_CT = torch.zeros_like(sent_CT).scatter_(1, place_CT, sent_CT)  # a place's entries share their index
     sums_CT = torch.zeros(num_chunks, width_t, dtype=dtype, device=device)
     counts_CT = torch.zeros(num_chunks, width_t, dtype=dtype, device=device)
-    start = 0
-    for idx_CK, val in zip(idx_list, val_list, strict=True):
-        place_CK = place_CT[:, start:start + idx_CK.shape[1]]
-        start += idx_CK.shape[1]
-        val_CK = val.to(dtype)
-        sums_CT.scatter_add_(1, place_CK, val_CK)
-        weight_CK = torch.ones_like(val_CK) if count_zeros else (val_CK != 0).to(dtype)
-        counts_CT.scatter_add_(1, place_CK, weight_CK)
+    if device.type == "cpu":
+        val_CT = torch.cat([val.to(dtype) for val in val_list], dim=1)
+        sums_CT.scatter_add_(1, place_CT, val_CT)
+        counts_CT.scatter_add_(1, place_CT, torch.ones_like(val_CT) if count_zeros else (val_CT != 0).to(dtype))
+    else:
+        start = 0
+        for idx_CK, val in zip(idx_list, val_list, strict=True):
+            place_CK = place_CT[:, start:start + idx_CK.shape[1]]
+            start += idx_CK.shape[1]
+            val_CK = val.to(dtype)
+            sums_CT.scatter_add_(1, place_CK, val_CK)
+            weight_CK = torch.ones_like(val_CK) if count_zeros else (val_CK != 0).to(dtype)
+            counts_CT.scatter_add_(1, place_CK, weight_CK)
 
     # Keep the places that somebody counted (a place past the row's union has no count), in index order;
     # the rest go to a spare column that is dropped. Kept ranks are unique, so no race.
@@ -98,6 +102,29 @@ def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tenso
         best_CK = torch.topk(val_CU.abs(), topk, dim=1, sorted=False).indices
         idx_CU, val_CU = idx_CU.gather(1, best_CK), val_CU.gather(1, best_CK)
     return idx_CU, val_CU
+
+
+def _places(sent_CT: torch.Tensor, n: int | None) -> torch.Tensor:
+    """Each entry's place in its row's union of indices, the union sorted by index: (C, T) int64. The
+    entries are sorted per row (C * T log T), or, where a row's n coefficients are few next to that (many
+    peers, or small chunks), marked on a dense row (C * n): the same places either way."""
+    width_t = sent_CT.shape[1]
+    if n is not None and 2 * n <= width_t * width_t.bit_length():
+        return _places_marked(sent_CT, n)
+    return _places_sorted(sent_CT)
+
+
+def _places_sorted(sent_CT: torch.Tensor) -> torch.Tensor:
+    sorted_CT, order_CT = torch.sort(sent_CT, dim=1, stable=True)  # faster on the sorted rows payloads arrive in
+    first_CT = torch.ones_like(sorted_CT, dtype=torch.bool)
+    first_CT[:, 1:] = sorted_CT[:, 1:] != sorted_CT[:, :-1]
+    place_CT = first_CT.cumsum(dim=1) - 1  # each sorted entry's place in its row's union
+    return torch.empty_like(place_CT).scatter_(1, order_CT, place_CT)  # the same places, as the entries were sent
+
+
+def _places_marked(sent_CT: torch.Tensor, n: int) -> torch.Tensor:
+    mark_CN = torch.zeros(sent_CT.shape[0], n, dtype=torch.bool, device=sent_CT.device).scatter_(1, sent_CT, True)
+    return (mark_CN.cumsum(dim=1) - 1).gather(1, sent_CT)  # the coefficients sent before it in index order
 
 
 def payload_norm(payload: Payload) -> float:
@@ -178,7 +205,7 @@ def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False,
     for (chunk, group), block_vals in zip(blocks, vals, strict=True):
         rows = [payloads[0].tensors[name].idx.shape[0] for name in group]
         idx_CU, val_CU = _merge_rows([torch.cat([p.tensors[name].idx for name in group]) for p in payloads],
-                                     block_vals, count_zeros=count_zeros, topk=topk)
+                                     block_vals, count_zeros=count_zeros, topk=topk, n=chunk[0] * chunk[1])
         for name, idx_part, val_part in zip(group, torch.split(idx_CU, rows), torch.split(val_CU, rows),
                                             strict=True):
             merged[name] = Compressed(idx=idx_part, val=val_part, shape=payloads[0].tensors[name].shape, chunk=chunk)

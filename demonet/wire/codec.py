@@ -11,6 +11,7 @@ Shape legend: C = chunks of one tensor, K = entries per chunk, R = chunks of a b
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -235,17 +236,51 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
     if name in seen:
         raise InvalidPayload(f"tensor {name!r} appears twice")
     seen.add(name)
+    shape = tuple(t.shape)
+    static = (name, t.value_encoding, encoding, t.index_coding, shape, t.chunk_h, t.chunk_w, t.k, t.value_coding,
+              expected is not None, None if expected is None else expected.get(name))
+    try:
+        layout, deflated = _static_meta(*static)
+    except TypeError:  # an expected (shape, chunk) that is not hashable (lists): checked without the cache
+        layout, deflated = _static_meta.__wrapped__(*static)
     where = f"tensor {name!r}"
-    if t.value_encoding != encoding:
-        raise InvalidPayload(f"{where}: value encoding {t.value_encoding} differs from the payload's {encoding}")
-    coding = t.index_coding
+    indices, values, scales = t.indices, t.values, t.scales  # each access copies the bytes: once
+    for field, have, want in (
+        ("indices", len(indices), layout.index_bytes),
+        ("values", len(values), len(values) if deflated else layout.value_bytes),  # deflated: `_plain` checks
+        ("scales", len(scales), layout.scale_bytes),
+    ):
+        if have != want:
+            raise InvalidPayload(
+                f"{where}: {field} hold {have} bytes, expected {want} for {layout.num_chunks} chunks x k={layout.k} "
+                f"of {layout.n} ({pb.IndexCoding.Name(t.index_coding)}, {PB_TO_ENCODING[encoding]})"
+            )
+    if not padding_ok(indices, layout.index_bits):
+        raise InvalidPayload(
+            f"{where}: {CODING_NAME[t.index_coding]} indices: the padding bits of the last byte are not 0")
+    if PB_TO_ENCODING[encoding] == "sign" and not padding_ok(values, layout.num_chunks * layout.k):
+        raise InvalidPayload(f"{where}: sign values: the padding bits of the last byte are not 0")
+    return _Inbound(name, shape, (t.chunk_h, t.chunk_w), t.index_coding, layout, indices, values, scales, deflated)
+
+
+@functools.lru_cache(maxsize=4096)
+def _static_meta(name: str, tensor_encoding: int, encoding: int, coding: int, shape: tuple[int, ...], chunk_h: int,
+                 chunk_w: int, k: int, value_coding: int, check_expected: bool,
+                 want: tuple[tuple[int, ...], tuple[int, int]] | None) -> tuple[Layout, bool]:
+    """The checks of `_check_meta` that the tensor's metadata alone decides (against `want`, the model's
+    (shape, chunk) of `name`, where `check_expected`), and the tensor's layout and whether its values are
+    deflated. The same metadata arrives every round from every peer: it is checked once (a tensor that
+    fails is checked again each time, as nothing is kept of it)."""
+    where = f"tensor {name!r}"
+    if tensor_encoding != encoding:
+        raise InvalidPayload(f"{where}: value encoding {tensor_encoding} differs from the payload's {encoding}")
     if coding not in CODING_NAME:
         raise InvalidPayload(f"{where}: unknown index coding {coding}")
-    shape, chunk, k = tuple(t.shape), (t.chunk_h, t.chunk_w), t.k
-    if expected is not None:
-        if name not in expected:
+    chunk = (chunk_h, chunk_w)
+    if check_expected:
+        if want is None:
             raise InvalidPayload(f"{where} is not a parameter of this model")
-        want_shape, want_chunk = expected[name]
+        want_shape, want_chunk = want
         if shape != tuple(want_shape) or chunk != tuple(want_chunk):
             raise InvalidPayload(
                 f"{where}: shape {shape} chunk {chunk}, the model has {tuple(want_shape)} chunk {tuple(want_chunk)}"
@@ -258,28 +293,12 @@ def _check_meta(t: Any, encoding: int, expected: Expected | None, seen: set[str]
     if k > n:
         raise InvalidPayload(f"{where}: k={k} exceeds the chunk's {n} coefficients")
     value_encoding = PB_TO_ENCODING[encoding]
-    deflated = t.value_coding == pb.VALUE_CODING_TOP_PLANE_DEFLATE
-    if t.value_coding != pb.VALUE_CODING_PLAIN and not deflated:
-        raise InvalidPayload(f"{where}: unknown value coding {t.value_coding}")
+    deflated = value_coding == pb.VALUE_CODING_TOP_PLANE_DEFLATE
+    if value_coding != pb.VALUE_CODING_PLAIN and not deflated:
+        raise InvalidPayload(f"{where}: unknown value coding {value_coding}")
     if deflated and value_encoding not in VALUE_WIDTH:
         raise InvalidPayload(f"{where}: {value_encoding} values have no byte planes to deflate")
-    layout = tensor_layout(coding, value_encoding, shape, chunk, k)
-    indices, values, scales = t.indices, t.values, t.scales  # each access copies the bytes: once
-    for field, have, want in (
-        ("indices", len(indices), layout.index_bytes),
-        ("values", len(values), len(values) if deflated else layout.value_bytes),  # deflated: `_plain` checks
-        ("scales", len(scales), layout.scale_bytes),
-    ):
-        if have != want:
-            raise InvalidPayload(
-                f"{where}: {field} hold {have} bytes, expected {want} for "
-                f"{layout.num_chunks} chunks x k={k} of {n} ({pb.IndexCoding.Name(coding)}, {value_encoding})"
-            )
-    if not padding_ok(indices, layout.index_bits):
-        raise InvalidPayload(f"{where}: {CODING_NAME[coding]} indices: the padding bits of the last byte are not 0")
-    if value_encoding == "sign" and not padding_ok(values, layout.num_chunks * k):
-        raise InvalidPayload(f"{where}: sign values: the padding bits of the last byte are not 0")
-    return _Inbound(name, shape, chunk, coding, layout, indices, values, scales, deflated)
+    return tensor_layout(coding, value_encoding, shape, chunk, k), deflated
 
 
 def _plain(t: _Inbound, encoding: str) -> bytes:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from demonet.optim import Compressed, Payload, aggregate, chunk_size, dct_matrix, merge_tensor, quantize
+from demonet.optim.aggregate import _places_marked, _places_sorted
 from demonet.optim.chunking import divisors, reference_chunk_size
 from demonet.optim.dct import BASIS_BITS, add_blocks_, encode, to_blocks
 from demonet.optim.exact import decode_exact, decode_sign, sqrt_exact
@@ -351,3 +352,27 @@ def test_a_root_one_ulp_off_moves_to_the_nearest() -> None:
     for guess in (want, torch.nextafter(want, torch.full_like(want, float("inf"))),
                   torch.nextafter(want, torch.zeros_like(want))):
         assert torch.equal(_nearest_root(x64, guess), want)
+
+
+@pytest.mark.parametrize("n", [8, 64, 4096])
+def test_the_union_is_found_alike_by_sorting_and_by_marking(n: int) -> None:
+    """The merge finds each entry's place in its row's union of indices either by sorting the entries or
+    by marking them on a dense row of the chunk's n coefficients (`_places`); both give the same places, with
+    indices repeated within a peer's row (padding) and across peers, and for one peer or many."""
+    g = torch.Generator().manual_seed(n)
+    for peers in (1, 2, 5, 64):
+        rows = 7
+        sent = []
+        for _ in range(peers):
+            k = min(n, 32)
+            idx = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(rows)])
+            idx[0, -1] = idx[0, 0]  # padding repeats an index
+            sent.append(idx)
+        sent_CT = torch.cat(sent, dim=1)
+        by_sort, by_mark = _places_sorted(sent_CT), _places_marked(sent_CT, n)
+        assert torch.equal(by_sort, by_mark)
+        union = torch.zeros_like(sent_CT).scatter_(1, by_sort, sent_CT)
+        for r in range(rows):
+            want = torch.unique(sent_CT[r])  # sorted
+            assert torch.equal(union[r, :len(want)], want)
+            assert torch.equal(union[r].gather(0, by_sort[r]), sent_CT[r])

@@ -393,3 +393,26 @@ def test_values_that_do_not_shrink_stay_plain_and_a_bad_value_coding_is_refused(
         wire.decode(seal(msg))
     with pytest.raises(ValueError, match="value_coding should be one of"):
         wire.encode(payload, step=0, value_coding="zstd")
+
+
+def test_metadata_that_passed_once_is_still_checked_against_each_model_and_each_message() -> None:
+    """What a tensor's metadata alone decides is checked once per metadata and model shape, then kept: a
+    payload that passed for one model is refused for another, a message whose bytes do not fit its
+    (known good) metadata is refused, and a model whose shapes are lists is checked all the same."""
+    payload = small_payload("bf16", seed=3)
+    data, expected = wire.encode(payload, step=0), expected_of(payload)
+    wire.decode(data, expected=expected)
+    wire.decode(data, expected=expected)  # its metadata known good now
+    wider = {**expected, "t0": ((10, 16), (4, 8))}
+    with pytest.raises(InvalidPayload, match=r"'t0': shape \(10, 12\) chunk \(4, 8\), the model has \(10, 16\)"):
+        wire.decode(data, expected=wider)
+    with pytest.raises(InvalidPayload, match="'t0' is not a parameter of this model"):
+        wire.decode(data, expected={n: v for n, v in expected.items() if n != "t0"})
+    msg = parse(data)
+    msg.tensors[0].indices = msg.tensors[0].indices[:-1]
+    with pytest.raises(InvalidPayload, match="'t0': indices hold"):
+        wire.decode(seal(msg), expected=expected)
+    listed = {n: (list(s), list(c)) for n, (s, c) in expected.items()}
+    assert list(wire.decode(data, expected=listed)[1].tensors) == list(expected)
+    with pytest.raises(InvalidPayload, match="the model has"):
+        wire.decode(data, expected={**listed, "t0": ([10, 16], [4, 8])})
