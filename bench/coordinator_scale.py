@@ -113,8 +113,9 @@ async def _client(stub: pbg.CoordinatorStub, name: str, payload: Payload, rounds
         up += len(data)
         async for chunk in stub.GetAggregate(pb.AggregateRequest(peer_id=name, round=r), metadata=MD, timeout=300):
             if chunk.HasField("header"):
-                digest = chunk.header.param_digest
                 log.setdefault(-r - 1, []).append(time.perf_counter())
+            elif chunk.HasField("trailer"):  # the canonical digest, once the coordinator has applied the round
+                digest = chunk.trailer.param_digest
             else:
                 down += len(chunk.part.data)
     return up, down
