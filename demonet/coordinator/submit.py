@@ -11,6 +11,7 @@ and that digest is checked. See proto/demonet.proto (SubmitPart).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -74,8 +75,11 @@ class Submissions:
                     data = reassembler.add(part.part)
                     if data is not None:  # whole: decode it now, before a digest that follows arrives
                         stream_s = time.perf_counter() - began
-                        step, payload = await asyncio.to_thread(decode_contribution, data, expected=self.state.specs,
-                                                                rules=self.state.rules)
+                        # A small payload is decoded here: a trip to a worker thread would cost more than the decode.
+                        decode = functools.partial(decode_contribution, data, expected=self.state.specs,
+                                                   rules=self.state.rules)
+                        step, payload = (decode() if len(data) <= wire.INLINE_DECODE_BYTES
+                                         else await asyncio.to_thread(decode))
                         if step != head.round:
                             raise InvalidPayload(f"payload says round {step}, submission says {head.round}")
                 elif head.digest_follows and last is None and not part.HasField("part") and part.param_digest:

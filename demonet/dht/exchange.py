@@ -34,7 +34,6 @@ __all__ = ["Exchanged", "SliceExchange"]
 logger = logging.getLogger(__name__)
 
 _KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
-_INLINE_DECODE_BYTES = 1 << 16  # merged slices up to this size are decoded on the event loop (about 0.2 ms)
 _PARTS_CODING = "entropy"  # parts travel with entropy-coded indices: 7.9 bits an index instead of 12, lossless
 
 
@@ -400,7 +399,7 @@ class SliceExchange:
             raise InvalidPayload(f"merged slice names contributors who are not members: {list(reply.contributors)}")
         specs = st.plan.slice_specs(s)
         # A small slice is decoded here: a trip to a worker thread would cost more than the decode.
-        step, payload = (wire.decode(data, expected=specs) if len(data) <= _INLINE_DECODE_BYTES
+        step, payload = (wire.decode(data, expected=specs) if len(data) <= wire.INLINE_DECODE_BYTES
                          else await asyncio.to_thread(wire.decode, data, expected=specs))
         if step != r:
             raise InvalidPayload(f"merged slice says round {step}")

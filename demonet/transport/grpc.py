@@ -458,7 +458,9 @@ class GrpcClient:
         try:
             aggregate = None
             if not header.aborted:
-                step, aggregate = await asyncio.to_thread(wire.decode, data, expected=expected)
+                # A small aggregate is decoded here: a trip to a worker thread would cost more than the decode.
+                step, aggregate = (wire.decode(data, expected=expected) if len(data) <= wire.INLINE_DECODE_BYTES
+                                   else await asyncio.to_thread(wire.decode, data, expected=expected))
                 if step != round:
                     raise InvalidPayload(f"GetAggregate({round}): the aggregate is for round {step}")
         except BaseException:

@@ -47,6 +47,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "DEFAULT_MAX_ENTRIES",
     "INDEX_CODINGS",
+    "INLINE_DECODE_BYTES",
     "MAX_CHUNK_ELEMS",
     "MAX_DIMS",
     "MAX_NAME_BYTES",
@@ -77,6 +78,9 @@ MAX_TENSORS = 1 << 16
 MAX_CHUNK_ELEMS = 1 << 20
 MAX_DIMS = 8
 MAX_NAME_BYTES = 1024
+INLINE_DECODE_BYTES = 1 << 16
+"""Messages up to this size are small enough to decode where they arrive, on an event loop (about a
+millisecond at 64 kB): a trip to a worker thread, under load, costs more than the decode."""
 
 _TRAILER_HEAD = pb.Payload(digest=bytes(DIGEST_BYTES)).SerializeToString()[:-DIGEST_BYTES]  # tag, len
 
