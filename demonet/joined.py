@@ -29,7 +29,8 @@ from demonet.config import Config, load_config, load_token
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import DeMo, Payload
 from demonet.train.data import data_seed
-from demonet.train.loop import RoundLog, RoundLoop, warm_up
+from demonet.train.lifecycle import warm_up
+from demonet.train.loop import RoundLog, RoundLoop
 from demonet.train.trainer import Trainer
 from demonet.transport import Gatherer, JoinInfo, Membership, keep_alive
 

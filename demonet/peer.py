@@ -20,7 +20,8 @@ import torch
 from demonet.config import load_config, load_token
 from demonet.errors import PeerUnavailable
 from demonet.log import setup_logging
-from demonet.train.loop import RoundLoop, stop_on_signals, warm_up
+from demonet.train.lifecycle import stop_on_signals, warm_up
+from demonet.train.loop import RoundLoop
 from demonet.train.task import first_difference, param_specs
 from demonet.train.trainer import Trainer
 from demonet.transport.coordinated import CoordinatorMembership

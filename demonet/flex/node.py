@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from demonet.config import load_config
 from demonet.errors import PeerUnavailable
-from demonet.train.loop import RoundLoop, stop_on_signals
+from demonet.train.lifecycle import stop_on_signals
+from demonet.train.loop import RoundLoop
 from demonet.transport.coordinated import CoordinatorMembership
 from demonet.transport.grpc import GrpcClient
 from demonet.wire.identity import Identity

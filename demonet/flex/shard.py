@@ -315,7 +315,7 @@ class FlexTrainer(DeMoSteps):
             self.batches.load_state_dict(state[f"data{self.rank}"])
         self.step = int(state["step"])
 
-    # -- the round loop's view (`demonet.train.loop.Replica`); every rank calls each of these --------
+    # -- the round loop's view (`demonet.train.replica.Replica`); every rank calls each of these --------
 
     def expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {name: (shape, torch.float32) for name, shape in self.full_shapes.items()}

@@ -1,9 +1,9 @@
 """The round loop: train, compress, gather, settle, round after round, over any transport.
 
-`RoundLoop` drives a replica (`Replica`: a `demonet.train.trainer.Trainer` or a FlexDeMo rank) through a
-`demonet.transport.Membership` and a `demonet.transport.Gatherer`: the gRPC coordinator, the in-process
-coordinator of `demonet train`, the DHT and a FlexDeMo node's rank 0 are all the same loop. Imports the
-transport protocols; no grpc, no hivemind, no service module.
+`RoundLoop` drives a replica (`demonet.train.replica.Replica`: a `demonet.train.trainer.Trainer` or a FlexDeMo
+rank) through a `demonet.transport.Membership` and a `demonet.transport.Gatherer`: the gRPC coordinator, the
+in-process coordinator of `demonet train`, the DHT and a FlexDeMo node's rank 0 are all the same loop. Imports
+the transport protocols; no grpc, no hivemind, no service module.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
 import time
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -25,7 +24,6 @@ from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload, to_host
 from demonet.transport import (
     Digest,
-    Expected,
     Gatherer,
     JoinInfo,
     Membership,
@@ -36,42 +34,14 @@ from demonet.transport import (
     keep_alive,
 )
 
-__all__ = ["STOP_GRACE_S", "Overlapping", "Replica", "RoundLog", "RoundLoop", "stop_on_signals", "warm_up"]
+from .replica import Overlapping, Replica
+
+__all__ = ["STOP_GRACE_S", "RoundLog", "RoundLoop"]
 
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
 """After SIGTERM, how long a peer still waits for the open round's aggregate before abandoning it."""
-
-
-class Replica(Protocol):
-    """The torch side of a peer, as the loop uses it (blocking calls: the loop runs them in a thread)."""
-
-    def expected(self) -> Expected: ...
-    def named_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
-    def digest(self) -> str: ...
-    def load(self, tensors: dict[str, torch.Tensor]) -> None: ...
-    def train_step(self) -> tuple[float, Payload]: ...
-    def forward_backward(self) -> float: ...
-    def compress(self, undoable: bool = False) -> Payload: ...
-    def drop_gradients(self) -> None: ...
-    def restore(self, payload: Payload) -> None: ...
-    def settle(self, payload: Payload, result: RoundResult, contributed: bool) -> None: ...
-    def save(self, meta: dict[str, Any]) -> None: ...
-    def saved(self) -> dict[str, Any] | None: ...
-    def resume(self, *, momentum: bool) -> None: ...
-
-
-class Overlapping(Replica, Protocol):
-    """A replica that can train a round while the previous one's exchange runs (`[net] overlap = 1`):
-    an undoable `compress`, and a lookahead (`demonet.optim.DeMo.lookahead`) that `settle`, `restore` and
-    `load` replace."""
-
-    def undo_compress(self) -> None: ...
-    def commit_compress(self) -> None: ...
-    def hold(self) -> None: ...
-    def lookahead(self, payload: Payload, round: int) -> None: ...
-    def canonical_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
 
 
 @dataclass
@@ -548,24 +518,3 @@ class RoundLoop:
 def _check_beats(beats: asyncio.Task[None] | None) -> None:
     if beats is not None and beats.done():
         beats.result()  # a bug in the heartbeat task: raise it here
-
-
-def warm_up() -> None:
-    """Pay torch's one-time costs before joining: the first backward takes about a second, and a peer
-    admitted at once must train within the round timeout. (DeMo does not import torch._dynamo, as
-    torch's own optimizers do at their construction: `demonet.optim.demo`.)"""
-    p = torch.zeros(2, requires_grad=True)
-    torch.autograd.backward((p * 2).sum())
-
-
-@contextlib.contextmanager
-def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    """SIGTERM and SIGINT set `stop` while inside."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)

@@ -110,7 +110,7 @@ def settle(opt: DeMo, payload: Payload, result: RoundResult, contributed: bool,
 
 class DeMoSteps:
     """The replica steps that need only its model, its DeMo and its `StepOptions`: a `Trainer`'s and a
-    FlexDeMo rank's alike (`demonet.train.loop.Overlapping`). The class supplies `forward_backward`."""
+    FlexDeMo rank's alike (`demonet.train.replica.Overlapping`). The class supplies `forward_backward`."""
 
     model: torch.nn.Module
     opt: DeMo

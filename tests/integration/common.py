@@ -31,7 +31,7 @@ def tiny_config(*, round_timeout_s: float, steps: int | None = None, optim: Mapp
 GATE = """
 import sys
 from demonet.cli import main
-from demonet.train.loop import warm_up as _warm_up
+from demonet.train.lifecycle import warm_up as _warm_up
 _warm_up()
 print("gate: ready", file=sys.stderr, flush=True)
 sys.stdin.readline()
