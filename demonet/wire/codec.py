@@ -48,6 +48,7 @@ __all__ = [
     "DEFAULT_MAX_ENTRIES",
     "INDEX_CODINGS",
     "INLINE_DECODE_BYTES",
+    "INLINE_ENCODE_ENTRIES",
     "MAX_CHUNK_ELEMS",
     "MAX_DIMS",
     "MAX_NAME_BYTES",
@@ -81,6 +82,8 @@ MAX_NAME_BYTES = 1024
 INLINE_DECODE_BYTES = 1 << 16
 """Messages up to this size are small enough to decode where they arrive, on an event loop (about a
 millisecond at 64 kB): a trip to a worker thread, under load, costs more than the decode."""
+INLINE_ENCODE_ENTRIES = 1 << 14
+"""Payloads of up to this many entries are small enough to encode on an event loop (about a millisecond)."""
 
 _TRAILER_HEAD = pb.Payload(digest=bytes(DIGEST_BYTES)).SerializeToString()[:-DIGEST_BYTES]  # tag, len
 
