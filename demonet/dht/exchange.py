@@ -166,8 +166,11 @@ class SliceExchange:
         """
         assert st.plan is not None
         plan, me = st.plan, self.peer_id
-        parts = await asyncio.to_thread(lambda: [wire.encode(plan.cut(payload, s), step=r, index_coding=_PARTS_CODING)
-                                                 for s in range(plan.n)])
+        def encode() -> list[bytes]:
+            return [wire.encode(plan.cut(payload, s), step=r, index_coding=_PARTS_CODING) for s in range(plan.n)]
+
+        small = sum(c.idx.numel() for c in payload.tensors.values()) <= wire.INLINE_ENCODE_ENTRIES
+        parts = encode() if small else await asyncio.to_thread(encode)  # a small payload: no trip to a thread
         sends = []
         for s, owner in enumerate(st.owners):
             targets = [owner, st.verifiers[s]] if s in st.verifiers else [owner]
