@@ -166,6 +166,7 @@ class SliceExchange:
         """
         assert st.plan is not None
         plan, me = st.plan, self.peer_id
+
         def encode() -> list[bytes]:
             return [wire.encode(plan.cut(payload, s), step=r, index_coding=_PARTS_CODING) for s in range(plan.n)]
 
