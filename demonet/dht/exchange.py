@@ -170,7 +170,7 @@ class SliceExchange:
         def encode() -> list[bytes]:
             return [wire.encode(plan.cut(payload, s), step=r, index_coding=_PARTS_CODING) for s in range(plan.n)]
 
-        small = sum(c.idx.numel() for c in payload.tensors.values()) <= wire.INLINE_ENCODE_ENTRIES
+        small = payload.numel() <= wire.INLINE_ENCODE_ENTRIES
         parts = encode() if small else await asyncio.to_thread(encode)  # a small payload: no trip to a thread
         sends = []
         for s, owner in enumerate(st.owners):

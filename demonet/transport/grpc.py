@@ -327,7 +327,7 @@ class GrpcClient:
         which may still be merged), and the digest follows in the stream's last message once it is known.
         """
         t0 = time.perf_counter()
-        small = sum(c.idx.numel() for c in payload.tensors.values()) <= wire.INLINE_ENCODE_ENTRIES
+        small = payload.numel() <= wire.INLINE_ENCODE_ENTRIES
         data = wire.encode(payload, step=round) if small else await asyncio.to_thread(wire.encode, payload, step=round)
         t1 = time.perf_counter()
         for old in [r for r in self._submitted if r < round - 1]:
