@@ -1,12 +1,11 @@
 """Benchmark: a DHT-mode call on a stream of its own against the same call on a link (demonet.dht.links).
 
-Two DHT nodes on loopback (each with its DHT process and p2pd daemon, as `demonet peer --dht` runs
-them); one calls the other N times in a row with a request of --bytes (a slice's part) and gets a reply
-of the same size (its merged slice), first with a new libp2p stream per call (how every call went
-before links, and how parameters and pings still go), then over one link. Prints wall time per call, and
-CPU time per call of this process (both ends' Python: signing, checking, framing) and of the two p2pd
-daemons, read from /proc. Run from the repo root: `python bench/dht_links.py`. Not a test.
-"""
+Two DHT nodes on loopback (each with its p2pd daemon, as `demonet peer --dht` runs them); one calls the
+other N times in a row with a request of --bytes (a slice's part) and gets a reply of the same size (its
+merged slice), first with a new libp2p stream per call (how every call went before links, and how parameters
+and pings still go), then over one link. Prints wall time per call, and CPU time per call of this process
+(both ends' Python: signing, checking, framing) and of the two p2pd daemons, read from /proc. Run from the
+repo root: `python bench/dht_links.py`. Not a test."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def _daemons() -> list[int]:
-    """This process's p2pd daemons (children of its DHT processes)."""
+    """The p2pd daemons on this machine (this process's two)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

@@ -7,7 +7,8 @@ starts `demonet up [--dht] --peers N` (the embedded default model unless --confi
 --skip, then reads every process's CPU time (user + system, from psutil) over --seconds and the rounds
 peer-0 ended meanwhile, and prints the CPU milliseconds per round:
 - each peer process (its training, codec, exchange and event loop);
-- in DHT mode, each peer's DHT process and p2pd daemon;
+- in DHT mode, each peer's p2pd daemon (and, on a --baseline from before the DHT node ran in the peer's
+  own process, each peer's DHT process);
 - in coordinator mode, the coordinator.
 Then the total against the CPU the cores had (cores x round time), and the CPU that DHT mode adds.
 With --baseline DIR (a checkout of another commit) every mode runs on that code too, right after.
@@ -35,7 +36,7 @@ def _kind(proc: psutil.Process, up: int) -> str:
     if "demonet coordinator" in cmdline:
         return "coordinator"
     if "demonet peer" in cmdline:
-        return "peer" if proc.ppid() == up else "dht process"  # a peer's DHT process is its fork
+        return "peer" if proc.ppid() == up else "dht process"  # a peer's DHT process (older code) is its fork
     return "other"
 
 

@@ -1,5 +1,5 @@
 """What a test needs to run real processes: a free loopback port, and a `Reaper` that ends every
-process it was given (and its process group, for a peer whose DHT process and p2pd live in it) and
+process it was given (and its process group, for a peer whose p2pd daemon lives in it) and
 closes the log files it opened. tests/conftest.py wraps a Reaper in the `reap_children` fixture."""
 
 from __future__ import annotations

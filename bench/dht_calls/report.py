@@ -1,9 +1,8 @@
 """Calls per round from `sitecustomize.py`'s counts: `python bench/dht_calls/report.py RUN_OUT CALLS_OUT`.
 
-For each DHT process: the calls made and served per round between rounds 20 and the last (by peer 0's
-rows), with the mean protobuf bytes of a served call's request and answer; then each peer's exchange
-bytes and DHT reads per round from its metrics rows.
-"""
+For each process with a DHT node (a peer): the calls made and served per round between rounds 20 and the
+last (by peer 0's rows), with the mean protobuf bytes of a served call's request and answer; then each
+peer's exchange bytes and DHT reads per round from its metrics rows."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Counts a DHT peer's hivemind calls: put this folder first on PYTHONPATH and set DHT_CALLS_OUT.
 
-Every Python process then wraps hivemind's `DHTProtocol` (the DHT processes fork from the peers and
-keep the wrap): the calls it makes (`call_find`, `call_store`) and serves (`rpc_find`, `rpc_store`, with
+Every Python process then wraps hivemind's `DHTProtocol` (a peer runs its DHT node in its own process):
+the calls it makes (`call_find`, `call_store`) and serves (`rpc_find`, `rpc_store`, with
 the request's and the answer's protobuf bytes). Each process appends its running totals to
 ``$DHT_CALLS_OUT/calls-<pid>.jsonl`` every 10 calls served; `report.py` turns them into calls per round.
 

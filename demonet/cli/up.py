@@ -210,7 +210,7 @@ def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
         argv += ["--round-timeout-s", str(args.round_timeout_s)]
     # peer-0 starts the DHT at a multiaddr known in advance (its identity and port chosen here); the others
     # start once it listens, so that their first start of the DHT finds it (a start that found no initial
-    # peer is retried, and a retried DHT process was seen to hang until its start's time bound).
+    # peer is retried, which costs its start's time bound).
     from hivemind.p2p import P2P, PeerID
 
     identity = out / "peer-0.identity"

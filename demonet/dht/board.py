@@ -316,7 +316,7 @@ class RoundBoard:
             # In a run of a few peers every peer stores its announcement (and a joiner its registration,
             # `register`) on every node it knows and on its members' at once (`DhtNode.store_many`), so
             # this node's own storage is looked at first: when every expected peer's announcement is here,
-            # the freeze is decided without a DHT call; the look waits in the DHT process until they are
+            # the freeze is decided without a DHT call; the look waits on this node's storage until they are
             # (or until the deadline or the next search). A freeze at the deadline is decided by a search,
             # and a search is made every `_SEARCH_EVERY_S` while waiting, for records stored before the
             # storer knew this node. Every look is a search in the first round (its peers meet while they
@@ -387,7 +387,7 @@ class RoundBoard:
                 await asyncio.sleep((4 * _POLL_S if expected is None else _POLL_S) if frozen is None or frozen.settled
                                     else min(max(frozen.deadline + opts.settle_s - now(), 0.0) + 0.001, 4 * _POLL_S))
                 continue
-            # The next look waits for the missing (in the DHT process) until the deadline, or the next search.
+            # The next look waits for the missing (on this node) until the deadline, or the next search.
             wait_s = max(min(searched + _SEARCH_EVERY_S, limit) - time.monotonic(), 0.0) + 0.001
             if frozen is None:  # not even this peer's announcement yet (its store is on its way): no deadline
                 wait_s = min(_POLL_S, wait_s)

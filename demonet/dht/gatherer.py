@@ -1,8 +1,8 @@
 """The DHT-mode `Gatherer`: peers meet on a hivemind DHT and exchange payloads over its libp2p streams.
 
 Net layer: a facade over its parts, imported only when DHT mode is asked for (hivemind is the
-optional extra ``dht``): the node (demonet.dht.node: signed records, streams; its DHT process:
-demonet.dht.process), the round board (board: announcements, freeze, joiners), the exchange
+optional extra ``dht``): the node (demonet.dht.node: signed records, streams; hivemind's node:
+demonet.dht.hive), the round board (board: announcements, freeze, joiners), the exchange
 (exchange: reduce-scatter, merge, all-gather) and the parameter donor (donor). Must not import grpc
 or demonet.transport.grpc.
 """

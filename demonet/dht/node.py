@@ -1,5 +1,5 @@
-"""One peer's hivemind DHT node: its libp2p streams and the signed records of the run (the DHT process it
-runs in, and the coroutines that run there: demonet.dht.process).
+"""One peer's hivemind DHT node: its libp2p streams and the signed records of the run (hivemind's node on
+this process's event loop, its p2pd daemon, and the coroutines that reach into the node: demonet.dht.hive).
 
 Net layer: imports hivemind (the optional extra ``dht``). Knows DHT keys, records and their
 TTLs, not what a round does with them (demonet.dht.board, exchange and donor build on it). Must not
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -24,16 +23,7 @@ from demonet.errors import PeerUnavailable
 from demonet.wire.identity import Identity, fingerprint
 
 from . import keys
-from .process import (
-    READY_MAX_S,
-    READY_MIN_S,
-    REPLICAS,
-    local_records,
-    ping_and_refresh,
-    start_process,
-    store_records,
-)
-from .sockets import use_own_sockets
+from .hive import READY_MAX_S, READY_MIN_S, Hive, local_records, ping_and_refresh, store_records
 from .streams import DhtOptions, HmacValidator, KeyValidator, Streams, now
 
 __all__ = ["DhtNode"]
@@ -42,21 +32,21 @@ logger = logging.getLogger(__name__)
 
 
 class DhtNode:
-    """This peer's DHT process and libp2p endpoint (`streams`); stores and reads the run's signed records.
+    """This peer's DHT node and libp2p endpoint (`streams`); stores and reads the run's signed records.
 
     Create it with `DhtNode.start`. Records are JSON objects stored under ``demonet/<run>/<what>[/<round>]``
     with the subkey ``<peer id>@<hex key>``, signed by this peer's key (`KeyValidator`) and the run
     token (`HmacValidator`). `book` says which key counts for each peer id; `get` reads only its records.
     """
 
-    def __init__(self, opts: DhtOptions, peer_id: str, dht: Any, p2p: Any, identity: Identity) -> None:
+    def __init__(self, opts: DhtOptions, peer_id: str, hive: Hive, identity: Identity) -> None:
         self.opts, self.peer_id, self.identity = opts, peer_id, identity
-        self.dht: Any = dht
-        self.p2p: Any = p2p
-        self.address = str(p2p.peer_id)
+        self.hive: Hive | None = hive
+        self.p2p: Any = hive.p2p
+        self.address = str(hive.p2p.peer_id)
         """This peer's libp2p peer id, which other peers dial."""
         self.book = keys.KeyBook((peer_id, identity.public), opts.allowed)
-        self.streams = Streams(opts, peer_id, p2p, identity, self.book, self.resolve_key)
+        self.streams = Streams(opts, peer_id, hive.p2p, identity, self.book, self.resolve_key)
         self._ignored: set[tuple[str, bytes]] = set()  # (peer id, key) whose records were logged as ignored
         self._resolving: dict[tuple[str, int], asyncio.Task[bytes | None]] = {}  # one search per (peer id, round)
         self.everywhere = False
@@ -87,11 +77,9 @@ class DhtNode:
         while True:
             try:
                 ready_s = min(READY_MAX_S, max(READY_MIN_S, give_up_at - time.monotonic()))
-                dht = await asyncio.to_thread(start_process, ready_s, initial_peers=list(opts.initial_peers) or None,
-                                              host_maddrs=list(opts.host_maddrs),
-                                              announce_maddrs=list(opts.announce_maddrs) or None,
-                                              client_mode=opts.client_mode, identity_path=opts.identity_path,
-                                              num_replicas=REPLICAS, record_validators=validators)
+                hive = await Hive.start(ready_s, initial_peers=opts.initial_peers, host_maddrs=opts.host_maddrs,
+                                        announce_maddrs=opts.announce_maddrs, client_mode=opts.client_mode,
+                                        identity_path=opts.identity_path, record_validators=validators)
                 break
             except (P2PDaemonError, RuntimeError) as e:
                 # P2PDaemonError: no connection to the bootstrap peers; RuntimeError("DHTNode bootstrap
@@ -105,23 +93,19 @@ class DhtNode:
                 logger.info("[%s] the initial peers are not reachable yet (%s); trying again", peer_id,
                             str(e).strip().splitlines()[-1][-120:])
                 await asyncio.sleep(2.0)
-        use_own_sockets()  # the replica's socket, below
-        return cls(opts, peer_id, dht, await dht.replicate_p2p(), identity)
+        return cls(opts, peer_id, hive, identity)
 
     def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in self.dht.get_visible_maddrs()]
+        return list(self.hive.maddrs) if self.hive is not None else []
 
     async def close(self) -> None:
         if self.p2p is not None:
             with contextlib.suppress(Exception):  # the daemon may be gone already; nothing to release then
                 await self.streams.close()
             self.p2p = None
-        if self.dht is not None:
-            await asyncio.to_thread(self.dht.shutdown)
-            if self.dht.is_alive():  # not even SIGTERM ended it
-                self.dht.kill()
-                await asyncio.to_thread(self.dht.join, 5.0)
-            self.dht = None
+        if self.hive is not None:
+            hive, self.hive = self.hive, None
+            await hive.close()
 
     async def check_initial_peers(self) -> int:
         """Ping the initial peers' stream handlers; returns how many answered as peers of this run.
@@ -171,12 +155,11 @@ class DhtNode:
         from the table, and nothing else brings them back. Bounded by exchange_timeout_s; failures are
         the partition still being there. Returns how many of them were not in the table before."""
         ids = sorted({a for a in addresses if a})
-        if not ids or self.dht is None:
+        if not ids or self.hive is None:
             return 0
         with contextlib.suppress(TimeoutError, Exception):  # noqa: BLE001 - any failure: still cut off
             async with asyncio.timeout(self.opts.exchange_timeout_s):
-                return int(await self.dht.run_coroutine(functools.partial(ping_and_refresh, ids),
-                                                        return_future=True))
+                return await ping_and_refresh(self._node(), ids)
         return 0
 
     async def store(self, key: str, value: dict[str, Any]) -> None:
@@ -195,8 +178,7 @@ class DhtNode:
         records = [(key, subkey, json.dumps(value), expiration_time) for key, value in values.items()]
         try:
             async with asyncio.timeout(self.opts.exchange_timeout_s):
-                ok, self.everywhere = await self.dht.run_coroutine(
-                    functools.partial(store_records, records, sorted(set(also))), return_future=True)
+                ok, self.everywhere = await store_records(self._node(), records, sorted(set(also)))
         except TimeoutError:
             logger.warning("[%s] the DHT did not confirm storing %s within %s s (a node does not answer)",
                            self.peer_id, ", ".join(values), self.opts.exchange_timeout_s)
@@ -216,7 +198,7 @@ class DhtNode:
         self.gets += 1
         try:
             async with asyncio.timeout(self.opts.exchange_timeout_s):
-                found = await self.dht.get(key, latest=True, return_future=True)
+                found = await self._node().get(key, latest=True)
         except TimeoutError:
             logger.warning("[%s] the DHT did not answer a search for %s", self.peer_id, key)
             return {}
@@ -230,11 +212,16 @@ class DhtNode:
         keys not checked yet), or after `wait_s`."""
         try:
             async with asyncio.timeout(wait_s + self.opts.exchange_timeout_s):
-                found = await self.dht.run_coroutine(functools.partial(local_records, key, frozenset(wait_for),
-                                                                       wait_s), return_future=True)
+                found = await local_records(self._node(), key, frozenset(wait_for), wait_s)
         except TimeoutError:
             return {}
         return self._valid(found)
+
+    def _node(self) -> Any:
+        """hivemind's DHT node. Raises PeerUnavailable once `close` has ended it."""
+        if self.hive is None or self.hive.node is None:
+            raise PeerUnavailable(f"[{self.peer_id}] the DHT node is closed")
+        return self.hive.node
 
     def _valid(self, found: Any) -> dict[str, dict[str, Any]]:
         """The records of a `DHT.get` result by peer id, each under the key `book` holds for its peer id."""

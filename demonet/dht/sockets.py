@@ -15,11 +15,10 @@ __all__ = ["SOCKETS_ROOT", "remove_sockets", "sweep_sockets", "use_own_sockets"]
 
 
 SOCKETS_ROOT = "/tmp"
-"""Where a peer and its DHT process each keep the unix sockets of their p2pd connections, in a folder of
-their own named ``demonet-p2p-<pid>-*``. hivemind puts them straight into /tmp and removes them only
-when its P2P shuts down in order: a peer killed, or a DHT process ended by its peer's death, would leave
-them behind every time. A short fixed root, not ``$TMPDIR``: a unix socket's path is limited to about
-100 bytes."""
+"""Where a peer (and any other process that runs hivemind's P2P) keeps the unix sockets of its p2pd
+connections, in a folder of its own named ``demonet-p2p-<pid>-*``. hivemind puts them straight into /tmp
+and removes them only when its P2P shuts down in order: a peer killed would leave them behind every time.
+A short fixed root, not ``$TMPDIR``: a unix socket's path is limited to about 100 bytes."""
 _SOCKETS_PREFIX = "demonet-p2p-"
 _sockets: tuple[int, str] | None = None
 """(the process id, its socket folder), set by `use_own_sockets` in each process that uses hivemind's P2P."""
@@ -56,8 +55,8 @@ def _answers(folder: str) -> bool:
 
 
 def use_own_sockets() -> None:
-    """Put the p2pd sockets that this process makes from now on (hivemind's P2P: a DHT process's daemon
-    and client, a peer's replica), and multiprocessing's if it has made none yet, into a folder of this
+    """Put the p2pd sockets that this process makes from now on (hivemind's P2P: a peer's daemon
+    and its client), and multiprocessing's if it has made none yet, into a folder of this
     process's own, made once; sweep those of processes that are gone first. `remove_sockets` removes it,
     and so does this process's normal exit."""
     global _sockets
@@ -66,7 +65,7 @@ def use_own_sockets() -> None:
 
     from hivemind.p2p import P2P
 
-    if _sockets is None or _sockets[0] != os.getpid():  # a forked DHT process makes its own
+    if _sockets is None or _sockets[0] != os.getpid():  # a forked process makes its own
         sweep_sockets()
         _sockets = (os.getpid(), tempfile.mkdtemp(prefix=f"{_SOCKETS_PREFIX}{os.getpid()}-", dir=SOCKETS_ROOT))
         P2P._UNIX_SOCKET_PREFIX = f"/unix{_sockets[1]}/hivemind-"  # read by P2P.create and P2P.replicate

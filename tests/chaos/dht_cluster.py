@@ -4,7 +4,7 @@ process in its own namespace on a tbf-shaped link.
 `DhtCluster` is the DHT-mode launcher. Peer 0 (the `bootstrap` peer) starts the DHT at a fixed lab
 address and port with an identity generated beforehand, so its multiaddr is known before it runs
 and every other peer (restarts included) is given it as `--initial-peers`. A peer's process group
-holds its hivemind DHT process and its p2pd daemon: `kill` and the teardown SIGKILL the whole group,
+holds its p2pd daemon (and the daemon's watcher): `kill` and the teardown SIGKILL the whole group,
 as a machine dies. The scenarios are in test_dht.py.
 """
 
@@ -78,7 +78,7 @@ class DhtCluster(CoordinatorCluster):
         proc = host.popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL,
                           stdout=self._logfile(log), stderr=subprocess.STDOUT, env={**self.env, "DEMONET_TOKEN": TOKEN})
         proc.log_name = log  # type: ignore[attr-defined]
-        handle.procs.append(self.reaper.add(proc, group=self.group_kill))  # the peer, its DHT process, its p2pd
+        handle.procs.append(self.reaper.add(proc, group=self.group_kill))  # the peer and its p2pd
         return proc
 
     def finish(self, procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = WAIT_S) -> None:

@@ -18,7 +18,7 @@ ROWS = [  # figures file, scenario
     ("late_joiner_slow_link", "a late joiner over 2 Mbit/s"),
     ("bad_input", "bad input at every RPC, wrong/no token"),
     ("poisoning", "a poisoner (random x1000), clipping on / off"),
-    ("dht_peer_sigkill_restart", "DHT mode: a peer SIGKILLed (with its DHT and p2pd), restarted"),
+    ("dht_peer_sigkill_restart", "DHT mode: a peer SIGKILLed (with its p2pd), restarted"),
     ("dht_partition", "DHT mode: a peer cut off until the run ends"),
     ("dht_partition_heal", "DHT mode: a peer cut off for 8+ rounds, healed"),
     ("dht_split_two_two", "DHT mode: four peers split two against two, healed"),

@@ -1,5 +1,5 @@
 """Crashes and partitions in DHT mode (no coordinator) over the lab: a peer SIGKILLed mid-run with its
-DHT and p2pd processes and restarted, and a peer cut off: it applies no round without a majority, and
+p2pd daemon and restarted, and a peer cut off: it applies no round without a majority, and
 after the heal catches up from the majority without a restart.
 
 The coordinator-mode scenarios that have no DHT counterpart are not run here: a coordinator restart
@@ -52,7 +52,7 @@ def test_dht_a_peer_killed_mid_run_rejoins_from_the_others_and_agrees(dht: DhtCl
     before = dht.last_round("c")
     dht.wait_for(lambda: dht.last_round("c") > before, "c to finish a round")  # a round just began
     time.sleep(rng.uniform(0.0, 0.3))
-    dht.kill(c)  # the peer, its DHT process and its p2pd
+    dht.kill(c)  # the peer and its p2pd
     t_kill = time.monotonic()
     killed = dht.last_round("c") + 1
     ahead = dht.last_round("a")

@@ -1,8 +1,8 @@
 """A small run's records go to every DHT node at once, without hivemind's search, and every node reads them.
 
-Three real hivemind DHT nodes (`DhtNode`, each with its DHT process and p2pd) on loopback, in a fresh
+Three real hivemind DHT nodes (`DhtNode`, each with its p2pd daemon) on loopback, in a fresh
 interpreter. Each stores a record under one key: with fewer nodes in its routing table than
-``num_replicas``, the store asks no node for neighbours (`find` calls, counted in each DHT process), and
+``num_replicas``, the store asks no node for neighbours (`find` calls, counted on each node), and
 every node's search finds all three records; two records under two keys go in one call to each node.
 With ``num_replicas`` lowered below the table's size, hivemind's own store runs (it searches first),
 and the record is found all the same.
@@ -26,21 +26,17 @@ pytestmark = pytest.mark.slow
 _TOKEN = "store-test-token"
 
 
-async def _finds(dht: Any, node: Any) -> int:
-    """In a DHT process: the find calls this node made so far (counted by `_count_finds`)."""
+def _finds(node: Any) -> int:
+    """The find calls hivemind's `node` made so far (counted by `_count_finds`)."""
     return int(getattr(node.protocol, "finds_made", 0))
 
 
-async def _table(dht: Any, node: Any) -> int:
+def _table(node: Any) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
-async def _set_replicas(n: int, dht: Any, node: Any) -> None:
-    node.num_replicas = n
-
-
 def _count_finds() -> None:
-    """Count every find call a DHT protocol makes (the DHT processes fork from here and inherit it)."""
+    """Count every find call a DHT protocol of this interpreter makes."""
     from hivemind.dht.protocol import DHTProtocol
 
     call_find = DHTProtocol.call_find
@@ -53,8 +49,6 @@ def _count_finds() -> None:
 
 
 async def _three_nodes() -> dict[str, Any]:
-    import functools
-
     from demonet.dht.node import DhtNode
     from demonet.dht.streams import DhtOptions
 
@@ -71,29 +65,29 @@ async def _three_nodes() -> dict[str, Any]:
         maddr = nodes[0].visible_maddrs()[0]
         nodes += [await DhtNode.start(opts((maddr,)), name) for name in ("b", "c")]
         for _ in range(100):  # each node meets the others (b and c through a)
-            tables = [await n.dht.run_coroutine(_table, return_future=True) for n in nodes]
+            tables = [_table(n.hive.node) for n in nodes]
             if min(tables) == 2:
                 break
             await asyncio.sleep(0.1)
         out["tables"] = tables
 
-        async def finds() -> list[int]:
-            return [await n.dht.run_coroutine(_finds, return_future=True) for n in nodes]
+        def finds() -> list[int]:
+            return [_finds(n.hive.node) for n in nodes]
 
-        before = await finds()
+        before = finds()
         for n in nodes:
             await n.store(n.key("members", 1), {"from": n.peer_id})
         await nodes[1].store_many({nodes[1].key("state", 1): {"round": 1}, nodes[1].key("head"): {"round": 1}})
-        out["finds_direct"] = [x - y for x, y in zip(await finds(), before, strict=True)]
+        out["finds_direct"] = [x - y for x, y in zip(finds(), before, strict=True)]
         out["read_direct"] = [sorted(await n.get(n.key("members", 1))) for n in nodes]
         out["read_many"] = [[await n.get(n.key(what, 1 if what == "state" else None)) for what in ("state", "head")]
                             for n in nodes]
 
         for n in nodes:
-            await n.dht.run_coroutine(functools.partial(_set_replicas, 2), return_future=True)
-        before = await finds()
+            n.hive.node.num_replicas = 2
+        before = finds()
         await nodes[2].store(nodes[2].key("members", 2), {"from": "c"})
-        out["finds_search"] = [x - y for x, y in zip(await finds(), before, strict=True)]
+        out["finds_search"] = [x - y for x, y in zip(finds(), before, strict=True)]
         out["read_search"] = [sorted(await n.get(n.key("members", 2))) for n in nodes]
     finally:
         for n in reversed(nodes):
@@ -123,41 +117,3 @@ def test_a_small_run_stores_without_a_search_and_every_node_reads_it(reap_childr
     assert found["read_many"] == [[{"b": {"round": 1}}, {"b": {"round": 1}}]] * 3, found  # two keys, one call each
     assert found["finds_search"][2] > 0, found  # 2 replicas < 3 nodes: hivemind searches for the nearest
     assert found["read_search"] == [["c"]] * 3, found
-
-
-async def _start_after_a_death_in_the_lock() -> dict[str, Any]:
-    """Poison hivemind's update lock as a DHT process killed at the wrong moment does, then start a node."""
-    import multiprocessing as mp
-    import os
-    import time
-
-    from hivemind.utils.mpfuture import MPFuture
-
-    from demonet.dht.node import DhtNode
-    from demonet.dht.streams import DhtOptions
-
-    def die_holding_the_lock() -> None:
-        MPFuture._update_lock.acquire()
-        os._exit(0)
-
-    child = mp.get_context("fork").Process(target=die_holding_the_lock)
-    child.start()
-    child.join()
-    held = not MPFuture._update_lock.acquire(timeout=0.2)
-    t0 = time.monotonic()
-    node = await DhtNode.start(DhtOptions(run="lock", token=_TOKEN, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
-                                          bootstrap_timeout_s=10.0), "a")
-    ready_s = time.monotonic() - t0
-    await node.store(node.key("members", 1), {"from": "a"})
-    found = sorted(await node.get(node.key("members", 1)))
-    await asyncio.wait_for(node.close(), 30)
-    return {"held": held, "ready_s": ready_s, "found": found}
-
-
-def test_a_dht_process_gets_ready_after_another_died_inside_hiveminds_lock(reap_children: Reaper) -> None:
-    """A DHT process killed inside hivemind's cross-process update lock left it held, and every DHT process
-    started after it never got ready (seen in CI: three starts in a row, after a first one had failed)."""
-    found, err = _in_a_fresh_interpreter(reap_children, "_start_after_a_death_in_the_lock", 120)
-    assert found["held"], found  # the lock was left held
-    assert found["ready_s"] < 10.0 and found["found"] == ["a"], found  # ready at the first start, and working
-    assert "held by a process that ended inside it" in err, err[-3000:]

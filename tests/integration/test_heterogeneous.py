@@ -14,7 +14,7 @@ next round's start. So the tests assert that no peer ever resyncs and that all p
 digest per round, in both modes, for each base optimizer the mode supports.
 
 Every process runs in its own session, and `close` kills each session's process group (the peer,
-and in DHT mode its DHT process and p2pd) at the end, also when the test fails.
+and in DHT mode its p2pd) at the end, also when the test fails.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ members are in closes at once."""
 RUN_TIMEOUT_S = 120.0
 """Bound of the whole run, starting the processes included (it takes about 20 s)."""
 DHT_RUN_TIMEOUT_S = 150.0
-"""The same in DHT mode, where each peer also starts a DHT process and a p2pd daemon."""
+"""The same in DHT mode, where each peer also starts a p2pd daemon."""
 
 _KERNEL_VARS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS",
                 "MKL_NUM_THREADS")
@@ -107,7 +107,7 @@ class _Run:
         return "\n".join(f"--- {name}\n{self.log(name)[-3000:]}" for name in self.procs)
 
     def close(self) -> None:
-        for proc in self.procs.values():  # each session: the process and its children (DHT process, p2pd)
+        for proc in self.procs.values():  # each session: the process and its children (p2pd)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         for proc in self.procs.values():

@@ -1,5 +1,5 @@
 """Importing DHT mode leaves `scipy.optimize` unrun (hivemind imports it for its averaging, which DHT mode
-never calls: 0.6 s of CPU in every peer and DHT process), and `scipy.optimize` works all the same for
+never calls: 0.6 s of CPU in every peer), and `scipy.optimize` works all the same for
 whoever uses it. Each case runs in a fresh interpreter, so no earlier import hides the effect."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _python(code: str) -> list[str]:
 
 
 def test_dht_mode_imports_hivemind_without_running_scipy_optimize() -> None:
-    code = ("import sys, demonet.dht.process, demonet.dht.streams, demonet.dht.node, hivemind; "
+    code = ("import sys, demonet.dht.hive, demonet.dht.streams, demonet.dht.node, hivemind; "
             "print('hivemind.averaging.load_balancing' in sys.modules, 'scipy.optimize._optimize' in sys.modules)")
     assert _python(code) == ["True False"]
 

@@ -1,4 +1,4 @@
-"""The p2pd socket folders of DHT processes that were killed are swept; those of live processes are not, nor
+"""The p2pd socket folders of peers that were killed are swept; those of live processes are not, nor
 those where a socket still answers."""
 
 from __future__ import annotations
