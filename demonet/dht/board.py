@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from demonet.errors import PeerUnavailable
@@ -39,6 +40,15 @@ def _expected(states: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...] | None
     """The peers that most of `states` expect in the round after (None: no state says)."""
     lists = [tuple(v["expected"]) for v in states.values() if isinstance(v.get("expected"), list)]
     return max(set(lists), key=lists.count) if lists else None
+
+
+@dataclass
+class _Waiting:
+    """What a peer without a majority waits with in one freeze (`RoundBoard._freeze`)."""
+
+    minority: tuple[tuple[str, ...], frozenset[str]] | None = None
+    """(the members it froze with, the base), logged once and again on change; None: not waiting."""
+    looks: int = 0
 
 
 class RoundBoard:
@@ -305,14 +315,13 @@ class RoundBoard:
         opts, expected, previous = self._opts, self.expected.get(r), self.previous.get(r)
         # The first round waits for its start_peers to come up; later ones freeze within window_s.
         limit = time.monotonic() + (_START_TIMEOUT_S if expected is None else opts.window_s * 3 + 10)
-        minority: tuple[tuple[str, ...], frozenset[str]] | None = None  # what this peer waits with, for the log
-        waits = 0
+        waiting = _Waiting()
         for p in previous or ():  # a base member this peer never read (a joiner's donors' list) is heard from now
             self.last_seen.setdefault(p, now())
         final = lambda f, at: f is not None and (f.settled or at >= f.deadline + opts.settle_s)  # noqa: E731
         searched, wait_s, absent = time.monotonic(), 0.0, set(expected or ())
         steady, self._steady = self._steady, False  # True again only when this freeze is complete at once
-        while minority is not None or time.monotonic() < limit:
+        while waiting.minority is not None or time.monotonic() < limit:
             # In a run of a few peers every peer stores its announcement (and a joiner its registration,
             # `register`) on every node it knows and on its members' at once (`DhtNode.store_many`), so
             # this node's own storage is looked at first: when every expected peer's announcement is here,
@@ -323,8 +332,8 @@ class RoundBoard:
             # announce), without a majority (across a partition nothing was stored here), after a round
             # that was not complete at once (a heal: routing tables still short of the other side), and in
             # a run of more peers than `num_replicas` (a record is stored on the nodes nearest its key only).
-            local_ok = steady and minority is None and self._node.everywhere
-            search = (minority is not None or expected is None or not local_ok
+            local_ok = steady and waiting.minority is None and self._node.everywhere
+            search = (waiting.minority is not None or expected is None or not local_ok
                       or time.monotonic() - searched >= _SEARCH_EVERY_S)
             for local in (False,) if search else (True, False):
                 searched = time.monotonic() if not local else searched
@@ -340,7 +349,7 @@ class RoundBoard:
                     break
             if final(frozen, read_at):
                 if frozen.majority:
-                    if minority is not None:
+                    if waiting.minority is not None:
                         self.waited.add(r)
                         self.on_minority(r, False)
                         logger.warning("[%s round=%d] a majority again: %d of %d members", self._node.peer_id, r,
@@ -350,37 +359,13 @@ class RoundBoard:
                         logger.info("[%s round=%d] froze at the deadline with %d members%s", self._node.peer_id,
                                     r, len(frozen.members), f" (not in: {', '.join(missing)})" if missing else "")
                     self.bases[r] = base
-                    self._steady = frozen.complete and minority is None
+                    self._steady = frozen.complete and waiting.minority is None
                     return frozen, announced
                 assert base is not None  # a round without a base always holds a majority
-                if minority != (frozen.members, base):  # once, then on change
-                    if minority is None:
-                        self.on_minority(r, True)
-                    minority = frozen.members, base
-                    logger.warning("[%s round=%d] no majority: %d of the %d members of the round before (%s) "
-                                   "are here; not applying rounds, waiting for the others", self._node.peer_id, r,
-                                   len(base.intersection(frozen.members)), len(base), ", ".join(sorted(base)))
-                if waits % _RECONNECT_EVERY == 0 and (self._reconnecting is None or self._reconnecting.done()):
-                    # A partition may have healed: reach the base again. Beside the looks: a ping to a member
-                    # still cut off lasts exchange_timeout_s, and a late announcement must be seen at once.
-                    self._reconnecting = asyncio.create_task(self._node.reconnect(
-                        [self.addresses[p] for p in base if p in self.addresses and p != self._node.peer_id]))
-                waits += 1
-                head = await self.head_round()
-                following = self.joiners(r + 1, read_at)  # a side a round behind gave up its own
-                late = rules.late_majority(announced, base, following)
-                if head is not None and head > r and (late is None or not await self._aborted_ahead(r, head)):
-                    self.on_minority(r, False)
-                    raise NotMember(f"round {r}: no majority here, and the run went on to round {head}")
-                if late is not None:  # the others are back (or aborted it and wait): abort this round together
-                    self.waited.add(r)
-                    self.on_minority(r, False)
-                    joining = sorted(base.intersection(following) - set(late))
-                    logger.warning("[%s round=%d] a majority again, late: %d of %d members%s; the round is aborted",
-                                   self._node.peer_id, r, len(base.intersection(late)) + len(joining), len(base),
-                                   f" ({', '.join(joining)} joining the next round)" if joining else "")
+                late = await self._wait_without_majority(r, frozen, base, announced, read_at, waiting)
+                if late is not None:
                     self.bases[r] = base
-                    return rules.Frozen(deadline=read_at, members=late, complete=False, settled=True), announced
+                    return late, announced
                 await asyncio.sleep(_WAIT_POLL_S)
                 continue
             if not local_ok:  # searching every time
@@ -397,3 +382,45 @@ class RoundBoard:
                 await asyncio.sleep(wait_s)
                 wait_s = 0.0
         raise PeerUnavailable(f"round {r}: could not read its membership from the DHT")
+
+    async def _wait_without_majority(self, r: int, frozen: rules.Frozen, base: frozenset[str],
+                                     announced: dict[str, rules.Announcement], read_at: float, waiting: _Waiting
+                                     ) -> rules.Frozen | None:
+        """One look of `_freeze` on a minority side: say so (once, then on change), reach the base again every
+        few looks, and see whether the run went on without this peer or a majority is back, late.
+
+        Returns the round's freeze once a majority is back late (every peer aborts the round), None to look
+        again.
+
+        Raises:
+            NotMember: the run went on past `r` without this peer.
+        """
+        if waiting.minority != (frozen.members, base):  # once, then on change
+            if waiting.minority is None:
+                self.on_minority(r, True)
+            waiting.minority = frozen.members, base
+            logger.warning("[%s round=%d] no majority: %d of the %d members of the round before (%s) "
+                           "are here; not applying rounds, waiting for the others", self._node.peer_id, r,
+                           len(base.intersection(frozen.members)), len(base), ", ".join(sorted(base)))
+        if waiting.looks % _RECONNECT_EVERY == 0 and (self._reconnecting is None or self._reconnecting.done()):
+            # A partition may have healed: reach the base again. Beside the looks: a ping to a member
+            # still cut off lasts exchange_timeout_s, and a late announcement must be seen at once.
+            self._reconnecting = asyncio.create_task(self._node.reconnect(
+                [self.addresses[p] for p in base if p in self.addresses and p != self._node.peer_id]))
+        waiting.looks += 1
+        head = await self.head_round()
+        following = self.joiners(r + 1, read_at)  # a side a round behind gave up its own
+        late = rules.late_majority(announced, base, following)
+        if head is not None and head > r and (late is None or not await self._aborted_ahead(r, head)):
+            self.on_minority(r, False)
+            raise NotMember(f"round {r}: no majority here, and the run went on to round {head}")
+        if late is None:
+            return None
+        # The others are back (or aborted it and wait): abort this round together.
+        self.waited.add(r)
+        self.on_minority(r, False)
+        joining = sorted(base.intersection(following) - set(late))
+        logger.warning("[%s round=%d] a majority again, late: %d of %d members%s; the round is aborted",
+                       self._node.peer_id, r, len(base.intersection(late)) + len(joining), len(base),
+                       f" ({', '.join(joining)} joining the next round)" if joining else "")
+        return rules.Frozen(deadline=read_at, members=late, complete=False, settled=True)

@@ -117,7 +117,10 @@ class SliceExchange:
             self.latest = r
             for old in [k for k in self._rounds if k < r - _KEEP_ROUNDS]:
                 del self._rounds[old]
-        return self._rounds.setdefault(r, _Round())
+        st = self._rounds.get(r)
+        if st is None:  # (not setdefault: a _Round is built only where none is held yet)
+            st = self._rounds[r] = _Round()
+        return st
 
     def _far(self, r: int) -> bool:
         """A round this peer keeps no state for: long over, or too far ahead (a peer out of step)."""
