@@ -16,7 +16,7 @@ import contextlib
 import logging
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from . import keys
@@ -200,9 +200,10 @@ class Hive:
         from hivemind.p2p import P2P
 
         use_own_sockets()
-        p2p = await P2P.create(initial_peers=list(initial_peers) or None, host_maddrs=list(host_maddrs),
-                               announce_maddrs=list(announce_maddrs) or None, identity_path=identity_path,
-                               dht_mode="client" if client_mode else "server")
+        with _daemon_in_own_session():
+            p2p = await P2P.create(initial_peers=list(initial_peers) or None, host_maddrs=list(host_maddrs),
+                                   announce_maddrs=list(announce_maddrs) or None, identity_path=identity_path,
+                                   dht_mode="client" if client_mode else "server")
         watcher = None
         try:
             watcher = _watch_daemon(p2p)
@@ -227,6 +228,31 @@ class Hive:
         if self.p2p is not None:
             p2p, self.p2p = self.p2p, None
             await _end_daemon(p2p, self._watcher)
+
+
+@contextlib.contextmanager
+def _daemon_in_own_session() -> Iterator[None]:
+    """Start the p2pd daemons that hivemind's `P2P.create` spawns meanwhile in a session of their own.
+
+    A Ctrl-C at a terminal (SIGINT), or its hangup, reaches every process of the terminal's process group:
+    the daemon would end at once, while the peer's graceful stop (its open round, then its leave) still
+    needs it. It ends with the peer instead (SIGTERM: `Hive.close`, or the watcher). hivemind offers no
+    way to pass this to its spawn, so its call is wrapped while `P2P.create` runs; other programs are
+    spawned as asked."""
+    import asyncio.subprocess as aio_subprocess
+
+    spawn = aio_subprocess.create_subprocess_exec
+
+    async def spawn_daemon(program: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(program).endswith("p2pd"):
+            kwargs.setdefault("start_new_session", True)
+        return await spawn(program, *args, **kwargs)
+
+    aio_subprocess.create_subprocess_exec = spawn_daemon  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        aio_subprocess.create_subprocess_exec = spawn
 
 
 def _watch_daemon(p2p: Any) -> subprocess.Popen[bytes] | None:

@@ -246,10 +246,10 @@ def test_kill_late_joiner_and_wrong_token(tmp_path: Path, reap_children: Reaper)
 
 
 def test_peers_that_stop_gracefully_leave_and_the_last_one_goes_on_alone(tmp_path: Path, reap_children: Reaper) -> None:
-    """Three peers; c is stopped (SIGTERM), then b: each says it leaves (its record among the next round's
-    announcements), so no round waits for it until the round's deadline, and each leaves the majority's
-    base at once: a, the last member, goes on alone to the run's end (a silent member would hold it
-    `leave_after_s`, 600 s: 1 of a base of 2 is no majority)."""
+    """Three peers; c is stopped (SIGTERM), then b (SIGINT to its process group, as a Ctrl-C): each says it
+    leaves (its record among the next round's announcements), so no round waits for it until the round's
+    deadline, and each leaves the majority's base at once: a, the last member, goes on alone to the run's
+    end (a silent member would hold it `leave_after_s`, 600 s: 1 of a base of 2 is no majority)."""
     steps = 150
     peers = _Peers(tmp_path, reap_children, steps=steps, start_peers=3)
     peers.bootstrap("a")
@@ -260,8 +260,15 @@ def test_peers_that_stop_gracefully_leave_and_the_last_one_goes_on_alone(tmp_pat
     assert peers.procs["c"].returncode == 0 and "left the run" in peers.log("c"), peers.log("c")[-3000:]
     stopped = len(peers.rows("a"))
     wait_for(lambda: any(r["contributors"] == 2 for r in peers.rows("a")[stopped:]), "rounds of a and b", peers)
-    peers.stop(["b"])
-    assert peers.procs["b"].returncode == 0 and "left the run" in peers.log("b"), peers.log("b")[-3000:]
+    # b is stopped as a Ctrl-C at its terminal stops it: SIGINT to its whole process group. Its p2pd daemon
+    # runs in a session of its own, out of the signal's reach, so it serves b's open round and leave to the end.
+    daemons = [k for k in psutil.Process(peers.procs["b"].pid).children() if k.name() == "p2pd"]
+    assert len(daemons) == 1 and os.getpgid(daemons[0].pid) != peers.procs["b"].pid, daemons
+    os.killpg(peers.procs["b"].pid, signal.SIGINT)
+    peers.procs["b"].wait(timeout=WAIT_S)
+    log_b = peers.log("b")
+    assert peers.procs["b"].returncode == 0 and "left the run" in log_b, log_b[-3000:]
+    assert "abandoned the round" not in log_b, log_b[-3000:]
     wait_for(lambda: peers.procs["a"].poll() is not None, "a to end the run alone", peers)
     assert peers.procs["a"].returncode == 0, peers.log("a")[-3000:]
     rows = peers.rows("a")
