@@ -171,11 +171,11 @@ class Hive:
     """hivemind's DHT node (`node`) on this process's event loop, and the p2pd daemon (`p2p`) it shares with
     the peer's streams. Start it with `Hive.start`; `close` ends both.
 
-    The daemon is a child of this process. So that it does not outlive a peer killed with SIGKILL, a
-    watcher (a shell's `read`, which sleeps without using CPU) waits for the end of a pipe that only this
-    process holds open: when the process dies, the kernel closes it, and the watcher terminates the
-    daemon. `close` stops the watcher first, so it never signals a process id that another process may
-    hold by then.
+    The daemon is a child of this process, in a session of its own (`_daemon_in_own_session`). So that it
+    does not outlive a peer killed with SIGKILL, a watcher (a shell's `read`, which sleeps without using
+    CPU) waits for the end of a pipe that only this process holds open: when the process dies, the kernel
+    closes it, and the watcher terminates the daemon. `close` stops the watcher first, so it never signals
+    a process id that another process may hold by then.
     """
 
     def __init__(self, node: Any, p2p: Any, maddrs: Sequence[Any], watcher: subprocess.Popen[bytes] | None) -> None:
