@@ -272,9 +272,8 @@ def _watch_daemon(p2p: Any) -> subprocess.Popen[bytes] | None:
 async def _end_daemon(p2p: Any, watcher: subprocess.Popen[bytes] | None) -> None:
     """Stop the watcher, then the daemon."""
     if watcher is not None:
-        watcher.kill()
-        with contextlib.suppress(OSError):
-            assert watcher.stdin is not None
+        watcher.kill()  # first: once the daemon is gone, its process id may be another process's
+        if watcher.stdin is not None:
             watcher.stdin.close()
         await asyncio.to_thread(watcher.wait)
     with contextlib.suppress(Exception):  # gone already
