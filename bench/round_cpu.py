@@ -6,7 +6,8 @@ cores, so the round overhead is mostly the CPU of the work that is not training.
 starts `demonet up [--dht] --peers N` (the embedded default model unless --config), waits for round
 --skip, then reads every process's CPU time (user + system, from psutil) over --seconds and the rounds
 peer-0 ended meanwhile, and prints the CPU milliseconds per round:
-- each peer process (its training, codec, exchange and event loop);
+- each peer process (its training, codec, exchange and event loop), and of it its main thread, which runs
+  its event loop (streams, the DHT node, signatures, the codecs of small messages);
 - in DHT mode, each peer's p2pd daemon (and, on a --baseline from before the DHT node ran in the peer's
   own process, each peer's DHT process);
 - in coordinator mode, the coordinator.
@@ -40,13 +41,16 @@ def _kind(proc: psutil.Process, up: int) -> str:
     return "other"
 
 
-def _cpu(up: psutil.Process) -> dict[int, tuple[str, float]]:
-    """Process id -> (its kind, its CPU seconds so far), for every process under `demonet up`."""
+def _cpu(up: psutil.Process) -> dict[int, tuple[str, float, float]]:
+    """Process id -> (its kind, its CPU seconds so far, those of its main thread), for every process under
+    `demonet up`. A peer's main thread runs its event loop (streams, the DHT node, signatures, small codecs);
+    its training, and the codecs of large messages, run in other threads."""
     out = {}
     for proc in up.children(recursive=True):
         try:
             times = proc.cpu_times()
-            out[proc.pid] = (_kind(proc, up.pid), times.user + times.system)
+            main = next((t.user_time + t.system_time for t in proc.threads() if t.id == proc.pid), 0.0)
+            out[proc.pid] = (_kind(proc, up.pid), times.user + times.system, main)
         except psutil.Error:  # gone meanwhile
             continue
     return out
@@ -80,11 +84,15 @@ def measure(peers: int, dht: bool, config: str | None, skip: int, seconds: float
             proc.wait()
     rounds = r1 - r0
     by_kind: dict[str, list[float]] = {}
-    for pid, (kind, cpu) in after.items():
+    loops: list[float] = []
+    for pid, (kind, cpu, main) in after.items():
         if pid in before:
             by_kind.setdefault(kind, []).append(cpu - before[pid][1])
+            if kind == "peer":
+                loops.append(main - before[pid][2])
     return {"rounds": rounds, "round_s": (t1 - t0) / max(rounds, 1),
-            "kinds": {k: (len(v), 1000 * sum(v) / max(rounds, 1)) for k, v in by_kind.items()}}
+            "kinds": {k: (len(v), 1000 * sum(v) / max(rounds, 1)) for k, v in by_kind.items()},
+            "loop_ms": 1000 * sum(loops) / max(len(loops), 1) / max(rounds, 1)}
 
 
 def main() -> None:
@@ -106,9 +114,9 @@ def main() -> None:
           + ("" if args.state_every_s is None else f"; this tree's coordinator writes its state at most every "
                                                    f"{args.state_every_s:g} s"))
     print()
-    print("| mode | code | rounds read | round ms | peer process ms (each) | DHT process ms (each) | p2pd ms (each) "
-          "| coordinator ms | total ms | of the cores' ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| mode | code | rounds read | round ms | peer process ms (each) | of it, its event loop's thread "
+          "| DHT process ms (each) | p2pd ms (each) | coordinator ms | total ms | of the cores' ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     totals: dict[tuple[str, str], float] = {}
     codes = [("this tree", None)] + ([("baseline", args.baseline)] if args.baseline else [])
     with tempfile.TemporaryDirectory(prefix="round_cpu-") as tmp:
@@ -122,8 +130,8 @@ def main() -> None:
                 total = sum(ms for _, ms in kinds.values())
                 totals[(mode, label)] = total
                 print(f"| {mode} | {label} | {m['rounds']} | {1000 * m['round_s']:.0f} | {each.get('peer', '')} "
-                      f"| {each.get('dht process', '')} | {each.get('p2pd', '')} | {each.get('coordinator', '')} "
-                      f"| {total:.0f} | {1000 * m['round_s'] * cores:.0f} |")
+                      f"| {m['loop_ms']:.1f} | {each.get('dht process', '')} | {each.get('p2pd', '')} "
+                      f"| {each.get('coordinator', '')} | {total:.0f} | {1000 * m['round_s'] * cores:.0f} |")
     print()
     for label, _ in codes:
         if ("coordinator", label) in totals and ("dht", label) in totals:

@@ -47,6 +47,8 @@ class DhtKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DHT_KIND_REPLY: _ClassVar[DhtKind]
     DHT_KIND_PING: _ClassVar[DhtKind]
     DHT_KIND_CHECK: _ClassVar[DhtKind]
+    DHT_KIND_STORE: _ClassVar[DhtKind]
+    DHT_KIND_HELLO: _ClassVar[DhtKind]
 INDEX_CODING_UNSPECIFIED: IndexCoding
 INDEX_CODING_PACKED: IndexCoding
 INDEX_CODING_ELIAS_FANO: IndexCoding
@@ -74,6 +76,8 @@ DHT_KIND_PARAMS: DhtKind
 DHT_KIND_REPLY: DhtKind
 DHT_KIND_PING: DhtKind
 DHT_KIND_CHECK: DhtKind
+DHT_KIND_STORE: DhtKind
+DHT_KIND_HELLO: DhtKind
 
 class SparseTensor(_message.Message):
     __slots__ = ("name", "shape", "chunk_h", "chunk_w", "k", "index_coding", "indices", "value_encoding", "values", "scales", "value_coding")

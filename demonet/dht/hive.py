@@ -17,12 +17,15 @@ import logging
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
+
+from demonet.errors import InvalidPayload
 
 from . import keys
 from .sockets import use_own_sockets
 
-__all__ = ["READY_MAX_S", "READY_MIN_S", "REPLICAS", "Hive", "local_records", "ping_and_refresh", "store_records"]
+__all__ = ["READY_MAX_S", "READY_MIN_S", "REPLICAS", "Hive", "Linked", "local_records", "ping_and_refresh",
+           "serve_store", "store_records"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,8 @@ async def ping_and_refresh(node: Any, addresses: list[str]) -> int:
     return max(len(table.uid_to_peer_id) - before, 0)
 
 
-async def store_records(node: Any, records: list[tuple[str, str, str, float]], also: list[str]) -> tuple[bool, bool]:
+async def store_records(node: Any, records: list[tuple[str, str, str, float]], also: list[str],
+                        links: Linked | None = None) -> tuple[bool, bool]:
     """Store records of dictionary values from hivemind's `node`, each (key, subkey, value, expiration time).
     Returns whether a node stored each one (all of them), and whether they went to every node of the
     routing table and of `also` (libp2p addresses) at once.
@@ -52,6 +56,10 @@ async def store_records(node: Any, records: list[tuple[str, str, str, float]], a
     of up to `REPLICAS` peers). Then the records go to each of them in one call, and to this node,
     without the search, and to the nodes of `also` that the table lacks (after a partition, every call
     that failed across it dropped the other side from the table). A larger table takes hivemind's own store.
+
+    A node that `links` holds a link to gets the records over it (`serve_store` stores them there), not in a
+    hivemind store call: that call opens a libp2p stream of its own through both daemons, once per node and
+    round. The node validates and stores them as hivemind's store call would.
     """
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord
@@ -79,11 +87,59 @@ async def store_records(node: Any, records: list[tuple[str, str, str, float]], a
     for address in also:
         if address not in peers and address != str(node.peer_id):
             peers[address] = PeerID.from_base58(address)
-    answers = await asyncio.gather(*(protocol.call_store(peer, keys=key_ids, values=values,
-                                                         expiration_time=[e for _, _, _, e in records],
-                                                         subkeys=[s for _, s, _, _ in records])
-                                     for peer in peers.values()))
+    expirations, subkeys = [e for _, _, _, e in records], [s for _, s, _, _ in records]
+    request = b""
+
+    async def store_at(address: str, peer: Any) -> list[bool] | None:
+        nonlocal request
+        if links is None or not links.has_link(address):
+            return await protocol.call_store(peer, keys=key_ids, values=values, expiration_time=expirations,
+                                             subkeys=subkeys)
+        if not request:
+            from hivemind.proto import dht_pb2
+
+            request = dht_pb2.StoreRequest(keys=[k.to_bytes() for k in key_ids],
+                                           subkeys=[protocol.serializer.dumps(s) for s in subkeys], values=values,
+                                           expiration_time=expirations, in_cache=[False] * len(values)
+                                           ).SerializeToString()
+        return await links.store_over_link(address, request)
+
+    answers = await asyncio.gather(*(store_at(address, peer) for address, peer in peers.items()))
     return all(here or any(a and a[i] for a in answers) for i, here in enumerate(stored)), True
+
+
+class Linked(Protocol):
+    """The links `store_records` may store over (`demonet.dht.node.DhtNode`)."""
+
+    def has_link(self, address: str) -> bool:
+        """Whether a link to the libp2p peer `address` is open."""
+
+    async def store_over_link(self, address: str, request: bytes) -> list[bool] | None:
+        """Send a serialized hivemind ``StoreRequest`` over the link; each record's answer, None on failure."""
+
+
+async def serve_store(node: Any, request: bytes) -> bytes:
+    """Store the records of a serialized hivemind ``StoreRequest`` that came over a link in hivemind `node`'s
+    own storage, as hivemind's store call does (each record validated: the run token's HMAC, its peer's
+    signature), and return the serialized ``StoreResponse`` (whether each was stored).
+
+    Raises:
+        InvalidPayload: not a ``StoreRequest``, or one whose lists are not of one length.
+    """
+    from google.protobuf.message import DecodeError
+    from hivemind.proto import dht_pb2
+
+    msg = dht_pb2.StoreRequest()
+    try:
+        msg.ParseFromString(request)
+    except DecodeError as e:
+        raise InvalidPayload(f"not a StoreRequest: {e}") from None
+    if not len(msg.keys) == len(msg.subkeys) == len(msg.values) == len(msg.expiration_time) == len(msg.in_cache):
+        raise InvalidPayload("a StoreRequest whose keys, subkeys, values, expiration times and cache flags differ "
+                             "in number")
+    msg.ClearField("peer")  # the sender's node info: hivemind's store call would ping it back
+    response = await node.protocol.rpc_store(msg, None)
+    return response.SerializeToString()
 
 
 def _arrivals(storage: Any) -> set[asyncio.Future[None]]:

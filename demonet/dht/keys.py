@@ -2,7 +2,8 @@
 
 A DHT record is stored under the subkey ``<peer id>@<hex public key>`` and signed by that key
 (`record_statement`); a stream message is signed over its bytes with `mac` and `signature` empty
-(`message_statement`). `KeyBook` decides which key's records count for a peer id: the one the
+(`message_statement`), a link's first call and its reply over their bytes and the link's two ends
+(`link_statement`). `KeyBook` decides which key's records count for a peer id: the one the
 allowlist names, else the first key this peer saw for it in the run (trust on first use). Imports the
 wire layer's `statement`; must not import asyncio, hivemind or any other demonet.dht module.
 """
@@ -14,7 +15,7 @@ from collections.abc import Iterable, Mapping
 
 from demonet.wire.identity import KEY_BYTES, statement
 
-__all__ = ["KeyBook", "message_statement", "parse_subkey", "record_statement", "subkey"]
+__all__ = ["KeyBook", "link_statement", "message_statement", "parse_subkey", "record_statement", "subkey"]
 
 
 def subkey(peer_id: str, public: bytes) -> str:
@@ -46,6 +47,14 @@ def message_statement(body: bytes) -> bytes:
     `signature` empty (its run, round, sender, kind, send time and part are all in it). Signed over the
     digest, not the bytes: Ed25519 hashes its message twice with SHA-512 to sign, and parts are 1 MiB."""
     return statement("dht-message", hashlib.sha256(body).digest())
+
+
+def link_statement(body: bytes, opener: str, callee: str) -> bytes:
+    """What a link's HELLO call and its reply sign (demonet.dht.links): `message_statement`'s digest and the
+    libp2p peer ids of the peer that opened the link and of the one it called. Each end's daemon vouches
+    for the other end's peer id (libp2p's secure channel), so a HELLO signed for one link counts on no
+    other: one replayed by a third peer names that peer's id in neither place."""
+    return statement("dht-link", hashlib.sha256(body).digest(), opener, callee)
 
 
 class KeyBook:

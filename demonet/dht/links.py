@@ -31,7 +31,7 @@ __all__ = ["LINK", "MAX_FRAME_BYTES", "Link", "Served", "frame", "read_frame", "
 
 logger = logging.getLogger(__name__)
 
-LINK = "demonet.dht.link.v1"
+LINK = "demonet.dht.link.v2"
 """The libp2p protocol of links (one call per stream: `demonet.dht.streams.HANDLER`)."""
 MAX_FRAME_BYTES = (1 << 20) + (1 << 16)
 """A message's largest serialized size: a 1 MiB `PayloadPart` and its header fields."""
@@ -85,6 +85,8 @@ class Link:
 
     def __init__(self, address: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.address = address
+        self.peer: str | None = None
+        """The callee's peer id, once its reply to the link's hello bound the link to it."""
         self._reader, self._writer = reader, writer
         self._calls: dict[int, asyncio.Queue[pb.DhtMessage | None]] = {}
         self._last_call = 0
@@ -143,8 +145,13 @@ class Link:
 class Served(Protocol):
     """What `serve` asks of the peer it serves for (`demonet.dht.streams.Streams`)."""
 
-    async def refusal(self, msg: pb.DhtMessage, why: str, remote: object, call: int) -> pb.DhtMessage | None:
-        """None if `msg` is good (and `why` empty), else the error reply to send (the refusal counted and logged)."""
+    async def hello(self, msg: pb.DhtMessage, remote: object) -> tuple[pb.DhtMessage, str | None]:
+        """The answer to a link's first message, and the peer id it binds the link to (None: refused)."""
+
+    async def refusal(self, msg: pb.DhtMessage, why: str, remote: object, call: int, sender: str
+                      ) -> pb.DhtMessage | None:
+        """None if `msg`, on a link bound to `sender`, is good (and `why` empty), else the error reply to send
+        (the refusal counted and logged)."""
 
     async def answer(self, head: pb.DhtMessage, data: bytes | None, call: int
                       ) -> tuple[list[pb.DhtMessage], Callable[[], Awaitable[None]] | None]:
@@ -156,9 +163,10 @@ class Served(Protocol):
 
 async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Serve a link another peer opened until it closes: check each message, gather a request's parts, and
-    answer each whole request as soon as its handler is done (several at once). A refused message is
-    answered with the refusal, and the rest of its call is dropped unread; the link goes on (as another
-    stream would). A bad frame ends the link."""
+    answer each whole request as soon as its handler is done (several at once). The first message must
+    be a hello that binds the link to its sender (`Served.hello`); a link whose first message is refused
+    ends after the refusal is sent. A later refused message is answered with the refusal, and the rest of
+    its call is dropped unread; the link goes on (as another stream would). A bad frame ends the link."""
     sending = asyncio.Lock()
     pending: dict[int, tuple[pb.DhtMessage, wire.Reassembler]] = {}  # call -> (its first message, its parts)
     answering: set[asyncio.Task[None]] = set()
@@ -175,6 +183,11 @@ async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writ
                 await sent()
 
     try:
+        msg = await read_frame(reader)
+        reply, sender = await peer.hello(msg, remote)
+        await send(writer, sending, [reply])
+        if sender is None:
+            return
         while True:
             msg = await read_frame(reader)
             if msg.call in refused:
@@ -182,13 +195,13 @@ async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writ
             head, data, why = msg, None, ""
             if msg.HasField("part") and msg.call not in pending and len(pending) >= MAX_OPEN_CALLS:
                 why = f"more than {MAX_OPEN_CALLS} calls open on one link"
-            refusal = await peer.refusal(msg, why, remote, msg.call)
+            refusal = await peer.refusal(msg, why, remote, msg.call, sender)
             if refusal is None and msg.HasField("part"):
                 head, parts = pending.setdefault(msg.call, (msg, wire.Reassembler()))
                 try:
                     data = parts.add(msg.part)  # None until whole; a part after that raises
                 except InvalidPayload as e:
-                    refusal = await peer.refusal(msg, f"bad part: {e}", remote, msg.call)
+                    refusal = await peer.refusal(msg, f"bad part: {e}", remote, msg.call, sender)
                 if refusal is None and data is None:
                     continue
                 pending.pop(msg.call, None)

@@ -16,15 +16,16 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 
 from demonet._proto import demonet_pb2 as pb
-from demonet.errors import PeerUnavailable
+from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.wire.identity import Identity, fingerprint
 
 from . import keys
-from .hive import READY_MAX_S, READY_MIN_S, Hive, local_records, ping_and_refresh, store_records
-from .streams import DhtOptions, HmacValidator, KeyValidator, Streams, now
+from .hive import READY_MAX_S, READY_MIN_S, Hive, local_records, ping_and_refresh, serve_store, store_records
+from .streams import DhtOptions, HmacValidator, KeyValidator, Reply, Streams, now
 
 __all__ = ["DhtNode"]
 
@@ -47,6 +48,7 @@ class DhtNode:
         """This peer's libp2p peer id, which other peers dial."""
         self.book = keys.KeyBook((peer_id, identity.public), opts.allowed)
         self.streams = Streams(opts, peer_id, hive.p2p, identity, self.book, self.resolve_key)
+        self.streams.serve(pb.DHT_KIND_STORE, self._serve_store)
         self._ignored: set[tuple[str, bytes]] = set()  # (peer id, key) whose records were logged as ignored
         self._resolving: dict[tuple[str, int], asyncio.Task[bytes | None]] = {}  # one search per (peer id, round)
         self.everywhere = False
@@ -178,7 +180,7 @@ class DhtNode:
         records = [(key, subkey, json.dumps(value), expiration_time) for key, value in values.items()]
         try:
             async with asyncio.timeout(self.opts.exchange_timeout_s):
-                ok, self.everywhere = await store_records(self._node(), records, sorted(set(also)))
+                ok, self.everywhere = await store_records(self._node(), records, sorted(set(also)), links=self)
         except TimeoutError:
             logger.warning("[%s] the DHT did not confirm storing %s within %s s (a node does not answer)",
                            self.peer_id, ", ".join(values), self.opts.exchange_timeout_s)
@@ -216,6 +218,30 @@ class DhtNode:
         except TimeoutError:
             return {}
         return self._valid(found)
+
+    def has_link(self, address: str) -> bool:
+        """`hive.Linked`: whether this peer's streams hold a link to `address`."""
+        return self.streams.has_link(address)
+
+    async def store_over_link(self, address: str, request: bytes) -> list[bool] | None:
+        """`hive.Linked`: a hivemind ``StoreRequest`` sent over the link to `address`; whether it stored each
+        record there (None: no answer, or a refusal)."""
+        from hivemind.proto import dht_pb2
+
+        try:
+            _, data = await self.streams.call(address, pb.DHT_KIND_STORE, 0, timeout_s=self.opts.exchange_timeout_s,
+                                              data=request)
+            return list(dht_pb2.StoreResponse.FromString(data).store_ok)
+        except (PeerUnavailable, DecodeError) as e:
+            logger.debug("[%s] a store over the link to %s failed: %s", self.peer_id, address, e)
+            return None
+
+    async def _serve_store(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
+        """The handler of a STORE call: its records stored in this node (`hive.serve_store`)."""
+        try:
+            return Reply(data=await serve_store(self._node(), data or b""))
+        except InvalidPayload as e:
+            return Reply(error=str(e))
 
     def _node(self) -> Any:
         """hivemind's DHT node. Raises PeerUnavailable once `close` has ended it."""

@@ -218,11 +218,14 @@ class Streams:
     A round's calls (parts, slices, checks) to a peer go over one long-lived link to it
     (demonet.dht.links), opened at the first call; parameters and pings get a stream of their own.
 
-    Every message carries its sender's Ed25519 signature and, on top, the run token's HMAC. A message
-    counts only if its signature verifies against the key `book` holds for its sender (read from the
-    sender's DHT records; `resolve` reads them for a sender not seen yet); a ping, which changes
-    nothing, is answered to a sender not known yet. Requests are dispatched by kind to the handlers
-    given to `serve`; a ping is answered here.
+    Every message carries the run token's HMAC. A message on a stream of its own carries its sender's
+    Ed25519 signature, and counts only if it verifies against the key `book` holds for its sender (read
+    from the sender's DHT records; `resolve` reads them for a sender not seen yet); a ping, which
+    changes nothing, is answered to a sender not known yet. A link is signed for once, by its hello and
+    the hello's reply (`_hello`, `hello`): each is signed, as above, over its bytes and both ends' libp2p
+    peer ids, which the daemons' secure channel vouches for. The link's later messages count unsigned,
+    sent as the peer id its hello bound, and are refused as any other. Requests are dispatched by kind to
+    the handlers given to `serve`; a ping is answered here.
     """
 
     def __init__(self, opts: DhtOptions, peer_id: str, p2p: Any, identity: ids.Identity, book: keys.KeyBook,
@@ -263,9 +266,25 @@ class Streams:
 
     # -- messages --------------------------------------------------------------------------------------
 
-    def _message(self, kind: int, round: int, **fields: Any) -> pb.DhtMessage:
+    @property
+    def address(self) -> str:
+        """This peer's libp2p peer id."""
+        return str(self.p2p.peer_id)
+
+    def has_link(self, address: str) -> bool:
+        """Whether this peer holds a usable link to `address` (it called that peer before)."""
+        link = self._links.get(address)
+        return link is not None and link.usable
+
+    def _message(self, kind: int, round: int, *, link: tuple[str, str] | None = None, **fields: Any
+                 ) -> pb.DhtMessage:
+        """A signed message, or on a link (`call` set) one that its link's hello speaks for: unsigned, except
+        the hello and its reply (`link`: the link's opener and callee), which are signed for that link."""
         msg = pb.DhtMessage(run=self.opts.run, round=round, sender=self.peer_id, kind=kind, sent_at=now(), **fields)
-        msg.signature = self.identity.sign(keys.message_statement(msg.SerializeToString()))
+        if link is not None:
+            msg.signature = self.identity.sign(keys.link_statement(msg.SerializeToString(), *link))
+        elif not msg.call:
+            msg.signature = self.identity.sign(keys.message_statement(msg.SerializeToString()))
         msg.mac = rules.sign(self._token, msg.SerializeToString())
         return msg
 
@@ -289,10 +308,12 @@ class Streams:
             return "sent too long ago"
         return ""
 
-    async def _check_sender(self, msg: pb.DhtMessage, *, unknown_ok: bool) -> str:
+    async def _check_sender(self, msg: pb.DhtMessage, *, unknown_ok: bool, link: tuple[str, str] | None = None
+                            ) -> str:
         """Why a message whose MAC is good is refused for its signature ('' if it is good).
 
         `unknown_ok`: a sender with no key known here (none in its DHT records either) passes unchecked.
+        `link`: a link's hello or its reply, signed for that link (its opener's and its callee's peer ids).
         """
         public = self.book.key_of(msg.sender)
         if public is None and self.resolve is not None:
@@ -303,7 +324,8 @@ class Streams:
         msg.mac, msg.signature = b"", b""
         body = msg.SerializeToString()
         msg.mac, msg.signature = mac, signature
-        if not ids.verify(public, signature, keys.message_statement(body)):
+        signed = keys.message_statement(body) if link is None else keys.link_statement(body, *link)
+        if not ids.verify(public, signature, signed):
             return f"bad signature: not {msg.sender!r}'s key"
         return ""
 
@@ -332,7 +354,10 @@ class Streams:
         async def take(msg: pb.DhtMessage) -> bool:
             """Check and keep one reply message; True once the reply is complete."""
             nonlocal first, whole
-            why = self._check(msg) or await self._check_sender(msg, unknown_ok=kind == pb.DHT_KIND_PING)
+            if link is None:
+                why = self._check(msg) or await self._check_sender(msg, unknown_ok=kind == pb.DHT_KIND_PING)
+            else:  # the link's hello bound it to the peer that answered it
+                why = self._check(msg) or _sent_as(msg, link.peer)
             if why:
                 raise PeerUnavailable(f"refused a reply: {why}")
             first = first or msg
@@ -359,7 +384,7 @@ class Streams:
                         if await take(msg):
                             break
                 else:
-                    link = await self._link(address)
+                    link = await self._link(address, round)
                     call, replies = link.open_call()
                     try:
                         await link.send(self._messages(kind, round, data, call=call, **fields))
@@ -381,8 +406,8 @@ class Streams:
             raise PeerUnavailable("the reply stream ended before its payload was whole")
         return first, whole or b""
 
-    async def _link(self, address: str) -> links.Link:
-        """This peer's link to `address`: the open one, or a new one."""
+    async def _link(self, address: str, round: int) -> links.Link:
+        """This peer's link to `address`: the open one, or a new one, bound by its hello (`_hello`)."""
         link = self._links.get(address)
         if link is not None and link.usable:
             return link
@@ -390,9 +415,40 @@ class Streams:
             link = self._links.get(address)
             if link is None or not link.usable:
                 _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(address), links.LINK)
-                link = self._links[address] = links.Link(address, reader, writer)
+                link = links.Link(address, reader, writer)
+                try:
+                    link.peer = await self._hello(link, round)
+                except BaseException:
+                    link.close()
+                    raise
+                self._links[address] = link
                 self.links_opened += 1
             return link
+
+    async def _hello(self, link: links.Link, round: int) -> str:
+        """A new link's first call: this peer's hello, signed for the link, and the callee's signed reply.
+        Returns the callee's peer id, whose key signed the reply: the link's later replies count for it
+        unsigned (libp2p's secure channel keeps them from anyone else), and the callee takes this peer's
+        later calls on it the same way.
+
+        Raises:
+            PeerUnavailable: the callee refused the hello, or its reply is not signed for this link.
+        """
+        ends = (self.address, link.address)
+        call, replies = link.open_call()
+        try:
+            await link.send([self._message(pb.DHT_KIND_HELLO, round, call=call, link=ends)])
+            reply = await replies.get()
+        finally:
+            link.end_call(call)
+        if reply is None:
+            raise PeerUnavailable("the link closed before its hello was answered")
+        why = self._check(reply) or await self._check_sender(reply, unknown_ok=False, link=ends)
+        if why:
+            raise PeerUnavailable(f"refused a reply: {why}")
+        if reply.error:
+            raise PeerUnavailable(f"refused: {reply.error}")
+        return reply.sender
 
     async def answer(self, head: pb.DhtMessage, data: bytes | None, call: int = 0
                       ) -> tuple[list[pb.DhtMessage], Callable[[], Awaitable[None]] | None]:
@@ -450,9 +506,22 @@ class Streams:
         finally:
             self._served.discard(writer)
 
-    async def refusal(self, msg: pb.DhtMessage, why: str, remote: object, call: int) -> pb.DhtMessage | None:
-        """`links.Served`: why `msg` is refused ('' if it is good); a refusal is counted, logged and answered."""
-        why = why or self._check(msg) or await self._check_sender(msg, unknown_ok=False)
+    async def hello(self, msg: pb.DhtMessage, remote: object) -> tuple[pb.DhtMessage, str | None]:
+        """`links.Served`: the answer to a link's first message, and the peer id it binds the link to (None:
+        refused, counted and logged). It must be a hello signed for this link by the key of its sender."""
+        link = (str(remote), self.address)
+        why = (self._check(msg) or ("" if msg.kind == pb.DHT_KIND_HELLO else "a link's first call is not a hello")
+               or await self._check_sender(msg, unknown_ok=False, link=link))
+        if why:
+            self._refuse(msg.sender, msg.round, remote, why)
+            return self._message(pb.DHT_KIND_REPLY, msg.round, error=why, call=msg.call, link=link), None
+        return self._message(pb.DHT_KIND_REPLY, msg.round, call=msg.call, link=link), msg.sender
+
+    async def refusal(self, msg: pb.DhtMessage, why: str, remote: object, call: int, sender: str
+                      ) -> pb.DhtMessage | None:
+        """`links.Served`: why `msg`, on a link bound to `sender`, is refused ('' if it is good); a refusal
+        is counted, logged and answered."""
+        why = why or self._check(msg) or _sent_as(msg, sender)
         if not why:
             return None
         self._refuse(msg.sender, msg.round, remote, why)
@@ -462,3 +531,12 @@ class Streams:
         """`links.Served`: the answer to a request whose handler raised (a bug: logged)."""
         logger.warning("[%s] a request of kind %d, round %d, failed: %r", self.peer_id, head.kind, head.round, error)
         return self._message(pb.DHT_KIND_REPLY, head.round, error="the handler failed", call=call)
+
+
+def _sent_as(msg: pb.DhtMessage, sender: str | None) -> str:
+    """Why a message on a link that its hello bound to `sender` is refused ('' if it is good)."""
+    if msg.kind == pb.DHT_KIND_HELLO:
+        return "a second hello on one link"
+    if msg.sender != sender:
+        return f"sent as {msg.sender!r} on a link bound to {sender!r}"
+    return ""

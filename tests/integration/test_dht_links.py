@@ -107,3 +107,147 @@ def test_calls_share_one_link_and_a_broken_one_is_replaced(reap_children: Reaper
                                               stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]))
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0 and out.strip().endswith("ok"), out[-2000:] + err[-3000:]
+
+
+async def _hellos() -> None:
+    """Run by the test in a fresh interpreter: peers a and c call b."""
+    import asyncio
+
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.p2p import PeerID
+    from hivemind.proto import dht_pb2
+
+    from demonet._proto import demonet_pb2 as pb
+    from demonet.dht import keys, links, rules
+    from demonet.dht.gatherer import DhtGatherer, DhtOptions
+    from demonet.dht.streams import Reply, now
+    from demonet.errors import PeerUnavailable
+    from demonet.wire.identity import Identity
+
+    def opts(initial: tuple[str, ...] = ()) -> DhtOptions:
+        return DhtOptions(run="hellos", token=TOKEN, initial_peers=initial, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                          exchange_timeout_s=5.0)
+
+    ids = {name: Identity.generate() for name in "abc"}
+    b = await DhtGatherer.create(opts(), "b", {}, identity=ids["b"])
+    a = await DhtGatherer.create(opts((b.visible_maddrs()[0],)), "a", {}, identity=ids["a"])
+    c = await DhtGatherer.create(opts((b.visible_maddrs()[0],)), "c", {}, identity=ids["c"])
+    for node, others in ((a, "bc"), (b, "ac"), (c, "ab")):
+        for other in others:
+            assert node._node.book.choose(other, [ids[other].public]) == ids[other].public
+
+    async def echo(head: pb.DhtMessage, data: bytes | None) -> Reply:
+        return Reply(data=(data or b"")[::-1])
+
+    b._node.streams.serve(pb.DHT_KIND_FETCH, echo)
+    address = b._node.address
+    sent: list[pb.DhtMessage] = []  # every message framed in this process (a's, b's and c's)
+    frame = links.frame
+
+    def spy(msg: pb.DhtMessage) -> bytes:
+        sent.append(pb.DhtMessage.FromString(msg.SerializeToString()))
+        return frame(msg)
+
+    links.frame = spy
+
+    async def raw_call(node: DhtGatherer, msgs: list[pb.DhtMessage]) -> pb.DhtMessage | None:
+        """`msgs` written on a new link from `node` to b, as they are; b's first answer (None: it closed)."""
+        _, reader, writer = await node._node.p2p.call_binary_stream_handler(PeerID.from_base58(address), links.LINK)
+        try:
+            writer.write(b"".join(frame(m) for m in msgs))
+            await writer.drain()
+            reply = await asyncio.wait_for(links.read_frame(reader), 10)
+            try:  # after refusing a link's first message, b ends the link
+                await asyncio.wait_for(links.read_frame(reader), 10)
+                return None
+            except asyncio.IncompleteReadError:
+                return reply
+        finally:
+            writer.close()
+
+    def as_sender(msg: pb.DhtMessage, sender: str) -> pb.DhtMessage:
+        """`msg` as `sender` says it, its HMAC made again (what any holder of the token can do)."""
+        msg = pb.DhtMessage.FromString(msg.SerializeToString())
+        msg.sender, msg.mac = sender, b""
+        msg.mac = rules.sign(TOKEN.encode(), msg.SerializeToString())
+        return msg
+
+    try:
+        # a's first call opens a link: the hello and its reply are signed, the call and its reply are not.
+        assert (await a._node.streams.call(address, pb.DHT_KIND_FETCH, 1, data=b"abc", timeout_s=10))[1] == b"cba"
+        assert [(m.sender, m.kind, bool(m.signature)) for m in sent] == [
+            ("a", pb.DHT_KIND_HELLO, True), ("b", pb.DHT_KIND_REPLY, True),
+            ("a", pb.DHT_KIND_FETCH, False), ("b", pb.DHT_KIND_REPLY, False)], sent
+        hello = sent[0]
+        refused = b._node.streams.refused
+
+        # c replays a's hello on a link of its own: signed for a's link, not c's. b refuses it, ends the link.
+        reply = await raw_call(c, [hello])
+        assert reply is not None and reply.error == "bad signature: not 'a''s key", reply
+        # A link whose first call is not a hello is refused, even from a sender b knows.
+        fetch = c._node.streams._message(pb.DHT_KIND_FETCH, 1, call=1)
+        reply = await raw_call(c, [fetch])
+        assert reply is not None and reply.error == "a link's first call is not a hello", reply
+        assert b._node.streams.refused == refused + 2
+
+        # c's own link is bound to c: a message on it as a is refused, and the link goes on for c.
+        assert (await c._node.streams.call(address, pb.DHT_KIND_FETCH, 1, data=b"xy", timeout_s=10))[1] == b"yx"
+        link = c._node.streams._links[address]
+        call, replies = link.open_call()
+        await link.send([as_sender(c._node.streams._message(pb.DHT_KIND_FETCH, 1, call=call), "a")])
+        reply = await asyncio.wait_for(replies.get(), 10)
+        link.end_call(call)
+        assert reply is not None and reply.error == "sent as 'a' on a link bound to 'c'", reply
+        assert (await c._node.streams.call(address, pb.DHT_KIND_FETCH, 1, data=b"z", timeout_s=10))[1] == b"z"
+        assert c._node.streams.links_opened == 1
+
+        # a's records go to b over a's link, not in hivemind's store call, and b validates and keeps them.
+        protocol = a._node._node().protocol
+        hivemind_stores = []
+        call_store = protocol.call_store
+
+        async def counted(*args: object, **kwargs: object) -> object:
+            hivemind_stores.append(args)
+            return await call_store(*args, **kwargs)
+
+        protocol.call_store = counted
+        key = a._node.key("members", 7)
+        assert await a._node.store_many({key: {"t": now(), "address": a._node.address}})
+        # To c, which a has no link to, they go in hivemind's store call.
+        assert [str(args[0]) for args in hivemind_stores] == [c._node.address] and a._node.everywhere
+        assert (await b._node.get_local(key))["a"]["address"] == a._node.address
+        assert (await c._node.get_local(key))["a"]["address"] == a._node.address
+
+        # c, over its link, stores a record as a signed with its own key: b refuses to keep it.
+        node = c._node._node()
+        forged_key = c._node.key("members", 8)
+        record = DHTRecord(DHTID.generate(source=forged_key).to_bytes(),
+                           node.protocol.serializer.dumps(keys.subkey("a", ids["a"].public)),
+                           node.protocol.serializer.dumps('{"t": 0}'), now() + 60)
+        request = dht_pb2.StoreRequest(keys=[record.key], subkeys=[record.subkey],
+                                       values=[node.protocol.record_validator.sign_value(record)],
+                                       expiration_time=[record.expiration_time], in_cache=[False])
+        assert await c._node.store_over_link(address, request.SerializeToString()) == [False]
+        assert await b._node.get_local(forged_key) == {}
+        # Bytes that are not a StoreRequest, and a request whose lists differ in length, are refused.
+        for bad, why in ((b"\xff\xff\xff", "not a StoreRequest"),
+                         (dht_pb2.StoreRequest(keys=[record.key]).SerializeToString(), "differ in number")):
+            try:
+                await c._node.streams.call(address, pb.DHT_KIND_STORE, 0, data=bad, timeout_s=10)
+                raise AssertionError("a bad store request was answered")
+            except PeerUnavailable as e:
+                assert why in str(e), e
+        assert await b._node.get_local(forged_key) == {}
+    finally:
+        links.frame = frame
+        for node in (a, c, b):
+            await asyncio.wait_for(node.close(), 30)
+
+
+def test_a_link_is_signed_once_by_its_hello_and_speaks_for_that_sender_alone(reap_children: Reaper) -> None:
+    code = "import asyncio; from tests.integration.test_dht_links import _hellos; asyncio.run(_hellos()); print('ok')"
+    proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]))
+    out, err = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 0 and out.strip().endswith("ok"), out[-2000:] + err[-3000:]
