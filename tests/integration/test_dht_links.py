@@ -3,7 +3,9 @@
 A peer's calls to another go over one long-lived libp2p stream: many calls at once on it, their replies
 in another order than the calls, a multi-part request among them; a call that times out retires the link
 (the next call opens another); a handler that fails answers its call alone; and a peer that goes away
-fails the calls waiting on it at once, not at their timeouts.
+fails the calls waiting on it at once, not at their timeouts. A link is signed for by its hello alone,
+speaks for the sender that hello bound and no other, and carries its opener's DHT records to the callee's
+node, which validates them.
 """
 
 from __future__ import annotations
@@ -101,12 +103,17 @@ async def _links() -> None:
         await asyncio.wait_for(b.close(), 30)
 
 
-def test_calls_share_one_link_and_a_broken_one_is_replaced(reap_children: Reaper) -> None:
-    code = "import asyncio; from tests.integration.test_dht_links import _links; asyncio.run(_links()); print('ok')"
+def _run(name: str, reap_children: Reaper) -> None:
+    """Run this module's coroutine `name` in a fresh interpreter, and fail with its output if it fails."""
+    code = f"import asyncio; from tests.integration.test_dht_links import {name}; asyncio.run({name}()); print('ok')"
     proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]))
     out, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0 and out.strip().endswith("ok"), out[-2000:] + err[-3000:]
+
+
+def test_calls_share_one_link_and_a_broken_one_is_replaced(reap_children: Reaper) -> None:
+    _run("_links", reap_children)
 
 
 async def _hellos() -> None:
@@ -246,8 +253,4 @@ async def _hellos() -> None:
 
 
 def test_a_link_is_signed_once_by_its_hello_and_speaks_for_that_sender_alone(reap_children: Reaper) -> None:
-    code = "import asyncio; from tests.integration.test_dht_links import _hellos; asyncio.run(_hellos()); print('ok')"
-    proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]))
-    out, err = proc.communicate(timeout=WAIT_S)
-    assert proc.returncode == 0 and out.strip().endswith("ok"), out[-2000:] + err[-3000:]
+    _run("_hellos", reap_children)
