@@ -88,21 +88,20 @@ async def store_records(node: Any, records: list[tuple[str, str, str, float]], a
         if address not in peers and address != str(node.peer_id):
             peers[address] = PeerID.from_base58(address)
     expirations, subkeys = [e for _, _, _, e in records], [s for _, s, _, _ in records]
+    linked = {address for address in peers if links is not None and links.has_link(address)}
     request = b""
+    if linked:
+        from hivemind.proto import dht_pb2
+
+        request = dht_pb2.StoreRequest(keys=[k.to_bytes() for k in key_ids],
+                                       subkeys=[protocol.serializer.dumps(s) for s in subkeys], values=values,
+                                       expiration_time=expirations, in_cache=[False] * len(values)).SerializeToString()
 
     async def store_at(address: str, peer: Any) -> list[bool] | None:
-        nonlocal request
-        if links is None or not links.has_link(address):
-            return await protocol.call_store(peer, keys=key_ids, values=values, expiration_time=expirations,
-                                             subkeys=subkeys)
-        if not request:
-            from hivemind.proto import dht_pb2
-
-            request = dht_pb2.StoreRequest(keys=[k.to_bytes() for k in key_ids],
-                                           subkeys=[protocol.serializer.dumps(s) for s in subkeys], values=values,
-                                           expiration_time=expirations, in_cache=[False] * len(values)
-                                           ).SerializeToString()
-        return await links.store_over_link(address, request)
+        if links is not None and address in linked:
+            return await links.store_over_link(address, request)
+        return await protocol.call_store(peer, keys=key_ids, values=values, expiration_time=expirations,
+                                         subkeys=subkeys)
 
     answers = await asyncio.gather(*(store_at(address, peer) for address, peer in peers.items()))
     return all(here or any(a and a[i] for a in answers) for i, here in enumerate(stored)), True
