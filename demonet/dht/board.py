@@ -207,10 +207,11 @@ class RoundBoard:
 
     # -- one round -------------------------------------------------------------------------------------
 
-    async def enter(self, r: int, digest: str, loss: float | None = None
+    async def enter(self, r: int, digest: str, loss: float | None = None, *, stored: Callable[[], None] | None = None
                     ) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
         """Announce this peer in round `r` (with its loss, for the dashboards; its state and the head
         round in the same DHT call) and read the round's announcements until its freeze is final.
+        `stored` is called once the announcement's store is on its way, before the freeze's first look.
 
         Raises:
             NotMember: the round froze without this peer (it announced too late).
@@ -244,6 +245,8 @@ class RoundBoard:
             timing["announce"] = time.perf_counter() - t0
 
         storing.add_done_callback(confirmed)
+        if stored is not None:
+            stored()
         frozen, announced = await self._freeze(r)
         timing["freeze"] = time.perf_counter() - t0
         if self._node.peer_id not in frozen.members:

@@ -26,6 +26,7 @@ from demonet.optim import Payload
 from demonet.wire.merge import Merged, decode_contribution, merge
 
 from . import rules
+from .ahead import Ahead, Call, PartsAhead, call_or_ahead
 from .node import DhtNode
 from .streams import NoAnswer, Reply, now, retry
 
@@ -48,6 +49,9 @@ class _Round:
     rs_deadline: float = 0.0
     ag_deadline: float = 0.0
     parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
+    ahead: dict[int, set[str]] = field(default_factory=dict)
+    """Slice -> the senders whose part held here was sent ahead of their freeze (`SliceExchange.send_ahead`):
+    one cut for another member list is replaced by the part they send once frozen, and is waited for."""
     merged: dict[int, tuple[tuple[str, ...], bytes, Payload]] = field(default_factory=dict)
     fetched: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers that fetched it from here
     asked: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers this verifier answered a check of
@@ -104,6 +108,7 @@ class SliceExchange:
         self._node, self.opts, self.peer_id = node, node.opts, node.peer_id
         self._streams = node.streams
         self._rounds: dict[int, _Round] = {}
+        self._ahead = PartsAhead(node.streams, node.opts, node.peer_id)
         self._cond = asyncio.Condition()
         self.latest = -1
         """The latest round this peer gathered for; streams about rounds far from it are refused."""
@@ -125,6 +130,31 @@ class SliceExchange:
     def _far(self, r: int) -> bool:
         """A round this peer keeps no state for: long over, or too far ahead (a peer out of step)."""
         return r < self.latest - _KEEP_ROUNDS or (self.latest >= 0 and r > self.latest + 2)
+
+    def send_ahead(self, r: int, payload: Payload, *, specs: rules.Specs, members: Sequence[str],
+                   owners: Sequence[str], addresses: Mapping[str, str]) -> None:
+        """Send round `r`'s parts now, before this peer froze the round, cut for the `members` and `owners`
+        it expects (sorted; `addresses` reaches them): the round before's, when that round was whole.
+
+        The parts then travel while the last announcement does: the owners hold every part when they
+        freeze, and the peer that announced last has sent its parts before its freeze. `run` takes the
+        calls up where the freeze gives the same members and owners, and cancels them otherwise; an
+        owner waits for the part a sender cuts once frozen in place of one sent ahead for other members
+        (`_Round.ahead`). The calls are made by a task (demonet.dht.ahead): this returns at once."""
+        self._ahead.send(r, lambda plan: self._encode_parts(r, plan, payload), specs=specs, members=members,
+                         owners=owners, addresses=addresses)
+
+    def drop_ahead(self, r: int) -> None:
+        """Cancel the calls of round `r`'s parts sent ahead, if `run` did not take them up."""
+        self._ahead.drop(r)
+
+    async def _encode_parts(self, r: int, plan: rules.SlicePlan, payload: Payload) -> list[bytes]:
+        """This peer's part of each slice of `plan`, encoded."""
+        def encode() -> list[bytes]:
+            return [wire.encode(plan.cut(payload, s), step=r, index_coding=_PARTS_CODING) for s in range(plan.n)]
+
+        small = payload.numel() <= wire.INLINE_ENCODE_ENTRIES
+        return encode() if small else await asyncio.to_thread(encode)  # a small payload: no trip to a thread
 
     async def run(self, r: int, payload: Payload, *, specs: rules.Specs, members: Sequence[str],
                   owners: Sequence[str], addresses: Mapping[str, str], frozen_at: float) -> Exchanged:
@@ -165,16 +195,24 @@ class SliceExchange:
         """Send each owner its slice, merge ours, get every merged slice; returns them (None: dropped).
 
         An owner answers the part it is sent with its merged slice, on the same stream: one stream per
-        other owner, and one per verified slice's verifier.
+        other owner, and one per verified slice's verifier. The parts sent ahead of the freeze, if they
+        were cut for the members and owners it froze, are not sent again: their calls are awaited.
         """
+        ahead = await self._ahead.take(r, st.mdigest, st.owners, st.verifiers)
+        st.phases["ahead"] = float(ahead is not None)
+        try:
+            return await self._exchange_parts(r, st, payload, addresses, ahead)
+        finally:
+            if ahead is not None:  # a call sent ahead that the exchange did not await (it was cancelled)
+                ahead.cancel()
+
+    async def _exchange_parts(self, r: int, st: _Round, payload: Payload, addresses: Mapping[str, str],
+                              ahead: Ahead | None) -> list[Payload | None]:
         assert st.plan is not None
         plan, me = st.plan, self.peer_id
-
-        def encode() -> list[bytes]:
-            return [wire.encode(plan.cut(payload, s), step=r, index_coding=_PARTS_CODING) for s in range(plan.n)]
-
-        small = payload.numel() <= wire.INLINE_ENCODE_ENTRIES
-        parts = encode() if small else await asyncio.to_thread(encode)  # a small payload: no trip to a thread
+        parts = ahead.parts if ahead is not None else await self._encode_parts(r, plan, payload)
+        to_owners = ahead.to_owners if ahead is not None else {}
+        to_verifiers = ahead.to_verifiers if ahead is not None else {}
         sends = []
         for s, owner in enumerate(st.owners):
             targets = [owner, st.verifiers[s]] if s in st.verifiers else [owner]
@@ -184,7 +222,7 @@ class SliceExchange:
                     self._cond.notify_all()
             if s in st.verifiers and st.verifiers[s] != me:
                 st.early[s] = asyncio.get_running_loop().create_future()
-                sends.append(self._send_part(r, st, s, parts[s], addresses[st.verifiers[s]]))
+                sends.append(self._send_part(r, st, s, parts[s], addresses[st.verifiers[s]], to_verifiers.get(s)))
         t0 = time.perf_counter()
 
         async def verified(s: int, obtain: Any) -> None:
@@ -198,7 +236,7 @@ class SliceExchange:
             st.phases[name] = time.perf_counter() - t0
 
         merging = [verified(s, self._merge(r, st, s)) for s, owner in enumerate(st.owners) if owner == me]
-        fetches = [verified(s, self._part_and_slice(r, st, s, parts[s], addresses[owner]))
+        fetches = [verified(s, self._part_and_slice(r, st, s, parts[s], addresses[owner], to_owners.get(s)))
                    for s, owner in enumerate(st.owners) if owner != me]
         await asyncio.gather(timed("scatter", [*sends, *merging]), timed("gather", fetches))
         t1 = time.perf_counter()
@@ -220,18 +258,22 @@ class SliceExchange:
         st.phases["serve"] = time.perf_counter() - t2
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
 
-    async def _send_part(self, r: int, st: _Round, s: int, data: bytes, address: str) -> None:
+    async def _send_part(self, r: int, st: _Round, s: int, data: bytes, address: str, ahead: Call | None = None
+                         ) -> None:
         """Send this peer's rows of slice `s` (encoded) to the slice's verifier, which answers once it holds
         every member's part with the SHA-256 of their merge (`_Round.early`): the check of the slice then
-        needs no call of its own when the owner merged the same parts."""
+        needs no call of its own when the owner merged the same parts. `ahead`: that call, made already
+        (`send_ahead`); its failure is tried again as a new call."""
         def answered(early: tuple[tuple[str, ...], bytes] | None) -> None:
             if not st.early[s].done():  # the first answer counts; a failed try falls back to a check at once
                 st.early[s].set_result(early)
 
         async def send(timeout_s: float) -> None:
+            nonlocal ahead
+            call, ahead = ahead, None
             try:
-                reply, digest = await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data,
-                                                         members_digest=st.mdigest, timeout_s=timeout_s)
+                reply, digest = await call_or_ahead(call, timeout_s, lambda: self._streams.call(
+                    address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, timeout_s=timeout_s))
             except (PeerUnavailable, InvalidPayload) as e:
                 if isinstance(e, NoAnswer):  # before the check wakes up: it makes no call to a silent verifier
                     st.silent.add(st.verifiers[s])
@@ -249,16 +291,18 @@ class SliceExchange:
         finally:
             answered(None)
 
-    async def _part_and_slice(self, r: int, st: _Round, s: int, data: bytes, address: str) -> None:
+    async def _part_and_slice(self, r: int, st: _Round, s: int, data: bytes, address: str, ahead: Call | None = None
+                              ) -> None:
         """Send this peer's rows of slice `s` (encoded) to its owner, which answers with the merged slice
         once it has merged it. An answer without the slice (a peer that does not own it in its view of
-        the round) is followed by a fetch."""
+        the round) is followed by a fetch. `ahead`: that call, made already (`send_ahead`)."""
         taken = False
 
         async def attempt(timeout_s: float) -> None:
-            nonlocal taken
-            reply, merged = await self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=data,
-                                                     members_digest=st.mdigest, timeout_s=timeout_s)
+            nonlocal taken, ahead
+            call, ahead = ahead, None
+            reply, merged = await call_or_ahead(call, timeout_s, lambda: self._streams.call(
+                address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, timeout_s=timeout_s))
             if not taken:  # a later attempt (the slice was bad) sends the part again; counted once
                 st.bytes_up += len(data)
                 taken = True
@@ -284,7 +328,7 @@ class SliceExchange:
         async with self._cond:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, st.rs_deadline - now())):
-                    await self._cond.wait_for(lambda: want <= set(st.parts.get(s, {})))
+                    await self._cond.wait_for(lambda: want <= self._final_parts(st, s))
             parts = {p: v for p, v in st.parts.get(s, {}).items() if p in want}
         assert st.plan is not None
         specs = st.plan.slice_specs(s)
@@ -313,6 +357,13 @@ class SliceExchange:
         for sender, why in refused.items():
             logger.warning("[%s round=%d] refused the part of %s: %s", self.peer_id, r, sender, why)
         return result
+
+    @staticmethod
+    def _final_parts(st: _Round, s: int) -> set[str]:
+        """The senders of slice `s` whose part held here is final: cut for this peer's member list, or
+        sent after the sender's freeze (a part sent ahead for other members will be replaced)."""
+        ahead = st.ahead.get(s, set())
+        return {p for p, (d, _) in st.parts.get(s, {}).items() if d == st.mdigest or p not in ahead}
 
     async def _merge(self, r: int, st: _Round, s: int) -> None:
         """As the owner of slice `s`: wait for every member's part (or the deadline), merge, keep it."""
@@ -427,7 +478,12 @@ class SliceExchange:
             return Reply(error=f"round {r} is not kept here (at {self.latest})")
         st = self._round(r)
         async with self._cond:
-            st.parts.setdefault(head.slice, {})[head.sender] = (head.members_digest, data)
+            held = st.parts.setdefault(head.slice, {})
+            sent_ahead = st.ahead.setdefault(head.slice, set())
+            if head.ahead and head.sender in held and head.sender not in sent_ahead:
+                return Reply(error="a part sent ahead after the part sent once frozen")
+            held[head.sender] = (head.members_digest, data)
+            (sent_ahead.add if head.ahead else sent_ahead.discard)(head.sender)
             st.bytes_down += len(data)
             self._cond.notify_all()
             with contextlib.suppress(TimeoutError):  # the part can come before this peer froze the round
@@ -514,3 +570,4 @@ class SliceExchange:
             return Reply(error=f"cannot check slice {s}: a part of those senders is missing here")
 
         return Reply(data=digest, sent=self._answered(st, s, head.sender))
+

@@ -56,6 +56,9 @@ class DhtGatherer:
         """This peer's view of the run for its dashboard, fed each round; None: no dashboard."""
         self._board.on_minority = self._minority
         self._excluded: frozenset[str] = frozenset()  # the owners left out of the last round (for the log)
+        self._steady: tuple[int, list[str], list[str], dict[str, str]] | None = None
+        """(r, members, owners, addresses) of the last round when it was whole (every member's payload in,
+        no joiner, no slice lost): round r + 1's parts are sent ahead of its freeze, cut for the same."""
 
     def reload_allowlist(self, allowed: Mapping[bytes, str | None]) -> list[str]:
         """A new allowlist (`keys.KeyBook.reload`): returns the peer ids whose key it no longer admits."""
@@ -165,11 +168,27 @@ class DhtGatherer:
             Resync: this peer's parameters are not the majority's.
         """
         param_digest = await known(param_digest)  # a round is announced with it
-        r, board, view = round, self._board, self.view
+        r, board = round, self._board
+        if self.view is not None:
+            self.view.entered(r)
+        # The round before was whole, and its members are all this round waits for: send the parts ahead,
+        # cut for them, once the announcement's store is on its way (`SliceExchange.send_ahead`).
+        steady, self._steady = self._steady, None
+        ahead = None
+        if steady is not None and steady[0] == r - 1 and board.expected.get(r) == set(steady[1]):
+            def ahead() -> None:
+                self._exchange.send_ahead(r, payload, specs=self.specs, members=steady[1], owners=steady[2],
+                                          addresses=steady[3])
+        try:
+            return await self._gather(r, payload, param_digest, loss, ahead)
+        finally:
+            self._exchange.drop_ahead(r)  # not taken up by the exchange: the round ended before it, or froze otherwise
+
+    async def _gather(self, r: int, payload: Payload, param_digest: str, loss: float,
+                      ahead: Callable[[], None] | None) -> RoundResult:
+        board, view = self._board, self.view
         gets = self._node.gets
-        if view is not None:
-            view.entered(r)
-        frozen, announced = await board.enter(r, param_digest, loss)
+        frozen, announced = await board.enter(r, param_digest, loss, stored=ahead)
         digests = {p: announced[p].digest for p in frozen.members}
         good = rules.majority_digest(digests)
         members = [p for p in frozen.members if digests[p] == good]
@@ -226,6 +245,9 @@ class DhtGatherer:
         if view is not None:
             view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners, aborted=not applies,
                            bytes_up=done.bytes_up, bytes_down=done.bytes_down)
+        if applies and not joiners and set(done.contributors) == set(members) and not done.dead_owners \
+                and not done.disagreed:
+            self._steady = (r, members, owners, addresses)
         phases = {**board.phases(), **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
         if not applies:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,

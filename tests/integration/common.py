@@ -6,6 +6,7 @@ import json
 import math
 import queue
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -84,3 +85,12 @@ def rows_by_round(rows: Callable[[str], list[dict[str, Any]]], peers: Sequence[s
             by_round[row["round"]][p] = row
     return by_round
 
+
+def run_coroutine(module: str, name: str, reap_children: Any, timeout_s: float) -> None:
+    """Run the coroutine function `name` of `module` in a fresh interpreter (its own event loop and p2pd
+    daemons), and fail with its output unless it ends well within `timeout_s`."""
+    code = f"import asyncio; from {module} import {name}; asyncio.run({name}()); print('ok')"
+    proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]))
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0 and out.strip().endswith("ok"), out[-2000:] + err[-3000:]

@@ -31,7 +31,7 @@ import psutil
 import pytest
 
 from tests.dashboard_schema import check_document
-from tests.integration.common import tiny_config
+from tests.integration.common import run_coroutine, tiny_config
 from tests.procs import Reaper
 
 pytest.importorskip("hivemind")
@@ -353,12 +353,7 @@ async def _wrong_token_nodes() -> None:
 def test_wrong_token_records_and_messages_refused(reap_children: Reaper) -> None:
     """In a fresh interpreter, as the other tests of DHT nodes: nothing of the tests before it (the
     in-process coordinator tests' gRPC threads, hivemind's state) carries over."""
-    code = ("import asyncio; from tests.integration.test_dht import _wrong_token_nodes; "
-            "asyncio.run(_wrong_token_nodes()); print('ok')")
-    proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]))
-    out, err = proc.communicate(timeout=WAIT_S)
-    assert proc.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
+    run_coroutine(__name__, "_wrong_token_nodes", reap_children, WAIT_S)
 
 
 def _descendants(pid: int) -> list[int]:

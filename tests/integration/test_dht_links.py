@@ -10,12 +10,9 @@ node, which validates them.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.integration.common import run_coroutine
 from tests.integration.test_dht import TOKEN, WAIT_S
 from tests.procs import Reaper
 
@@ -104,12 +101,7 @@ async def _links() -> None:
 
 
 def _run(name: str, reap_children: Reaper) -> None:
-    """Run this module's coroutine `name` in a fresh interpreter, and fail with its output if it fails."""
-    code = f"import asyncio; from tests.integration.test_dht_links import {name}; asyncio.run({name}()); print('ok')"
-    proc = reap_children.add(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]))
-    out, err = proc.communicate(timeout=WAIT_S)
-    assert proc.returncode == 0 and out.strip().endswith("ok"), out[-2000:] + err[-3000:]
+    run_coroutine(__name__, name, reap_children, WAIT_S)
 
 
 def test_calls_share_one_link_and_a_broken_one_is_replaced(reap_children: Reaper) -> None:

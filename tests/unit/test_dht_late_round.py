@@ -76,6 +76,12 @@ class _Exchange:
                          bytes_up=10, bytes_down=0, slice_owners=("a", "b", "c"), disagreed=frozenset(), checked=0,
                          phases={})
 
+    def send_ahead(self, r: int, payload: Any, **_: Any) -> None:
+        pass
+
+    def drop_ahead(self, r: int) -> None:
+        pass
+
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(("got", "applies"), [(("c",), False), (("b", "c"), True), (("a", "b", "c"), True)])

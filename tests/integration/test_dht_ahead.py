@@ -1,0 +1,121 @@
+"""DHT mode's parts sent ahead of the freeze (`SliceExchange.send_ahead`), over three real hivemind nodes
+and their p2pd daemons on loopback.
+
+A peer sends its parts before it froze the round, cut for the members it expects. Where the freeze gives
+those members, the exchange awaits those calls and sends nothing twice; where it does not (a member
+gone), it cancels them and sends parts cut for the members it froze, and an owner that held the part
+sent ahead waits for that one instead of merging without its sender. Either way the aggregate is the
+bits of the exchange without parts sent ahead.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.common import run_coroutine
+from tests.integration.test_dht import TOKEN, WAIT_S
+from tests.procs import Reaper
+
+pytest.importorskip("hivemind")
+pytestmark = pytest.mark.slow
+
+
+async def _ahead() -> None:
+    """Run by the test in a fresh interpreter."""
+    import asyncio
+    import time
+
+    import torch
+
+    from demonet._proto import demonet_pb2 as pb
+    from demonet.dht.gatherer import DhtGatherer, DhtOptions
+    from demonet.dht.streams import now
+    from demonet.optim import Compressed, Payload
+    from demonet.wire.identity import Identity
+
+    specs = {"w": ((64, 64), (16, 16)), "b": ((64,), (1, 64))}
+
+    def payload(seed: int) -> Payload:
+        g = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for name, (shape, chunk) in specs.items():
+            rows = (shape[0] // chunk[0]) * (shape[-1] // chunk[1]) if len(shape) == 2 else 1
+            idx = torch.stack([torch.randperm(chunk[0] * chunk[1], generator=g)[:8] for _ in range(rows)])
+            tensors[name] = Compressed(idx=idx, val=torch.randn(rows, 8, generator=g), shape=shape, chunk=chunk)
+        return Payload(tensors=tensors)
+
+    def opts(initial: tuple[str, ...] = ()) -> DhtOptions:
+        return DhtOptions(run="ahead", token=TOKEN, initial_peers=initial, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
+                          exchange_timeout_s=5.0)
+
+    names = ["a", "b", "c"]
+    ids = {p: Identity.generate() for p in names}
+    nodes: dict[str, DhtGatherer] = {"a": await DhtGatherer.create(opts(), "a", specs, identity=ids["a"])}
+    for p in names[1:]:
+        nodes[p] = await DhtGatherer.create(opts((nodes["a"].visible_maddrs()[0],)), p, specs, identity=ids[p])
+    for p in names:
+        for q in names:
+            if q != p:
+                assert nodes[p]._node.book.choose(q, [ids[q].public]) == ids[q].public
+    addresses = {p: nodes[p]._node.address for p in names}
+    payloads = {p: payload(i) for i, p in enumerate(names)}
+    calls: list[tuple[str, int, int, str, bool]] = []  # (caller, round, slice, callee, sent ahead)
+
+    for p in names:
+        def counted(p: str, call: object) -> object:
+            async def wrapped(address: str, kind: int, r: int, **kw: object) -> object:
+                if kind == pb.DHT_KIND_PART:
+                    calls.append((p, r, int(kw["slice"]), address, bool(kw.get("ahead", False))))  # type: ignore[call-overload]
+                return await call(address, kind, r, **kw)  # type: ignore[operator]
+            return wrapped
+        nodes[p]._node.streams.call = counted(p, nodes[p]._node.streams.call)  # type: ignore[method-assign]
+
+    async def run(p: str, r: int, members: list[str], delay_s: float = 0.0):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(delay_s)
+        return await nodes[p]._exchange.run(r, payloads[p], specs=specs, members=members, owners=members,
+                                            addresses=addresses, frozen_at=now())
+
+    def same(x: Payload, y: Payload) -> bool:
+        return all(torch.equal(x.tensors[n].idx, y.tensors[n].idx) and torch.equal(x.tensors[n].val, y.tensors[n].val)
+                   for n in specs)
+
+    try:
+        # Round 10, no parts sent ahead: the reference. Round 11, sent ahead for the members it freezes.
+        plain = await asyncio.gather(*(run(p, 10, names) for p in names))
+        assert all(d.phases["ahead"] == 0.0 and d.contributors == tuple(names) for d in plain)
+        for p in names:
+            nodes[p]._exchange.send_ahead(11, payloads[p], specs=specs, members=names, owners=names,
+                                          addresses=addresses)
+        await asyncio.sleep(0.5)  # the owners hold the parts before they freeze
+        ahead = await asyncio.gather(*(run(p, 11, names) for p in names))
+        assert all(d.phases["ahead"] == 1.0 and d.contributors == tuple(names) for d in ahead)
+        assert all(same(d.aggregate, plain[0].aggregate) for d in [*plain, *ahead])  # type: ignore[arg-type]
+        sent = [(p, s, to) for p, r, s, to, _ in calls if r == 11]
+        assert sent and all(a for _, r, _, _, a in calls if r == 11), calls  # every part went ahead ...
+        assert len(sent) == len(set(sent)), sent  # ... and none twice
+
+        # Round 12: sent ahead for a, b and c, but c is gone and the round froze with a and b. Each part is
+        # sent again, cut for a and b; b, which owns a slice, freezes first and holds a's part sent ahead
+        # (cut for three) until a's new part comes: it merges with a's payload, not without it.
+        for p in ["a", "b"]:
+            nodes[p]._exchange.send_ahead(12, payloads[p], specs=specs, members=names, owners=names,
+                                          addresses=addresses)
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        wrong = await asyncio.gather(run("a", 12, ["a", "b"], delay_s=0.5), run("b", 12, ["a", "b"]))
+        assert time.monotonic() - t0 < 5.0  # no wait for c, nor for the exchange's deadline
+        assert all(d.phases["ahead"] == 0.0 and d.contributors == ("a", "b") for d in wrong), wrong
+        again = [(p, s, to) for p, r, s, to, a in calls if r == 12 and not a]
+        assert {p for p, _, _ in again} == {"a", "b"} and addresses["c"] not in {to for _, _, to in again}, again
+        # The reference: the same two payloads exchanged with nothing sent ahead.
+        reference = await asyncio.gather(run("a", 13, ["a", "b"]), run("b", 13, ["a", "b"]))
+        assert all(same(d.aggregate, reference[0].aggregate) for d in [*wrong, *reference])  # type: ignore[arg-type]
+        assert not same(reference[0].aggregate, plain[0].aggregate)  # type: ignore[arg-type]
+    finally:
+        for p in names:
+            await asyncio.wait_for(nodes[p].close(), 30)
+
+
+def test_parts_sent_ahead_are_used_when_the_freeze_agrees_and_sent_again_when_it_does_not(reap_children: Reaper
+                                                                                            ) -> None:
+    run_coroutine(__name__, "_ahead", reap_children, WAIT_S)
