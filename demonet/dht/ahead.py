@@ -39,6 +39,10 @@ class Ahead:
     to_verifiers: dict[int, Call] = field(default_factory=dict)  # slice -> the call sending it to its verifier
     task: asyncio.Task[None] | None = None  # encodes the parts and makes the calls
 
+    def bytes_sent(self) -> int:
+        """The bytes of the parts whose calls were made."""
+        return sum(len(self.parts[s]) for calls in (self.to_owners, self.to_verifiers) for s in calls)
+
     def cancel(self) -> None:
         """Cancel what is still on its way (a call already answered is left as it is)."""
         for t in [self.task, *self.to_owners.values(), *self.to_verifiers.values()]:
@@ -88,17 +92,19 @@ class PartsAhead:
         if ahead is not None:
             ahead.cancel()
 
-    async def take(self, r: int, mdigest: str, owners: Sequence[str], verifiers: Mapping[int, str]) -> Ahead | None:
+    async def take(self, r: int, mdigest: str, owners: Sequence[str], verifiers: Mapping[int, str]
+                   ) -> tuple[Ahead | None, int]:
         """Round `r`'s parts sent ahead and their calls, if they were cut for the member list (`mdigest`),
-        owners and verifiers this peer froze; None: none sent, or cancelled (the parts are sent again)."""
+        owners and verifiers this peer froze (None: none sent, or cancelled, and the parts are sent again),
+        and the bytes of the parts sent ahead for nothing."""
         ahead = self._rounds.pop(r, None)
         if ahead is None:
-            return None
+            return None, 0
         if (ahead.mdigest, ahead.owners, ahead.verifiers) != (mdigest, tuple(owners), dict(verifiers)):
             logger.info("[%s round=%d] the round froze with other members than the parts sent ahead were cut for; "
                         "sending them again", self.peer_id, r)
             ahead.cancel()
-            return None
+            return None, ahead.bytes_sent()
         assert ahead.task is not None
         try:
             await ahead.task
@@ -107,8 +113,8 @@ class PartsAhead:
             if not isinstance(e, Exception):
                 raise
             logger.warning("[%s round=%d] the parts sent ahead failed (%s); sending them again", self.peer_id, r, e)
-            return None
-        return ahead
+            return None, ahead.bytes_sent()
+        return ahead, 0
 
 
 async def call_or_ahead(ahead: Call | None, timeout_s: float,

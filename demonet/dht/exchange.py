@@ -198,7 +198,8 @@ class SliceExchange:
         other owner, and one per verified slice's verifier. The parts sent ahead of the freeze, if they
         were cut for the members and owners it froze, are not sent again: their calls are awaited.
         """
-        ahead = await self._ahead.take(r, st.mdigest, st.owners, st.verifiers)
+        ahead, unused = await self._ahead.take(r, st.mdigest, st.owners, st.verifiers)
+        st.bytes_up += unused  # parts sent ahead for nothing count too
         st.phases["ahead"] = float(ahead is not None)
         try:
             return await self._exchange_parts(r, st, payload, addresses, ahead)
@@ -470,7 +471,10 @@ class SliceExchange:
 
     async def _take_part(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
         """A member's part of a slice this peer owns or verifies: kept for `_merge` (or the check). The
-        owner answers with its merged slice once it has it (`_serve_slice`); a verifier, with nothing."""
+        owner answers with its merged slice once it has it (`_serve_slice`); a verifier, with nothing. A
+        part sent ahead (`SliceExchange.send_ahead`) for another member list than this peer froze is
+        answered with nothing: its sender cuts another once frozen, or (if it froze the list the part
+        was cut for) fetches the slice."""
         r = head.round
         if data is None:
             return Reply(error="a part request without its payload")
@@ -489,6 +493,8 @@ class SliceExchange:
             with contextlib.suppress(TimeoutError):  # the part can come before this peer froze the round
                 async with asyncio.timeout(self.opts.window_s + self.opts.exchange_timeout_s):
                     await self._cond.wait_for(lambda: st.plan is not None)
+        if head.ahead and head.members_digest != st.mdigest:  # its sender sends another part once frozen
+            return Reply()
         if head.slice < len(st.owners) and st.owners[head.slice] == self.peer_id:
             return await self._serve_slice(head, None)
         if st.verifiers.get(head.slice) == self.peer_id and head.sender in st.members:

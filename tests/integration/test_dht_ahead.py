@@ -59,13 +59,14 @@ async def _ahead() -> None:
                 assert nodes[p]._node.book.choose(q, [ids[q].public]) == ids[q].public
     addresses = {p: nodes[p]._node.address for p in names}
     payloads = {p: payload(i) for i, p in enumerate(names)}
-    calls: list[tuple[str, int, int, str, bool]] = []  # (caller, round, slice, callee, sent ahead)
+    calls: list[tuple[str, int, int, str, bool, int]] = []  # (caller, round, slice, callee, sent ahead, bytes)
 
     for p in names:
         def counted(p: str, call: object) -> object:
             async def wrapped(address: str, kind: int, r: int, **kw: object) -> object:
                 if kind == pb.DHT_KIND_PART:
-                    calls.append((p, r, int(kw["slice"]), address, bool(kw.get("ahead", False))))  # type: ignore[call-overload]
+                    calls.append((p, r, int(kw["slice"]), address, bool(kw.get("ahead", False)),  # type: ignore[call-overload]
+                                  len(kw["data"])))  # type: ignore[arg-type]
                 return await call(address, kind, r, **kw)  # type: ignore[operator]
             return wrapped
         nodes[p]._node.streams.call = counted(p, nodes[p]._node.streams.call)  # type: ignore[method-assign]
@@ -90,8 +91,8 @@ async def _ahead() -> None:
         ahead = await asyncio.gather(*(run(p, 11, names) for p in names))
         assert all(d.phases["ahead"] == 1.0 and d.contributors == tuple(names) for d in ahead)
         assert all(same(d.aggregate, plain[0].aggregate) for d in [*plain, *ahead])  # type: ignore[arg-type]
-        sent = [(p, s, to) for p, r, s, to, _ in calls if r == 11]
-        assert sent and all(a for _, r, _, _, a in calls if r == 11), calls  # every part went ahead ...
+        sent = [(p, s, to) for p, r, s, to, _, _ in calls if r == 11]
+        assert sent and all(a for _, r, _, _, a, _ in calls if r == 11), calls  # every part went ahead ...
         assert len(sent) == len(set(sent)), sent  # ... and none twice
 
         # Round 12: sent ahead for a, b and c, but c is gone and the round froze with a and b. Each part is
@@ -105,8 +106,15 @@ async def _ahead() -> None:
         wrong = await asyncio.gather(run("a", 12, ["a", "b"], delay_s=0.5), run("b", 12, ["a", "b"]))
         assert time.monotonic() - t0 < 5.0  # no wait for c, nor for the exchange's deadline
         assert all(d.phases["ahead"] == 0.0 and d.contributors == ("a", "b") for d in wrong), wrong
-        again = [(p, s, to) for p, r, s, to, a in calls if r == 12 and not a]
+        again = [(p, s, to) for p, r, s, to, a, _ in calls if r == 12 and not a]
         assert {p for p, _, _ in again} == {"a", "b"} and addresses["c"] not in {to for _, _, to in again}, again
+        # Every byte sent counts, the parts sent ahead for nothing too: a's parts (each call once, none
+        # tried again on loopback) and its merged slice, once for each peer that fetched it. b's part sent
+        # ahead for three is answered with nothing: the slice goes once, to b's part cut for two.
+        st = nodes["a"]._exchange._rounds[12]
+        served = sum(len(st.merged[s][1]) * len(st.fetched.get(s, ())) for s in st.merged if st.owners[s] == "a")
+        sent_a = [(s, to, ahead, n) for p, r, s, to, ahead, n in calls if p == "a" and r == 12]
+        assert served > 0 and wrong[0].bytes_up == served + sum(x[-1] for x in sent_a), (wrong[0].bytes_up, sent_a)
         # The reference: the same two payloads exchanged with nothing sent ahead.
         reference = await asyncio.gather(run("a", 13, ["a", "b"]), run("b", 13, ["a", "b"]))
         assert all(same(d.aggregate, reference[0].aggregate) for d in [*wrong, *reference])  # type: ignore[arg-type]
