@@ -259,6 +259,18 @@ class SliceExchange:
         st.phases["serve"] = time.perf_counter() - t2
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
 
+    def _part_call(self, r: int, st: _Round, s: int, data: bytes, address: str, ahead: Call | None
+                   ) -> Callable[[float], Awaitable[tuple[pb.DhtMessage, bytes]]]:
+        """`call(timeout_s)` sends this peer's part of slice `s` to `address`: the first time, it awaits the
+        call sent ahead (`ahead`, if any); then, and after a failure, it makes a new call."""
+        pending = [ahead] if ahead is not None else []
+
+        async def call(timeout_s: float) -> tuple[pb.DhtMessage, bytes]:
+            return await call_or_ahead(pending.pop() if pending else None, timeout_s, lambda: self._streams.call(
+                address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, timeout_s=timeout_s))
+
+        return call
+
     async def _send_part(self, r: int, st: _Round, s: int, data: bytes, address: str, ahead: Call | None = None
                          ) -> None:
         """Send this peer's rows of slice `s` (encoded) to the slice's verifier, which answers once it holds
@@ -269,12 +281,11 @@ class SliceExchange:
             if not st.early[s].done():  # the first answer counts; a failed try falls back to a check at once
                 st.early[s].set_result(early)
 
+        part = self._part_call(r, st, s, data, address, ahead)
+
         async def send(timeout_s: float) -> None:
-            nonlocal ahead
-            call, ahead = ahead, None
             try:
-                reply, digest = await call_or_ahead(call, timeout_s, lambda: self._streams.call(
-                    address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, timeout_s=timeout_s))
+                reply, digest = await part(timeout_s)
             except (PeerUnavailable, InvalidPayload) as e:
                 if isinstance(e, NoAnswer):  # before the check wakes up: it makes no call to a silent verifier
                     st.silent.add(st.verifiers[s])
@@ -298,12 +309,11 @@ class SliceExchange:
         once it has merged it. An answer without the slice (a peer that does not own it in its view of
         the round) is followed by a fetch. `ahead`: that call, made already (`send_ahead`)."""
         taken = False
+        part = self._part_call(r, st, s, data, address, ahead)
 
         async def attempt(timeout_s: float) -> None:
-            nonlocal taken, ahead
-            call, ahead = ahead, None
-            reply, merged = await call_or_ahead(call, timeout_s, lambda: self._streams.call(
-                address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, timeout_s=timeout_s))
+            nonlocal taken
+            reply, merged = await part(timeout_s)
             if not taken:  # a later attempt (the slice was bad) sends the part again; counted once
                 st.bytes_up += len(data)
                 taken = True
@@ -576,4 +586,3 @@ class SliceExchange:
             return Reply(error=f"cannot check slice {s}: a part of those senders is missing here")
 
         return Reply(data=digest, sent=self._answered(st, s, head.sender))
-
