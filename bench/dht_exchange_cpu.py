@@ -3,9 +3,9 @@
 For N in --peers-list it makes N real payloads of the model (one training step each, data seeds 0..N-1),
 cuts them into N slices as `demonet.dht.rules.SlicePlan` does for N owners, and times, as one peer
 does them each round (`demonet/dht/exchange.py`): cutting and encoding its N parts (entropy-coded
-indices, as parts travel), decoding the N parts of the slice it owns, merging them (the coordinator's
-merge rules: top-k, median-norm clipping), and decoding the N-1 merged slices it fetches. Medians over
---reps, in milliseconds, one torch thread. What a DHT round costs beyond these is waiting (see
+indices, as parts travel, in one `wire.encode_many`), decoding the N parts of the slice it owns, merging
+them (the coordinator's merge rules: top-k, median-norm clipping), and decoding the N-1 merged slices it
+fetches. Medians over --reps, in milliseconds, one torch thread. What a DHT round costs beyond these is waiting (see
 `bench/dht_round.py` and its phases). Run from the repo root: `python bench/dht_exchange_cpu.py`.
 Prints a table; not a test.
 """
@@ -52,8 +52,8 @@ def measure(peers: int, reps: int, config: str | None) -> dict[str, float]:
     decoded = [decode_contribution(d, expected=mine, rules=rules)[1] for d in parts]
     merged = merge(decoded, step=1, rules=rules, expected=mine)
     out = {
-        "encode_parts": _ms(lambda: [wire.encode(plan.cut(payloads[0], s), step=1, index_coding="entropy")
-                                     for s in range(plan.n)], reps),
+        "encode_parts": _ms(lambda: wire.encode_many([plan.cut(payloads[0], s) for s in range(plan.n)], step=1,
+                                                     index_coding="entropy"), reps),
         "decode_parts": _ms(lambda: [decode_contribution(d, expected=mine, rules=rules) for d in parts], reps),
         "merge": _ms(lambda: merge(decoded, step=1, rules=rules, expected=mine), reps),
         "decode_merged": (plan.n - 1) * _ms(lambda: wire.decode(merged.data, expected=mine), reps),

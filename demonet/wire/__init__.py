@@ -3,7 +3,7 @@
 Wire layer: imports the math layer's dataclasses and the generated protobuf module; never grpc,
 asyncio or a transport. This module only re-exports:
 
-- `codec`: `Payload` <-> protobuf bytes (`encode`, and `decode`, which validates inbound bytes).
+- `codec`: `Payload` <-> protobuf bytes (`encode`, `encode_many`, and `decode`, which validates inbound bytes).
 - `parts`: a serialized message as `PayloadPart` messages (`split`, `Reassembler`).
 - `report`: byte accounting (`payload_bytes`, `index_bits_report`).
 - `params` (imported on its own): the dense parameters a joining peer downloads.
@@ -27,6 +27,7 @@ from .codec import (
     Expected,
     decode,
     encode,
+    encode_many,
 )
 from .parts import DEFAULT_PART_BYTES, MAX_PARTS, Reassembler, split
 from .report import index_bits_report, payload_bytes
@@ -49,6 +50,7 @@ __all__ = [
     "Reassembler",
     "decode",
     "encode",
+    "encode_many",
     "index_bits_report",
     "payload_bytes",
     "split",

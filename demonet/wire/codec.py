@@ -15,7 +15,7 @@ import functools
 import hashlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,7 @@ __all__ = [
     "Expected",
     "decode",
     "encode",
+    "encode_many",
 ]
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,24 @@ def encode(payload: Payload, *, step: int, index_coding: str = "entropy", value_
     Raises:
         ValueError: the payload is malformed (a bug on this side, never a peer's fault).
     """
-    encoding = payload.encoding
+    return encode_many([payload], step=step, index_coding=index_coding, value_coding=value_coding)[0]
+
+
+def encode_many(payloads: Sequence[Payload], *, step: int, index_coding: str = "entropy",
+                value_coding: str = "deflate") -> list[bytes]:
+    """`encode` of each of `payloads` (one encoding for all), the same bytes for each, at the cost of about one.
+
+    The tensors of every payload that share (h*w, k) go through the codecs as one batch: a payload cut
+    into slices (`demonet.dht.rules.SlicePlan`) encodes in about the time of the whole one, instead of
+    paying the codecs' fixed cost once a slice.
+
+    Raises:
+        ValueError: a payload is malformed, or the payloads' encodings differ.
+    """
+    encodings = {p.encoding for p in payloads}
+    if len(encodings) > 1:
+        raise ValueError(f"payloads encoded together should share one encoding, got {sorted(encodings)}")
+    encoding = encodings.pop() if encodings else ENCODINGS[0]
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding should be one of {ENCODINGS}, got {encoding!r}")
     if index_coding not in INDEX_CODINGS:
@@ -164,7 +182,7 @@ def encode(payload: Payload, *, step: int, index_coding: str = "entropy", value_
         raise ValueError(f"value_coding should be one of {VALUE_CODINGS}, got {value_coding!r}")
     if step < 0:
         raise ValueError(f"step should be >= 0, got {step}")
-    items = list(payload.tensors.items())
+    items = [item for p in payloads for item in p.tensors.items()]
     for name, c in items:
         _check_local(name, c, encoding)
     coded: list[tuple[int, bytes, bytes, bytes]] = [(0, b"", b"", b"")] * len(items)
@@ -172,6 +190,17 @@ def encode(payload: Payload, *, step: int, index_coding: str = "entropy", value_
         names, cs = [items[i][0] for i in members], [items[i][1] for i in members]
         for i, parts in zip(members, _encode_batch(names, cs, encoding, index_coding), strict=True):
             coded[i] = parts
+    out, start = [], 0
+    for p in payloads:
+        end = start + len(p.tensors)
+        out.append(_message(items[start:end], coded[start:end], step, encoding, value_coding))
+        start = end
+    return out
+
+
+def _message(items: list[tuple[str, Compressed]], coded: list[tuple[int, bytes, bytes, bytes]], step: int,
+             encoding: str, value_coding: str) -> bytes:
+    """One payload's ``demonet.v1.Payload`` from its tensors' coded blobs, with its SHA-256 trailer."""
     msg = pb.Payload(version=VERSION, step=step, encoding=ENCODING_TO_PB[encoding])
     width = VALUE_WIDTH.get(encoding, 0) if value_coding == "deflate" else 0
     for (name, c), (coding, indices, values, scales) in zip(items, coded, strict=True):
@@ -190,7 +219,7 @@ def encode(payload: Payload, *, step: int, index_coding: str = "entropy", value_
             value_coding=pb.VALUE_CODING_PLAIN if deflated is None else pb.VALUE_CODING_TOP_PLANE_DEFLATE,
         )
     body = msg.SerializeToString()
-    logger.debug("encoded step %d: %d tensors, %d bytes, %s indices", step, len(msg.tensors), len(body), index_coding)
+    logger.debug("encoded step %d: %d tensors, %d bytes", step, len(msg.tensors), len(body))
     return body + _TRAILER_HEAD + hashlib.sha256(body).digest()
 
 

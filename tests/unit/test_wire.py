@@ -210,6 +210,32 @@ def test_a_batch_codes_each_tensor_as_it_would_alone(encoding: str, index_coding
         assert codings["padded"] == pb.INDEX_CODING_ELIAS_FANO
 
 
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("index_coding", wire.INDEX_CODINGS)
+@pytest.mark.parametrize("value_coding", wire.VALUE_CODINGS)
+def test_encode_many_gives_each_payload_the_bytes_encode_gives(encoding: str, index_coding: str,
+                                                                value_coding: str) -> None:
+    tensors = list(_batch_payload(encoding).tensors.items())
+    groups = [tensors[:2], tensors[2:5], [], tensors[5:], tensors[1:4]]  # a batch spans payloads; one is empty
+    payloads = [Payload(tensors=dict(g), encoding=encoding) for g in groups]
+    alone = [wire.encode(p, step=7, index_coding=index_coding, value_coding=value_coding) for p in payloads]
+    assert wire.encode_many(payloads, step=7, index_coding=index_coding, value_coding=value_coding) == alone
+    assert wire.encode_many([], step=7) == []
+
+
+def test_encode_many_refuses_mixed_encodings_and_names_a_bad_tensor() -> None:
+    gen = torch.Generator().manual_seed(23)
+    a = Payload(tensors={"a": make_compressed((16,), (1, 8), 3, "fp32", gen)}, encoding="fp32")
+    b = Payload(tensors={"b": make_compressed((16,), (1, 8), 3, "bf16", gen)}, encoding="bf16")
+    with pytest.raises(ValueError, match="share one encoding"):
+        wire.encode_many([a, b], step=0)
+    val_CK = a.tensors["a"].val.clone()
+    val_CK[0, 0] = float("inf")
+    bad = Payload(tensors={"t": _with(a.tensors["a"], val=val_CK)}, encoding="fp32")
+    with pytest.raises(ValueError, match="^t: val holds NaN or Inf"):
+        wire.encode_many([a, bad], step=0)
+
+
 def test_errors_name_the_tensor_within_a_batch() -> None:
     gen = torch.Generator().manual_seed(22)
     tensors = {f"t{i}": make_compressed((16,), (1, 8), 3, "fp32", gen) for i in range(4)}
