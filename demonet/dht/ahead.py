@@ -57,15 +57,14 @@ class PartsAhead:
         self._streams, self.opts, self.peer_id = streams, opts, peer_id
         self._rounds: dict[int, Ahead] = {}
 
-    def send(self, r: int, encode: Callable[[rules.SlicePlan], Awaitable[list[bytes]]], *, specs: rules.Specs,
-             members: Sequence[str], owners: Sequence[str], addresses: Mapping[str, str]) -> None:
-        """Cut round `r`'s parts (`encode`) for `members` and `owners` (sorted; `addresses` reaches them) and
-        send them, by a task: this returns at once. Those sent ahead of earlier rounds are cancelled."""
+    def send(self, r: int, encode: Callable[[], Awaitable[list[bytes]]], *, plan: rules.SlicePlan, mdigest: str,
+             owners: Sequence[str], addresses: Mapping[str, str]) -> None:
+        """Send round `r`'s parts, cut by `plan` (`encode`) for the member list of digest `mdigest` and `owners`
+        (sorted; `addresses` reaches them), by a task: this returns at once. Those sent ahead of earlier
+        rounds are cancelled."""
         for q in [q for q in self._rounds if q <= r]:
             self.drop(q)
-        plan = rules.SlicePlan(specs, len(owners))
         owners = tuple(owners[:plan.n])
-        mdigest = rules.members_digest(members)
         ahead = self._rounds[r] = Ahead(mdigest, owners,
                                         rules.verifiers(r, mdigest, owners, plan.n, self.opts.verify_fraction))
         # Until this peer's freeze and the owner's merge: the freeze's deadline at the latest, then the exchange.
@@ -76,7 +75,7 @@ class PartsAhead:
                                                           members_digest=mdigest, ahead=True, timeout_s=timeout_s))
 
         async def send() -> None:
-            ahead.parts = await encode(plan)
+            ahead.parts = await encode()
             for s, owner in enumerate(owners):
                 if owner != self.peer_id:
                     ahead.to_owners[s] = call(s, addresses[owner])

@@ -23,11 +23,12 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Payload
-from demonet.wire.merge import Merged, decode_contribution, merge
+from demonet.wire.merge import Merged, merge
 
 from . import rules
 from .ahead import Ahead, Call, PartsAhead, call_or_ahead
 from .node import DhtNode
+from .round_state import Outcome, RoundState, decode_part
 from .streams import NoAnswer, Reply, now, retry
 
 __all__ = ["Exchanged", "SliceExchange"]
@@ -36,37 +37,6 @@ logger = logging.getLogger(__name__)
 
 _KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
 _PARTS_CODING = "entropy"  # parts travel with entropy-coded indices: 7.9 bits an index instead of 12, lossless
-
-
-@dataclass(eq=False)
-class _Round:
-    """What this peer knows of one round: its plan once frozen, parts in, merged slices held."""
-
-    plan: rules.SlicePlan | None = None
-    owners: list[str] = field(default_factory=list)
-    members: list[str] = field(default_factory=list)  # the effective members (majority digest)
-    mdigest: str = ""
-    rs_deadline: float = 0.0
-    ag_deadline: float = 0.0
-    parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
-    ahead: dict[int, set[str]] = field(default_factory=dict)
-    """Slice -> the senders whose part held here was sent ahead of their freeze (`SliceExchange.send_ahead`):
-    one cut for another member list is replaced by the part they send once frozen, and is waited for."""
-    merged: dict[int, tuple[tuple[str, ...], bytes, Payload]] = field(default_factory=dict)
-    fetched: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers that fetched it from here
-    asked: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers this verifier answered a check of
-    check_lists: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)  # slice -> asker -> its list
-    verifiers: dict[int, str] = field(default_factory=dict)  # slice -> its second owner (rules.verifiers)
-    checks: dict[tuple[int, tuple[str, ...]], asyncio.Task[bytes | None]] = field(default_factory=dict)
-    """As a verifier: (slice, contributors) -> the SHA-256 of that merge (None: a part is missing)."""
-    early: dict[int, asyncio.Future[tuple[tuple[str, ...], bytes] | None]] = field(default_factory=dict)
-    """Slice -> its verifier's answer to this peer's part: (every member, the SHA-256 of their merge), or None."""
-    disagreed: set[int] = field(default_factory=set)  # slices whose owner and verifier disagreed
-    unverified: set[int] = field(default_factory=set)  # verified slices whose verifier could not answer
-    silent: set[str] = field(default_factory=set)  # peers that let a call of the exchange time out (`NoAnswer`)
-    phases: dict[str, float] = field(default_factory=dict)  # Exchanged.phases
-    bytes_up: int = 0
-    bytes_down: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,8 +77,9 @@ class SliceExchange:
     def __init__(self, node: DhtNode) -> None:
         self._node, self.opts, self.peer_id = node, node.opts, node.peer_id
         self._streams = node.streams
-        self._rounds: dict[int, _Round] = {}
+        self._rounds: dict[int, RoundState] = {}
         self._ahead = PartsAhead(node.streams, node.opts, node.peer_id)
+        self._plans: dict[int, rules.SlicePlan] = {}
         self._cond = asyncio.Condition()
         self.latest = -1
         """The latest round this peer gathered for; streams about rounds far from it are refused."""
@@ -116,16 +87,23 @@ class SliceExchange:
         node.streams.serve(pb.DHT_KIND_FETCH, self._serve_slice)
         node.streams.serve(pb.DHT_KIND_CHECK, self._serve_check)
 
-    def _round(self, r: int, *, mine: bool = False) -> _Round:
+    def _round(self, r: int, *, mine: bool = False) -> RoundState:
         """The state of round `r`; `mine`: this peer starts it (older rounds are forgotten then)."""
         if mine and r > self.latest:
             self.latest = r
             for old in [k for k in self._rounds if k < r - _KEEP_ROUNDS]:
                 del self._rounds[old]
         st = self._rounds.get(r)
-        if st is None:  # (not setdefault: a _Round is built only where none is held yet)
-            st = self._rounds[r] = _Round()
+        if st is None:  # (not setdefault: a RoundState is built only where none is held yet)
+            st = self._rounds[r] = RoundState()
         return st
+
+    def _plan(self, specs: rules.Specs, n: int) -> rules.SlicePlan:
+        """The slice plan of `specs` for `n` owners, made once per `n` while the specs stay the same."""
+        plan = self._plans.get(n)
+        if plan is None or plan.specs != specs:
+            plan = self._plans[n] = rules.SlicePlan(specs, n)
+        return plan
 
     def _far(self, r: int) -> bool:
         """A round this peer keeps no state for: long over, or too far ahead (a peer out of step)."""
@@ -140,8 +118,17 @@ class SliceExchange:
         freeze, and the peer that announced last has sent its parts before its freeze. `run` takes the
         calls up where the freeze gives the same members and owners, and cancels them otherwise; an
         owner waits for the part a sender cuts once frozen in place of one sent ahead for other members
-        (`_Round.ahead`). The calls are made by a task (demonet.dht.ahead): this returns at once."""
-        self._ahead.send(r, lambda plan: self._encode_parts(r, plan, payload), specs=specs, members=members,
+        (`RoundState.ahead`). The calls are made by a task (demonet.dht.ahead): this returns at once.
+
+        The parts the others sent ahead for the same members are decoded from then on as they arrive."""
+        plan = self._plan(specs, len(owners))
+        st = self._round(r)
+        mdigest = rules.members_digest(members)
+        st.guess = plan, mdigest
+        for s, held in st.parts.items():
+            for sender, (cut_for, data) in held.items():
+                st.decode_early(r, s, sender, cut_for, data, self.opts.rules)
+        self._ahead.send(r, lambda: self._encode_parts(r, plan, payload), plan=plan, mdigest=mdigest,
                          owners=owners, addresses=addresses)
 
     def drop_ahead(self, r: int) -> None:
@@ -151,7 +138,7 @@ class SliceExchange:
     async def _encode_parts(self, r: int, plan: rules.SlicePlan, payload: Payload) -> list[bytes]:
         """This peer's part of each slice of `plan`, encoded."""
         def encode() -> list[bytes]:
-            return [wire.encode(plan.cut(payload, s), step=r, index_coding=_PARTS_CODING) for s in range(plan.n)]
+            return wire.encode_many([plan.cut(payload, s) for s in range(plan.n)], step=r, index_coding=_PARTS_CODING)
 
         small = payload.numel() <= wire.INLINE_ENCODE_ENTRIES
         return encode() if small else await asyncio.to_thread(encode)  # a small payload: no trip to a thread
@@ -164,7 +151,7 @@ class SliceExchange:
         """
         st = self._round(r, mine=True)
         async with self._cond:
-            st.plan = rules.SlicePlan(specs, len(owners))
+            st.plan = self._plan(specs, len(owners))
             st.owners, st.members = list(owners[:st.plan.n]), list(members)
             st.mdigest = rules.members_digest(members)
             st.verifiers = rules.verifiers(r, st.mdigest, owners, st.plan.n, self.opts.verify_fraction)
@@ -190,7 +177,7 @@ class SliceExchange:
         kept = agg if mine == merged else st.plan.join(mine)  # restore all of the slices without this payload
         return Exchanged(agg, kept, contributors, **done)
 
-    async def _exchange(self, r: int, st: _Round, payload: Payload, addresses: Mapping[str, str]
+    async def _exchange(self, r: int, st: RoundState, payload: Payload, addresses: Mapping[str, str]
                         ) -> list[Payload | None]:
         """Send each owner its slice, merge ours, get every merged slice; returns them (None: dropped).
 
@@ -207,7 +194,7 @@ class SliceExchange:
             if ahead is not None:  # a call sent ahead that the exchange did not await (it was cancelled)
                 ahead.cancel()
 
-    async def _exchange_parts(self, r: int, st: _Round, payload: Payload, addresses: Mapping[str, str],
+    async def _exchange_parts(self, r: int, st: RoundState, payload: Payload, addresses: Mapping[str, str],
                               ahead: Ahead | None) -> list[Payload | None]:
         assert st.plan is not None
         plan, me = st.plan, self.peer_id
@@ -220,6 +207,7 @@ class SliceExchange:
             if me in targets:
                 async with self._cond:
                     st.parts.setdefault(s, {})[me] = (st.mdigest, parts[s])
+                    st.decode_early(r, s, me, st.mdigest, parts[s], self.opts.rules)
                     self._cond.notify_all()
             if s in st.verifiers and st.verifiers[s] != me:
                 st.early[s] = asyncio.get_running_loop().create_future()
@@ -259,7 +247,7 @@ class SliceExchange:
         st.phases["serve"] = time.perf_counter() - t2
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
 
-    def _part_call(self, r: int, st: _Round, s: int, data: bytes, address: str, ahead: Call | None
+    def _part_call(self, r: int, st: RoundState, s: int, data: bytes, address: str, ahead: Call | None
                    ) -> Callable[[float], Awaitable[tuple[pb.DhtMessage, bytes]]]:
         """`call(timeout_s)` sends this peer's part of slice `s` to `address`: the first time, it awaits the
         call sent ahead (`ahead`, if any); then, and after a failure, it makes a new call."""
@@ -271,10 +259,10 @@ class SliceExchange:
 
         return call
 
-    async def _send_part(self, r: int, st: _Round, s: int, data: bytes, address: str, ahead: Call | None = None
+    async def _send_part(self, r: int, st: RoundState, s: int, data: bytes, address: str, ahead: Call | None = None
                          ) -> None:
         """Send this peer's rows of slice `s` (encoded) to the slice's verifier, which answers once it holds
-        every member's part with the SHA-256 of their merge (`_Round.early`): the check of the slice then
+        every member's part with the SHA-256 of their merge (`RoundState.early`): the check of the slice then
         needs no call of its own when the owner merged the same parts. `ahead`: that call, made already
         (`send_ahead`); its failure is tried again as a new call."""
         def answered(early: tuple[tuple[str, ...], bytes] | None) -> None:
@@ -303,7 +291,7 @@ class SliceExchange:
         finally:
             answered(None)
 
-    async def _part_and_slice(self, r: int, st: _Round, s: int, data: bytes, address: str, ahead: Call | None = None
+    async def _part_and_slice(self, r: int, st: RoundState, s: int, data: bytes, address: str, ahead: Call | None = None
                               ) -> None:
         """Send this peer's rows of slice `s` (encoded) to its owner, which answers with the merged slice
         once it has merged it. An answer without the slice (a peer that does not own it in its view of
@@ -328,13 +316,14 @@ class SliceExchange:
         if error:
             logger.warning("[%s round=%d] slice %d: not from its owner: %s", self.peer_id, r, s, error)
 
-    async def _merged(self, r: int, st: _Round, s: int, senders: Collection[str] | None = None
+    async def _merged(self, r: int, st: RoundState, s: int, senders: Collection[str] | None = None
                       ) -> tuple[tuple[str, ...], Merged] | None:
         """The merge of slice `s` over the valid parts held here from `senders` (None: every member), and
         the senders in it (sorted); None if no part is valid, or (`senders` given) one of them is missing.
 
-        Waits until all of them are in, or the reduce-scatter's deadline. The parts are decoded and merged in
-        one trip to a worker thread: under load, each trip waits for the thread to be scheduled."""
+        Waits until all of them are in, or the reduce-scatter's deadline. The parts not decoded as they
+        arrived (`RoundState.decode_early`) are decoded and merged in one trip to a worker thread: under
+        load, each trip waits for the thread to be scheduled."""
         want = set(st.members) if senders is None else set(senders)
         async with self._cond:
             with contextlib.suppress(TimeoutError):
@@ -349,16 +338,18 @@ class SliceExchange:
                                sender)
                 del parts[sender]
 
+        outcomes: dict[str, Outcome] = {}
+        for sender in parts if st.decoded is not None else ():
+            outcome = await st.decoded.take(s, sender, parts[sender][1], specs)
+            if outcome is not None:
+                outcomes[sender] = outcome
+        st.phases["early"] = st.phases.get("early", 0.0) + len(outcomes)
+
         def decode_and_merge() -> tuple[dict[str, str], tuple[tuple[str, ...], Merged] | None]:
-            decoded, refused = {}, {}
-            for sender in sorted(parts):
-                try:
-                    step, part = decode_contribution(parts[sender][1], expected=specs, rules=self.opts.rules)
-                    if step != r:
-                        raise InvalidPayload(f"part says round {step}")
-                    decoded[sender] = part
-                except InvalidPayload as e:
-                    refused[sender] = str(e)
+            for sender in parts.keys() - outcomes.keys():
+                outcomes[sender] = decode_part(parts[sender][1], specs, r, self.opts.rules)
+            refused = {p: str(o) for p, o in outcomes.items() if isinstance(o, InvalidPayload)}
+            decoded = {p: o for p, o in outcomes.items() if not isinstance(o, InvalidPayload)}
             if not decoded or (senders is not None and set(decoded) != want):
                 return refused, None
             merged = merge([decoded[p] for p in sorted(decoded)], step=r, rules=self.opts.rules, expected=specs)
@@ -370,13 +361,13 @@ class SliceExchange:
         return result
 
     @staticmethod
-    def _final_parts(st: _Round, s: int) -> set[str]:
+    def _final_parts(st: RoundState, s: int) -> set[str]:
         """The senders of slice `s` whose part held here is final: cut for this peer's member list, or
         sent after the sender's freeze (a part sent ahead for other members will be replaced)."""
         ahead = st.ahead.get(s, set())
         return {p for p, (d, _) in st.parts.get(s, {}).items() if d == st.mdigest or p not in ahead}
 
-    async def _merge(self, r: int, st: _Round, s: int) -> None:
+    async def _merge(self, r: int, st: RoundState, s: int) -> None:
         """As the owner of slice `s`: wait for every member's part (or the deadline), merge, keep it."""
         result = await self._merged(r, st, s)
         if result is None:
@@ -396,7 +387,7 @@ class SliceExchange:
 
     # -- verification ----------------------------------------------------------------------------------
 
-    async def _digest_over(self, r: int, st: _Round, s: int, senders: tuple[str, ...]) -> bytes | None:
+    async def _digest_over(self, r: int, st: RoundState, s: int, senders: tuple[str, ...]) -> bytes | None:
         """As the verifier of slice `s`: the SHA-256 of its merge over exactly `senders` (sorted), once.
 
         The merge is one task shared by this peer's own check and the members' requests: a request whose
@@ -410,7 +401,7 @@ class SliceExchange:
             st.checks[key] = asyncio.create_task(digest())
         return await asyncio.shield(st.checks[key])
 
-    async def _check(self, r: int, st: _Round, s: int, address: str) -> None:
+    async def _check(self, r: int, st: RoundState, s: int, address: str) -> None:
         """Compare the merged slice `s` this peer holds with its verifier's merge over the same senders.
 
         Equal: kept. Different: the slice is dropped this round and both peers are reported. No answer
@@ -442,7 +433,7 @@ class SliceExchange:
             logger.warning("[%s round=%d] slice %d: its owner %s and its verifier %s disagree; dropped this round, "
                            "both reported", self.peer_id, r, s, st.owners[s], verifier)
 
-    def _holders(self, st: _Round, s: int) -> list[str]:
+    def _holders(self, st: RoundState, s: int) -> list[str]:
         """Whom to ask for missing slice `s` after the exchange: the other owners, its own owner last. A peer
         that let a call of the exchange time out (cut off, or stalled) is not asked: asking would only wait
         `exchange_timeout_s` more (a dead peer refuses at once, and is asked)."""
@@ -450,18 +441,18 @@ class SliceExchange:
         others = [p for p in st.owners if p not in (self.peer_id, owner, *st.silent)]
         return others if owner in st.silent or owner == self.peer_id else [*others, owner]
 
-    async def _fetch_from_holders(self, r: int, st: _Round, s: int, addresses: Mapping[str, str]) -> None:
+    async def _fetch_from_holders(self, r: int, st: RoundState, s: int, addresses: Mapping[str, str]) -> None:
         await asyncio.sleep(max(0.0, st.ag_deadline - now()))  # holders answer for good only after it
         for p in self._holders(st, s):
             with contextlib.suppress(PeerUnavailable, InvalidPayload):
                 await self._fetch(r, st, s, addresses[p], timeout_s=self.opts.exchange_timeout_s)
                 return
 
-    async def _fetch(self, r: int, st: _Round, s: int, address: str, *, timeout_s: float) -> None:
+    async def _fetch(self, r: int, st: RoundState, s: int, address: str, *, timeout_s: float) -> None:
         reply, data = await self._streams.call(address, pb.DHT_KIND_FETCH, r, slice=s, timeout_s=timeout_s)
         await self._keep_slice(r, st, s, reply, data)
 
-    async def _keep_slice(self, r: int, st: _Round, s: int, reply: pb.DhtMessage, data: bytes) -> None:
+    async def _keep_slice(self, r: int, st: RoundState, s: int, reply: pb.DhtMessage, data: bytes) -> None:
         """Check and keep merged slice `s` as `reply` and its `data` give it."""
         assert st.plan is not None
         if not set(reply.contributors) <= set(st.members):
@@ -499,6 +490,7 @@ class SliceExchange:
             held[head.sender] = (head.members_digest, data)
             (sent_ahead.add if head.ahead else sent_ahead.discard)(head.sender)
             st.bytes_down += len(data)
+            st.decode_early(r, head.slice, head.sender, head.members_digest, data, self.opts.rules)
             self._cond.notify_all()
             with contextlib.suppress(TimeoutError):  # the part can come before this peer froze the round
                 async with asyncio.timeout(self.opts.window_s + self.opts.exchange_timeout_s):
@@ -511,9 +503,9 @@ class SliceExchange:
             return await self._answer_early(r, st, head.slice, head.sender)
         return Reply()
 
-    async def _answer_early(self, r: int, st: _Round, s: int, sender: str) -> Reply:
+    async def _answer_early(self, r: int, st: RoundState, s: int, sender: str) -> Reply:
         """As the verifier of slice `s`: the answer to `sender`'s part, the SHA-256 of the merge over every
-        member (`_Round.early`), or nothing if a part is missing (the sender then asks with a check)."""
+        member (`RoundState.early`), or nothing if a part is missing (the sender then asks with a check)."""
         members = tuple(sorted(st.members))
         digest = await self._digest_over(r, st, s, members)
         if digest is None:
@@ -521,8 +513,9 @@ class SliceExchange:
 
         return Reply(data=digest, fields={"contributors": list(members)}, sent=self._answered(st, s, sender))
 
-    def _answered(self, st: _Round, s: int, sender: str) -> Callable[[], Awaitable[None]]:
-        """What a verifier calls once `sender` got its digest of slice `s`: `sender` is answered (`_Round.asked`)."""
+    def _answered(self, st: RoundState, s: int, sender: str) -> Callable[[], Awaitable[None]]:
+        """What a verifier calls once `sender` got its digest of slice `s`: `sender` is answered
+        (`RoundState.asked`)."""
         async def sent() -> None:
             async with self._cond:
                 st.asked.setdefault(s, set()).add(sender)

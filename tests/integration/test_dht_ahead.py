@@ -30,19 +30,14 @@ async def _ahead() -> None:
     from demonet._proto import demonet_pb2 as pb
     from demonet.dht.gatherer import DhtGatherer, DhtOptions
     from demonet.dht.streams import now
-    from demonet.optim import Compressed, Payload
+    from demonet.optim import Payload
     from demonet.wire.identity import Identity
+    from tests.payloads import random_payload
 
     specs = {"w": ((64, 64), (16, 16)), "b": ((64,), (1, 64))}
 
     def payload(seed: int) -> Payload:
-        g = torch.Generator().manual_seed(seed)
-        tensors = {}
-        for name, (shape, chunk) in specs.items():
-            rows = (shape[0] // chunk[0]) * (shape[-1] // chunk[1]) if len(shape) == 2 else 1
-            idx = torch.stack([torch.randperm(chunk[0] * chunk[1], generator=g)[:8] for _ in range(rows)])
-            tensors[name] = Compressed(idx=idx, val=torch.randn(rows, 8, generator=g), shape=shape, chunk=chunk)
-        return Payload(tensors=tensors)
+        return random_payload(specs, seed, k=8)
 
     def opts(initial: tuple[str, ...] = ()) -> DhtOptions:
         return DhtOptions(run="ahead", token=TOKEN, initial_peers=initial, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
@@ -91,6 +86,11 @@ async def _ahead() -> None:
         ahead = await asyncio.gather(*(run(p, 11, names) for p in names))
         assert all(d.phases["ahead"] == 1.0 and d.contributors == tuple(names) for d in ahead)
         assert all(same(d.aggregate, plain[0].aggregate) for d in [*plain, *ahead])  # type: ignore[arg-type]
+        # Each owner and verifier merged every member's part decoded as it arrived (its own at its freeze).
+        for p, d in zip(names, ahead, strict=True):
+            st = nodes[p]._exchange._rounds[11]
+            merges = sum(o == p for o in st.owners) + sum(v == p for v in st.verifiers.values())
+            assert merges and d.phases["early"] == len(names) * merges, (p, d.phases, st.owners, st.verifiers)
         sent = [(p, s, to) for p, r, s, to, _, _ in calls if r == 11]
         assert sent and all(a for _, r, _, _, a, _ in calls if r == 11), calls  # every part went ahead ...
         assert len(sent) == len(set(sent)), sent  # ... and none twice

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from demonet.dht.exchange import SliceExchange, _Round
+from demonet.dht.exchange import SliceExchange
+from demonet.dht.round_state import RoundState
 from demonet.dht.streams import DhtOptions
 
 
@@ -25,11 +26,11 @@ def _exchange() -> SliceExchange:
 @pytest.mark.timeout(10)
 async def test_a_cancelled_check_request_leaves_the_shared_merge_to_the_others(monkeypatch: pytest.MonkeyPatch
                                                                                ) -> None:
-    ex, st = _exchange(), _Round()
+    ex, st = _exchange(), RoundState()
     started, release = asyncio.Event(), asyncio.Event()
     calls = []
 
-    async def held_merge(r: int, st_: _Round, s: int, senders: tuple[str, ...]) -> None:
+    async def held_merge(r: int, st_: RoundState, s: int, senders: tuple[str, ...]) -> None:
         calls.append((r, s, senders))
         started.set()
         await release.wait()
@@ -52,7 +53,7 @@ async def test_a_cancelled_check_request_leaves_the_shared_merge_to_the_others(m
 
 @pytest.mark.timeout(10)
 async def test_a_verified_slice_is_checked_with_the_verifiers_answer_to_the_part_when_the_merges_match() -> None:
-    """The verifier answers a member's part with the digest of the merge over every member (`_Round.early`):
+    """The verifier answers a member's part with the digest of the merge over every member (`RoundState.early`):
     a slice its owner merged over the same members is checked with it, without a check call; over other
     senders, or with no early answer, the check call asks for the digest over the owner's senders."""
     import hashlib
@@ -69,8 +70,8 @@ async def test_a_verified_slice_is_checked_with_the_verifiers_answer_to_the_part
 
     ex._streams = SimpleNamespace(call=call)  # type: ignore[assignment]
 
-    def round_with(senders: tuple[str, ...], early: tuple[tuple[str, ...], bytes] | None) -> _Round:
-        st = _Round(owners=["o"], members=["a", "b", "c"], verifiers={0: "v"})
+    def round_with(senders: tuple[str, ...], early: tuple[tuple[str, ...], bytes] | None) -> RoundState:
+        st = RoundState(owners=["o"], members=["a", "b", "c"], verifiers={0: "v"})
         st.merged[0] = (senders, b"merged over " + ",".join(senders).encode(), None)  # type: ignore[assignment]
         st.early[0] = asyncio.get_running_loop().create_future()
         st.early[0].set_result(early)
@@ -105,7 +106,7 @@ async def test_a_peer_that_let_a_call_time_out_is_not_asked_again_in_the_round()
     from demonet.errors import PeerUnavailable
 
     ex = _exchange()  # peer "a"
-    st = _Round(owners=["a", "b", "c", "d"], members=["a", "b", "c", "d"], verifiers={1: "d", 2: "b"},
+    st = RoundState(owners=["a", "b", "c", "d"], members=["a", "b", "c", "d"], verifiers={1: "d", 2: "b"},
                 ag_deadline=now() + 0.3)
     assert ex._holders(st, 1) == ["c", "d", "b"] and ex._holders(st, 0) == ["b", "c", "d"]
     calls: list[tuple[str, int]] = []

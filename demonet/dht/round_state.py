@@ -1,0 +1,111 @@
+"""What one peer holds of one DHT round's exchange (`RoundState`), and its parts decoded as they arrive.
+
+Net layer helper for demonet.dht.exchange. A part whose slice plan this peer knows when it arrives (the
+round's, once frozen, or the one this peer's own parts were sent ahead for) is decoded at once: on the
+event loop if it is small (`wire.INLINE_DECODE_BYTES`), else in a thread of its own, one part at a time,
+so that a round's parts never take the worker threads the training step needs. The merge after the
+last part then decodes that one alone (docs/dht.md#a-round, step 4). Must not import grpc,
+demonet.transport.grpc, or the round board.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from demonet import wire
+from demonet.errors import InvalidPayload
+from demonet.optim import Payload
+from demonet.wire.merge import MergeRules, decode_contribution
+
+from . import rules
+
+__all__ = ["DecodedParts", "Outcome", "RoundState", "decode_part"]
+
+Outcome = Payload | InvalidPayload
+"""A part decoded for a merge, or why it is refused."""
+
+_DECODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demonet-decode")
+"""Where large parts are decoded as they arrive: one thread, whatever the number of parts."""
+
+
+def decode_part(data: bytes, specs: wire.Expected, r: int, rules: MergeRules) -> Outcome:
+    """Round `r`'s part `data` of the slice that `specs` describes, validated for a merge, or why not."""
+    try:
+        step, part = decode_contribution(data, expected=specs, rules=rules)
+    except InvalidPayload as e:
+        return e
+    return part if step == r else InvalidPayload(f"part says round {step}")
+
+
+class DecodedParts:
+    """The parts of one round decoded as they arrived, by (slice, sender): each sender's first part of a
+    slice only, so that a sender that replaces its part costs one decode more at most (the merge's)."""
+
+    def __init__(self, r: int, rules: MergeRules) -> None:
+        self._r, self._rules = r, rules
+        self._held: dict[tuple[int, str], tuple[bytes, wire.Expected, asyncio.Future[Outcome]]] = {}
+
+    def start(self, s: int, sender: str, data: bytes, specs: wire.Expected) -> None:
+        """Decode `sender`'s part `data` of slice `s` (described by `specs`) now, unless one of its parts of
+        that slice was decoded already."""
+        if (s, sender) in self._held:
+            return
+        if len(data) <= wire.INLINE_DECODE_BYTES:
+            done: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+            done.set_result(decode_part(data, specs, self._r, self._rules))
+        else:
+            done = asyncio.get_running_loop().run_in_executor(_DECODER, decode_part, data, specs, self._r, self._rules)
+        self._held[(s, sender)] = (data, specs, done)
+
+    async def take(self, s: int, sender: str, data: bytes, specs: wire.Expected) -> Outcome | None:
+        """What decoding `sender`'s part `data` of slice `s` against `specs` gave, once it is done; None where
+        that was not started (another part of that sender, or decoded against other specs)."""
+        held = self._held.get((s, sender))
+        if held is None or held[0] is not data or held[1] != specs:
+            return None
+        return await asyncio.shield(held[2])
+
+
+@dataclass(eq=False)
+class RoundState:
+    """What this peer knows of one round: its plan once frozen, parts in, merged slices held."""
+
+    plan: rules.SlicePlan | None = None
+    guess: tuple[rules.SlicePlan | None, str] = (None, "")
+    """The plan and member-list digest this peer sent its parts ahead for (`SliceExchange.send_ahead`)."""
+    owners: list[str] = field(default_factory=list)
+    members: list[str] = field(default_factory=list)  # the effective members (majority digest)
+    mdigest: str = ""
+    rs_deadline: float = 0.0
+    ag_deadline: float = 0.0
+    parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
+    ahead: dict[int, set[str]] = field(default_factory=dict)
+    """Slice -> the senders whose part held here was sent ahead of their freeze (`SliceExchange.send_ahead`):
+    one cut for another member list is replaced by the part they send once frozen, and is waited for."""
+    decoded: DecodedParts | None = None  # the parts decoded as they arrived (`decode_early`)
+    merged: dict[int, tuple[tuple[str, ...], bytes, Payload]] = field(default_factory=dict)
+    fetched: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers that fetched it from here
+    asked: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers this verifier answered a check of
+    check_lists: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)  # slice -> asker -> its list
+    verifiers: dict[int, str] = field(default_factory=dict)  # slice -> its second owner (rules.verifiers)
+    checks: dict[tuple[int, tuple[str, ...]], asyncio.Task[bytes | None]] = field(default_factory=dict)
+    """As a verifier: (slice, contributors) -> the SHA-256 of that merge (None: a part is missing)."""
+    early: dict[int, asyncio.Future[tuple[tuple[str, ...], bytes] | None]] = field(default_factory=dict)
+    """Slice -> its verifier's answer to this peer's part: (every member, the SHA-256 of their merge), or None."""
+    disagreed: set[int] = field(default_factory=set)  # slices whose owner and verifier disagreed
+    unverified: set[int] = field(default_factory=set)  # verified slices whose verifier could not answer
+    silent: set[str] = field(default_factory=set)  # peers that let a call of the exchange time out (`NoAnswer`)
+    phases: dict[str, float] = field(default_factory=dict)  # Exchanged.phases
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+    def decode_early(self, r: int, s: int, sender: str, mdigest: str, data: bytes, merge_rules: MergeRules) -> None:
+        """Start decoding `sender`'s part `data` of slice `s`, cut for the member list `mdigest`, as it arrives,
+        where the plan it was cut for is known here: the round's, or the one this peer sent its parts ahead for."""
+        plan, digest = (self.plan, self.mdigest) if self.plan is not None else self.guess
+        if plan is not None and mdigest == digest and s < plan.n:
+            if self.decoded is None:
+                self.decoded = DecodedParts(r, merge_rules)
+            self.decoded.start(s, sender, data, plan.slice_specs(s))
