@@ -25,7 +25,7 @@ from demonet.wire.identity import Identity, fingerprint
 
 from . import keys
 from .hive import READY_MAX_S, READY_MIN_S, Hive, local_records, ping_and_refresh, serve_store, store_records
-from .streams import DhtOptions, HmacValidator, KeyValidator, Reply, Streams, now
+from .streams import VOUCHED, DhtOptions, HmacValidator, KeyValidator, Reply, Streams, now
 
 __all__ = ["DhtNode"]
 
@@ -237,11 +237,17 @@ class DhtNode:
             return None
 
     async def _serve_store(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
-        """The handler of a STORE call: its records stored in this node (`hive.serve_store`)."""
+        """The handler of a STORE call: its records stored in this node (`hive.serve_store`). The call proved
+        its sender (its link's hello, or its own signature), so the sender's own records are taken without
+        checking their signatures again (`streams.KeyValidator`)."""
+        public = self.streams.book.key_of(head.sender)
+        vouched = VOUCHED.set((head.sender, public) if public is not None else None)
         try:
             return Reply(data=await serve_store(self._node(), data or b""))
         except InvalidPayload as e:
             return Reply(error=str(e))
+        finally:
+            VOUCHED.reset(vouched)
 
     def _node(self) -> Any:
         """hivemind's DHT node. Raises PeerUnavailable once `close` has ended it."""

@@ -9,6 +9,7 @@ registered with it. Must not import grpc, demonet.transport.grpc or the round co
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from demonet.wire.merge import MergeRules
 
 from . import keys, links, rules
 
-__all__ = ["HANDLER", "DhtOptions", "HmacValidator", "KeyValidator", "NoAnswer", "Reply", "Streams", "now", "retry"]
+__all__ = ["HANDLER", "VOUCHED", "DhtOptions", "HmacValidator", "KeyValidator", "NoAnswer", "Reply", "Streams", "now",
+           "retry"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ _MAX_DRAIN = 64  # messages read after a refused one, so that the refusal reache
 _OWN_STREAM = frozenset({pb.DHT_KIND_PARAMS, pb.DHT_KIND_PING})
 """Calls that get a stream of their own instead of a link: parameters (megabytes, which would hold up the
 round's calls behind them) and pings (once per peer at start, where a refusal says the token is wrong)."""
+
+VOUCHED: contextvars.ContextVar[tuple[str, bytes] | None] = contextvars.ContextVar("vouched", default=None)
+"""(peer id, key) of the peer whose STORE call is being served: a link's hello, or the call's own signature,
+proved that the call comes from it (`demonet.dht.node.DhtNode._serve_store`)."""
 
 
 def now() -> float:
@@ -79,7 +85,10 @@ class KeyValidator(RecordValidatorBase):  # type: ignore[misc]
     verify against the key named in their subkey (``<peer id>@<hex key>``, `keys.subkey`).
 
     Applied inside the run token's HMAC (a lower priority signs first and validates last), so a node
-    without the token is refused before any signature is checked. Which key counts for a peer id is
+    without the token is refused before any signature is checked. A record of the peer `VOUCHED` names
+    (its id and key), stored by that peer's own call, is taken without checking its signature: the call
+    proved already that it comes from that peer, which could sign the record as well. The signature is
+    kept with it, and every node that reads the record from this one checks it. Which key counts for a peer id is
     the reader's decision (`keys.KeyBook`), not the store's: a valid record of another key under an
     honest peer's id is stored beside the honest one, never over it, and its readers ignore it.
     """
@@ -105,6 +114,8 @@ class KeyValidator(RecordValidatorBase):  # type: ignore[misc]
         claim = keys.parse_subkey(subkey) if isinstance(subkey, str) else None
         if claim is None or len(value) <= ids.SIGNATURE_BYTES:
             return False
+        if claim == VOUCHED.get():
+            return True
         body, signature = value[:-ids.SIGNATURE_BYTES], value[-ids.SIGNATURE_BYTES:]
         return ids.verify(claim[1], signature, keys.record_statement(record.key, record.subkey, body,
                                                                      record.expiration_time))

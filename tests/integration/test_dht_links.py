@@ -111,6 +111,7 @@ def test_calls_share_one_link_and_a_broken_one_is_replaced(reap_children: Reaper
 async def _hellos() -> None:
     """Run by the test in a fresh interpreter: peers a and c call b."""
     import asyncio
+    import dataclasses
 
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord
@@ -120,7 +121,7 @@ async def _hellos() -> None:
     from demonet._proto import demonet_pb2 as pb
     from demonet.dht import keys, links, rules
     from demonet.dht.gatherer import DhtGatherer, DhtOptions
-    from demonet.dht.streams import Reply, now
+    from demonet.dht.streams import HmacValidator, KeyValidator, Reply, now
     from demonet.errors import PeerUnavailable
     from demonet.wire.identity import Identity
 
@@ -229,6 +230,21 @@ async def _hellos() -> None:
                                        expiration_time=[record.expiration_time], in_cache=[False])
         assert await c._node.store_over_link(address, request.SerializeToString()) == [False]
         assert await b._node.get_local(forged_key) == {}
+        # c's own record, over c's own link, is kept without its signature checked: the link proved it is c's.
+        # Its signature is kept with it, and a node that reads it from b checks it: a's search refuses this one.
+        own_key = c._node.key("members", 9)
+        own = DHTRecord(DHTID.generate(source=own_key).to_bytes(),
+                        node.protocol.serializer.dumps(keys.subkey("c", ids["c"].public)),
+                        node.protocol.serializer.dumps('{"t": 0}'), now() + 60)
+        signed = KeyValidator(ids["c"]).sign_value(own)  # the value and c's signature over it
+        wrong = dataclasses.replace(own, value=signed[:-1] + bytes([signed[-1] ^ 1]))  # its last byte altered
+        assert not KeyValidator(ids["a"]).validate(wrong)
+        wrong = dataclasses.replace(wrong, value=HmacValidator(TOKEN.encode()).sign_value(wrong))  # the token's MAC
+        request = dht_pb2.StoreRequest(keys=[own.key], subkeys=[own.subkey], values=[wrong.value],
+                                       expiration_time=[own.expiration_time], in_cache=[False])
+        assert await c._node.store_over_link(address, request.SerializeToString()) == [True]
+        assert "c" in await b._node.get_local(own_key)
+        assert await a._node.get(own_key) == {}
         # Bytes that are not a StoreRequest, and a request whose lists differ in length, are refused.
         for bad, why in ((b"\xff\xff\xff", "not a StoreRequest"),
                          (dht_pb2.StoreRequest(keys=[record.key]).SerializeToString(), "differ in number")):

@@ -102,6 +102,29 @@ def test_the_record_validator_refuses_a_forged_or_altered_record() -> None:
         assert not checker.validate(altered)
 
 
+def test_a_record_stored_by_its_own_peers_proven_call_is_taken_without_its_signature_checked() -> None:
+    pytest.importorskip("hivemind")
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils import MSGPackSerializer
+
+    from demonet.dht.streams import VOUCHED, KeyValidator
+
+    def record(peer: str, key: Identity) -> DHTRecord:  # signed by nobody: a wrong signature's bytes
+        return DHTRecord(b"k" * 20, MSGPackSerializer.dumps(subkey(peer, key.public)), b"v" + bytes(64), 123.0)
+
+    checker = KeyValidator(B)
+    assert not checker.validate(record("a", A))
+    vouched = VOUCHED.set(("a", A.public))  # a STORE call that proved it comes from "a" with key A
+    try:
+        assert checker.validate(record("a", A))
+        assert not checker.validate(record("a", X))  # another key claiming a's id is checked
+        assert not checker.validate(record("x", A))  # as is A's key under another id
+        assert not checker.validate(DHTRecord(b"k" * 20, MSGPackSerializer.dumps(subkey("a", A.public)), b"v", 1.0))
+    finally:
+        VOUCHED.reset(vouched)
+    assert not checker.validate(record("a", A))
+
+
 def test_a_stream_message_counts_only_under_its_senders_key() -> None:
     pytest.importorskip("hivemind")
     from demonet._proto import demonet_pb2 as pb
