@@ -26,10 +26,13 @@ def test_heterogeneous_links_the_slow_peer_misses_deadlines_without_stalling_the
     # overlap or without; the others can. Its parameter downloads (475 kB, 5.4 s) hold its heartbeats'
     # replies back: hence a heartbeat timeout of 12 s. (With 1024 coefficients a payload is about 122 kB:
     # at 2 Mbit/s, 0.5 s, and with overlap the slow peer made every round once its first parameter
-    # download, 1.9 s, ended before round 0's deadline.)
+    # download, 1.9 s, ended before round 0's deadline.) Rounds wait for the slow peer to their deadline
+    # every time (max_idle_rounds = 0): with the default, after 3 misses they no longer wait, the other two
+    # closed the last 7 rounds in under 3 s, and the run could end before the slow peer's first payload.
     timeout_s = 2.0
     cluster.start(run_config(round_timeout_s=timeout_s, model="small", topk=2048, heartbeat_interval_s=0.5,
-                             heartbeat_timeout_s=12.0, overlap=overlap), steps=ROUNDS, start_peers=3, delay_ms=10)
+                             heartbeat_timeout_s=12.0, max_idle_rounds=0, overlap=overlap),
+                  steps=ROUNDS, start_peers=3, delay_ms=10)
     rates = {"fast": 100, "mid": 20, "slow": 0.7}
     procs = [cluster.peer(name, mbit=mbit) for name, mbit in rates.items()]
     t0 = time.monotonic()
