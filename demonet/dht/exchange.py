@@ -16,7 +16,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from demonet import wire
@@ -28,7 +27,7 @@ from demonet.wire.merge import Merged, merge
 from . import rules
 from .ahead import Ahead, Call, PartsAhead, call_or_ahead
 from .node import DhtNode
-from .round_state import Outcome, RoundState, decode_part
+from .round_state import Exchanged, Outcome, RoundState, decode_part
 from .streams import NoAnswer, Reply, now, retry
 
 __all__ = ["Exchanged", "SliceExchange"]
@@ -37,33 +36,6 @@ logger = logging.getLogger(__name__)
 
 _KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
 _PARTS_CODING = "entropy"  # parts travel with entropy-coded indices: 7.9 bits an index instead of 12, lossless
-
-
-@dataclass(frozen=True)
-class Exchanged:
-    """What one round's exchange brought: the joined slices, or None if no slice came through."""
-
-    aggregate: Payload | None
-    kept: Payload | None
-    """The aggregate without the slices this peer's payload is not in (restored into its momentum)."""
-    contributors: tuple[str, ...]
-    """The peers whose payload is in a delivered slice, sorted."""
-    dead_owners: frozenset[str]
-    """The owners of slices nobody delivered."""
-    bytes_up: int
-    bytes_down: int
-    slice_owners: tuple[str, ...] = ()
-    """The owner of each slice of the round, in order (for the dashboards)."""
-    disagreed: frozenset[str] = frozenset()
-    """The owners and verifiers of the slices dropped because the two disagreed."""
-    checked: int = 0
-    """Slices whose merge this peer checked against a verifier's (and found equal or not)."""
-    phases: Mapping[str, float] = field(default_factory=dict)
-    """Seconds of the exchange's phases: ``scatter`` (until the parts are sent, their verifiers answered, and
-    this peer's slices merged) and ``gather`` (until the merged slices are fetched), both from the exchange's
-    start (they run at once; each verified slice is checked as soon as it is merged or fetched); then ``recover``
-    (slices the owner did not deliver asked from the others) and ``serve`` (waiting for the others to
-    fetch this peer's slices)."""
 
 
 class SliceExchange:
@@ -164,9 +136,14 @@ class SliceExchange:
         merged = [None if s in st.disagreed else m for s, m in enumerate(merged)]
         delivered = [s for s, m in enumerate(merged) if m is not None]
         contributors = tuple(sorted({p for s in delivered for p in st.merged[s][0]}))
-        dead_owners = frozenset(st.owners[s] for s, m in enumerate(merged) if m is None and s not in st.disagreed)
+        dead_owners = frozenset(st.owners[s] for s, m in enumerate(merged)
+                                if m is None and s not in st.disagreed and st.owners[s] not in st.other_lists)
+        if st.other_lists:
+            logger.warning("[%s round=%d] %s froze the round with another member list", self.peer_id, r,
+                           ", ".join(sorted(st.other_lists)))
         done = dict(dead_owners=dead_owners, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
-                    slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked, phases=dict(st.phases))
+                    slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked, phases=dict(st.phases),
+                    other_lists=self.other_lists(r))
         if not delivered:
             return Exchanged(None, None, contributors, **done)
         if dead_owners:
@@ -229,21 +206,23 @@ class SliceExchange:
                    for s, owner in enumerate(st.owners) if owner != me]
         await asyncio.gather(timed("scatter", [*sends, *merging]), timed("gather", fetches))
         t1 = time.perf_counter()
-        missing = [s for s in range(plan.n) if s not in st.merged]
-        if missing:  # ask the other members (the owner last) for what the owner could not deliver
+        # Ask the other members (the owner last) for what the owner could not deliver; an owner that froze
+        # another member list merged nothing for this one, so nobody holds that slice.
+        missing = [s for s in range(plan.n) if s not in st.merged and st.owners[s] not in st.other_lists]
+        if missing:
             await asyncio.gather(*(verified(s, self._fetch_from_holders(r, st, s, addresses)) for s in missing))
         t2 = time.perf_counter()
         st.phases["recover"] = t2 - t1
         # Stay until every member has fetched our slices and had its checks answered (or the phase
         # ended): an owner that leaves at once, after the run's last round, would take its slice with it.
         mine = [s for s, owner in enumerate(st.owners) if owner == me and s in st.merged]
-        checking = [s for s, v in st.verifiers.items() if v == me]
-        want = len(st.members) - 1
+        checking = [s for s, v in st.verifiers.items() if v == me and st.owners[s] not in st.other_lists]
+        want = lambda: len(set(st.members) - st.other_lists - {me})  # noqa: E731 - not those of another list
         async with self._cond:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, st.ag_deadline - now())):
-                    await self._cond.wait_for(lambda: all(len(st.fetched.get(s, ())) >= want for s in mine)
-                                              and all(len(st.asked.get(s, ())) >= want for s in checking))
+                    await self._cond.wait_for(lambda: all(len(st.fetched.get(s, ())) >= want() for s in mine)
+                                              and all(len(st.asked.get(s, ())) >= want() for s in checking))
         st.phases["serve"] = time.perf_counter() - t2
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
 
@@ -279,6 +258,8 @@ class SliceExchange:
                     st.silent.add(st.verifiers[s])
                 answered(None)
                 raise
+            if st.other_list(reply):
+                await self._froze_otherwise(st, st.verifiers[s], reply.contributors)
             answered((tuple(reply.contributors), digest) if digest else None)
 
         try:
@@ -305,7 +286,9 @@ class SliceExchange:
             if not taken:  # a later attempt (the slice was bad) sends the part again; counted once
                 st.bytes_up += len(data)
                 taken = True
-            if merged:
+            if st.other_list(reply):  # its owner froze another member list (named): no slice for this one
+                await self._froze_otherwise(st, st.owners[s], reply.contributors)
+            elif merged:
                 await self._keep_slice(r, st, s, reply, merged)
             else:
                 await self._fetch(r, st, s, address, timeout_s=max(0.1, st.ag_deadline - now()))
@@ -324,12 +307,13 @@ class SliceExchange:
         Waits until all of them are in, or the reduce-scatter's deadline. The parts not decoded as they
         arrived (`RoundState.decode_early`) are decoded and merged in one trip to a worker thread: under
         load, each trip waits for the thread to be scheduled."""
-        want = set(st.members) if senders is None else set(senders)
+        # Every member but those that froze another member list: they send no part for this one.
+        want = lambda: set(st.members) - st.other_lists if senders is None else set(senders)  # noqa: E731
         async with self._cond:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, st.rs_deadline - now())):
-                    await self._cond.wait_for(lambda: want <= self._final_parts(st, s))
-            parts = {p: v for p, v in st.parts.get(s, {}).items() if p in want}
+                    await self._cond.wait_for(lambda: want() <= self._final_parts(st, s))
+            parts = {p: v for p, v in st.parts.get(s, {}).items() if p in want()}
         assert st.plan is not None
         specs = st.plan.slice_specs(s)
         for sender in sorted(parts):
@@ -350,7 +334,7 @@ class SliceExchange:
                 outcomes[sender] = decode_part(parts[sender][1], specs, r, self.opts.rules)
             refused = {p: str(o) for p, o in outcomes.items() if isinstance(o, InvalidPayload)}
             decoded = {p: o for p, o in outcomes.items() if not isinstance(o, InvalidPayload)}
-            if not decoded or (senders is not None and set(decoded) != want):
+            if not decoded or (senders is not None and set(decoded) != want()):
                 return refused, None
             merged = merge([decoded[p] for p in sorted(decoded)], step=r, rules=self.opts.rules, expected=specs)
             return refused, (tuple(sorted(decoded)), merged)
@@ -413,10 +397,10 @@ class SliceExchange:
             theirs = await self._digest_over(r, st, s, senders)
         elif early is not None and early[0] == senders:  # the verifier's answer to this peer's part
             theirs = early[1]
-        elif verifier in st.silent:  # it let this peer's part time out: a check call would wait as long again
+        elif verifier in st.silent or verifier in st.other_lists:  # a check call would wait, or be refused
             theirs = None
-            logger.info("[%s round=%d] slice %d: its verifier %s did not answer the part; not checked", self.peer_id,
-                        r, s, verifier)
+            logger.info("[%s round=%d] slice %d: its verifier %s did not answer the part, or froze another member "
+                        "list; not checked", self.peer_id, r, s, verifier)
         else:
             try:
                 _, theirs = await self._streams.call(address, pb.DHT_KIND_CHECK, r, slice=s, contributors=list(senders),
@@ -432,6 +416,19 @@ class SliceExchange:
             st.disagreed.add(s)
             logger.warning("[%s round=%d] slice %d: its owner %s and its verifier %s disagree; dropped this round, "
                            "both reported", self.peer_id, r, s, st.owners[s], verifier)
+
+    async def _froze_otherwise(self, st: RoundState, peer: str, named: Collection[str] = ()) -> None:
+        """`peer` froze the round with another member list (it sent a part cut for it, or answered with it
+        and `named` its members): it fetches nothing from this peer."""
+        async with self._cond:
+            st.other_lists.add(peer)
+            st.named.update(named)
+            self._cond.notify_all()
+
+    def other_lists(self, r: int) -> frozenset[str]:
+        """`Exchanged.other_lists` of round `r` as known now: parts that came after its exchange ended too."""
+        st = self._rounds.get(r)
+        return frozenset((st.other_lists | st.named) - {self.peer_id}) if st is not None else frozenset()
 
     def _holders(self, st: RoundState, s: int) -> list[str]:
         """Whom to ask for missing slice `s` after the exchange: the other owners, its own owner last. A peer
@@ -457,6 +454,8 @@ class SliceExchange:
         assert st.plan is not None
         if not set(reply.contributors) <= set(st.members):
             raise InvalidPayload(f"merged slice names contributors who are not members: {list(reply.contributors)}")
+        if st.other_list(reply):
+            raise InvalidPayload("a slice merged for another member list")
         specs = st.plan.slice_specs(s)
         # A small slice is decoded here: a trip to a worker thread would cost more than the decode.
         step, payload = (wire.decode(data, expected=specs) if len(data) <= wire.INLINE_DECODE_BYTES
@@ -495,8 +494,11 @@ class SliceExchange:
             with contextlib.suppress(TimeoutError):  # the part can come before this peer froze the round
                 async with asyncio.timeout(self.opts.window_s + self.opts.exchange_timeout_s):
                     await self._cond.wait_for(lambda: st.plan is not None)
-        if head.ahead and head.members_digest != st.mdigest:  # its sender sends another part once frozen
-            return Reply()
+        if head.members_digest != st.mdigest:
+            if head.ahead or st.plan is None:  # its sender sends another part once frozen
+                return Reply()
+            await self._froze_otherwise(st, head.sender)  # nothing merged here is for its member list
+            return Reply(fields={"members_digest": st.mdigest, "contributors": st.members})
         if head.slice < len(st.owners) and st.owners[head.slice] == self.peer_id:
             return await self._serve_slice(head, None)
         if st.verifiers.get(head.slice) == self.peer_id and head.sender in st.members:
@@ -553,7 +555,8 @@ class SliceExchange:
                 st.fetched.setdefault(s, set()).add(sender)
                 self._cond.notify_all()
 
-        return Reply(data=merged, fields={"slice": s, "contributors": list(contributors)}, sent=sent)
+        return Reply(data=merged, fields={"slice": s, "contributors": list(contributors), "members_digest": st.mdigest},
+                     sent=sent)
 
     async def _serve_check(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
         """As a verifier: the SHA-256 of this peer's merge of the slice over the asked senders."""

@@ -169,6 +169,8 @@ class DhtGatherer:
         """
         param_digest = await known(param_digest)  # a round is announced with it
         r, board = round, self._board
+        if board.expected.get(r) is not None:  # parts cut for another member list that came after the exchange
+            board.expected[r] |= self._exchange.other_lists(r - 1)
         if self.view is not None:
             self.view.entered(r)
         # The round before was whole, and its members are all this round waits for: send the parts ahead,
@@ -228,10 +230,12 @@ class DhtGatherer:
             board.reports[p] = r
         if view is not None:
             view.verified(r, disagreed=sorted(done.disagreed), excluded=sorted(excluded))
-        # The next round waits for the members whose payload and own slice made it into this one, and
-        # counts its majority over this round's members only if the contributors were a majority.
+        # The next round waits for the members whose payload and own slice made it into this one, and for
+        # the peers that froze this one with another member list (alive: the lists agree again once both
+        # expect the same peers), and counts its majority over this round's members only if the
+        # contributors were a majority.
         base = board.bases.get(r)
-        board.expected[r + 1] = (set(done.contributors) - done.dead_owners) | joiners
+        board.expected[r + 1] = (set(done.contributors) - done.dead_owners) | done.other_lists | joiners
         board.previous[r + 1] = set(rules.next_base(base, members, done.contributors))
         # The slices this peer got must hold the payloads of a majority of the base, as the freeze must
         # hold its announcements: a peer cut off right after it froze with the others' announcements

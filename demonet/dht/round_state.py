@@ -1,4 +1,5 @@
-"""What one peer holds of one DHT round's exchange (`RoundState`), and its parts decoded as they arrive.
+"""What one peer holds of one DHT round's exchange (`RoundState`), its parts decoded as they arrive, and what
+the exchange brought (`Exchanged`).
 
 Net layer helper for demonet.dht.exchange. A part whose slice plan this peer knows when it arrives (the
 round's, once frozen, or the one this peer's own parts were sent ahead for) is decoded at once: on the
@@ -11,17 +12,19 @@ demonet.transport.grpc, or the round board.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from demonet import wire
+from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 from demonet.optim import Payload
 from demonet.wire.merge import MergeRules, decode_contribution
 
 from . import rules
 
-__all__ = ["DecodedParts", "Outcome", "RoundState", "decode_part"]
+__all__ = ["DecodedParts", "Exchanged", "Outcome", "RoundState", "decode_part"]
 
 Outcome = Payload | InvalidPayload
 """A part decoded for a merge, or why it is refused."""
@@ -68,6 +71,37 @@ class DecodedParts:
         return await asyncio.shield(held[2])
 
 
+@dataclass(frozen=True)
+class Exchanged:
+    """What one round's exchange brought: the joined slices, or None if no slice came through."""
+
+    aggregate: Payload | None
+    kept: Payload | None
+    """The aggregate without the slices this peer's payload is not in (restored into its momentum)."""
+    contributors: tuple[str, ...]
+    """The peers whose payload is in a delivered slice, sorted."""
+    dead_owners: frozenset[str]
+    """The owners of slices nobody delivered."""
+    bytes_up: int
+    bytes_down: int
+    slice_owners: tuple[str, ...] = ()
+    """The owner of each slice of the round, in order (for the dashboards)."""
+    disagreed: frozenset[str] = frozenset()
+    """The owners and verifiers of the slices dropped because the two disagreed."""
+    other_lists: frozenset[str] = frozenset()
+    """Peers that froze the round with another member list (they sent or answered a part cut for it), and
+    the members those lists name: alive, so the next round waits for them. The slices of those owners are
+    dropped this round, not asked from others."""
+    checked: int = 0
+    """Slices whose merge this peer checked against a verifier's (and found equal or not)."""
+    phases: Mapping[str, float] = field(default_factory=dict)
+    """Seconds of the exchange's phases: ``scatter`` (until the parts are sent, their verifiers answered, and
+    this peer's slices merged) and ``gather`` (until the merged slices are fetched), both from the exchange's
+    start (they run at once; each verified slice is checked as soon as it is merged or fetched); then ``recover``
+    (slices the owner did not deliver asked from the others) and ``serve`` (waiting for the others to
+    fetch this peer's slices)."""
+
+
 @dataclass(eq=False)
 class RoundState:
     """What this peer knows of one round: its plan once frozen, parts in, merged slices held."""
@@ -97,6 +131,10 @@ class RoundState:
     disagreed: set[int] = field(default_factory=set)  # slices whose owner and verifier disagreed
     unverified: set[int] = field(default_factory=set)  # verified slices whose verifier could not answer
     silent: set[str] = field(default_factory=set)  # peers that let a call of the exchange time out (`NoAnswer`)
+    other_lists: set[str] = field(default_factory=set)
+    """Peers that sent a part once frozen, or answered one, for another member list: alive, but they froze
+    the round otherwise, and send or fetch nothing for this peer's list."""
+    named: set[str] = field(default_factory=set)  # the members of the lists they answered with
     phases: dict[str, float] = field(default_factory=dict)  # Exchanged.phases
     bytes_up: int = 0
     bytes_down: int = 0
@@ -109,3 +147,7 @@ class RoundState:
             if self.decoded is None:
                 self.decoded = DecodedParts(r, merge_rules)
             self.decoded.start(s, sender, data, plan.slice_specs(s))
+
+    def other_list(self, reply: pb.DhtMessage) -> bool:
+        """Whether `reply` comes from a peer that froze the round with another member list than this one."""
+        return bool(reply.members_digest) and reply.members_digest != self.mdigest

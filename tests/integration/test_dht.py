@@ -52,6 +52,28 @@ raise SystemExit(main(sys.argv[1:]))
 """
 
 
+async def gatherers_on_loopback(run: str, names: list[str], specs: dict[str, Any], **opts: Any
+                                ) -> tuple[dict[str, Any], dict[str, str]]:
+    """`DhtGatherer`s for `names` on loopback, the first the others' initial peer, each with a key of its own
+    that every other one has pinned; returns them and their stream addresses (close them when done)."""
+    from demonet.dht.gatherer import DhtGatherer, DhtOptions
+    from demonet.wire.identity import Identity
+
+    def options(initial: tuple[str, ...] = ()) -> DhtOptions:
+        return DhtOptions(run=run, token=TOKEN, initial_peers=initial, host_maddrs=("/ip4/127.0.0.1/tcp/0",), **opts)
+
+    ids = {p: Identity.generate() for p in names}
+    first = names[0]
+    nodes = {first: await DhtGatherer.create(options(), first, specs, identity=ids[first])}
+    for p in names[1:]:
+        nodes[p] = await DhtGatherer.create(options((nodes[first].visible_maddrs()[0],)), p, specs, identity=ids[p])
+    for p in names:
+        for q in names:
+            if q != p:
+                assert nodes[p]._node.book.choose(q, [ids[q].public]) == ids[q].public
+    return nodes, {p: nodes[p]._node.address for p in names}
+
+
 def _rows(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []

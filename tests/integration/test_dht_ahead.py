@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.common import run_coroutine
-from tests.integration.test_dht import TOKEN, WAIT_S
+from tests.integration.test_dht import WAIT_S, gatherers_on_loopback
 from tests.procs import Reaper
 
 pytest.importorskip("hivemind")
@@ -28,10 +28,8 @@ async def _ahead() -> None:
     import torch
 
     from demonet._proto import demonet_pb2 as pb
-    from demonet.dht.gatherer import DhtGatherer, DhtOptions
     from demonet.dht.streams import now
     from demonet.optim import Payload
-    from demonet.wire.identity import Identity
     from tests.payloads import random_payload
 
     specs = {"w": ((64, 64), (16, 16)), "b": ((64,), (1, 64))}
@@ -39,20 +37,8 @@ async def _ahead() -> None:
     def payload(seed: int) -> Payload:
         return random_payload(specs, seed, k=8)
 
-    def opts(initial: tuple[str, ...] = ()) -> DhtOptions:
-        return DhtOptions(run="ahead", token=TOKEN, initial_peers=initial, host_maddrs=("/ip4/127.0.0.1/tcp/0",),
-                          exchange_timeout_s=5.0)
-
     names = ["a", "b", "c"]
-    ids = {p: Identity.generate() for p in names}
-    nodes: dict[str, DhtGatherer] = {"a": await DhtGatherer.create(opts(), "a", specs, identity=ids["a"])}
-    for p in names[1:]:
-        nodes[p] = await DhtGatherer.create(opts((nodes["a"].visible_maddrs()[0],)), p, specs, identity=ids[p])
-    for p in names:
-        for q in names:
-            if q != p:
-                assert nodes[p]._node.book.choose(q, [ids[q].public]) == ids[q].public
-    addresses = {p: nodes[p]._node.address for p in names}
+    nodes, addresses = await gatherers_on_loopback("ahead", names, specs, exchange_timeout_s=5.0)
     payloads = {p: payload(i) for i, p in enumerate(names)}
     calls: list[tuple[str, int, int, str, bool, int]] = []  # (caller, round, slice, callee, sent ahead, bytes)
 

@@ -65,6 +65,23 @@ def test_two_members_that_waited_for_each_other_abort_the_round_together(monkeyp
 # -- a peer cut off right after it froze a round with the others' announcements -----------------------------
 
 
+def _gatherers(exchanges: dict[str, Any], expected: dict[str, set[str]], previous: set[str]
+               ) -> dict[str, DhtGatherer]:
+    """One `DhtGatherer` per peer on fake nodes sharing their records, each with its scripted exchange, and
+    the members it expects in round 6 over the base `previous`."""
+    records: dict[str, dict[str, dict[str, Any]]] = {}
+    gatherers = {}
+    for p, exchange in exchanges.items():
+        node = _FakeNode(p, records)
+        node.streams = SimpleNamespace(serve=lambda *_: None)  # type: ignore[attr-defined]
+        node.gets = 0  # type: ignore[attr-defined]
+        node.opts = DhtOptions(run="r", token="t", window_s=1.0, settle_s=0.0, leave_after_s=60.0)
+        g = gatherers[p] = DhtGatherer(node, {})  # type: ignore[arg-type]
+        g._board.previous[6], g._board.expected[6] = set(previous), set(expected[p])
+        g._exchange = exchange
+    return gatherers
+
+
 class _Exchange:
     """The exchange as a cut-off peer sees it: the slices it got hold these contributors' payloads only."""
 
@@ -82,6 +99,9 @@ class _Exchange:
     def drop_ahead(self, r: int) -> None:
         pass
 
+    def other_lists(self, r: int) -> frozenset[str]:
+        return frozenset()
+
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(("got", "applies"), [(("c",), False), (("b", "c"), True), (("a", "b", "c"), True)])
@@ -90,16 +110,9 @@ def test_a_round_applies_only_with_the_payloads_of_a_majority_of_the_base(got: t
     """c froze round 6 with a's and b's announcements, stored on its node just before its link went down:
     the exchange then brings c its own slice, merged from its own part alone. Applying that would be a
     round alone. A slice merged with b's part as well (2 of 3) is a majority's round."""
-    records: dict[str, dict[str, dict[str, Any]]] = {}
-    gatherers = {}
-    for p in ("a", "b", "c"):
-        node = _FakeNode(p, records)
-        node.streams = SimpleNamespace(serve=lambda *_: None)  # type: ignore[attr-defined]
-        node.gets = 0  # type: ignore[attr-defined]
-        node.opts = DhtOptions(run="r", token="t", window_s=1.0, settle_s=0.0, leave_after_s=60.0)
-        g = gatherers[p] = DhtGatherer(node, {})  # type: ignore[arg-type]
-        g._board.expected[6] = g._board.previous[6] = {"a", "b", "c"}
-        g._exchange = _Exchange(("a", "b") if p != "c" else got)  # type: ignore[assignment]
+    everyone = ("a", "b", "c")
+    gatherers = _gatherers({p: _Exchange(("a", "b") if p != "c" else got) for p in everyone},
+                           dict.fromkeys(everyone, set(everyone)), set(everyone))
 
     async def run() -> list[Any]:
         return await asyncio.gather(*(g.gather(6, f"payload-{p}", loss=1.0, param_digest="d")
@@ -166,3 +179,62 @@ def test_a_peer_announces_its_next_rounds_while_a_node_holds_its_stores() -> Non
     assert [ph["stores_pending"] for _, ph in a] == [1, 2, 3, 4, 5] and all("announce" in ph for _, ph in a)
     assert [ph["stores_pending"] for _, ph in b] == [0] * 5 and all("announce" in ph for _, ph in b)
     assert waited and not boards["a"]._storing  # closing waited for them, and they were confirmed then
+
+
+# -- two member lists in one round (a joiner's registration read by some members only) ---------------------
+
+
+class _Lists:
+    """The exchange of rounds 6 and 7: in 6, `other` froze round 6 with another member list than this peer
+    (scripted as the real exchange reports it: `late` only after its exchange ended), and the slices held
+    `got`'s payloads; in 7, everyone's."""
+
+    def __init__(self, got: tuple[str, ...], other: frozenset[str], late: frozenset[str]) -> None:
+        self.got, self.other, self.late = got, other, late
+
+    async def run(self, r: int, payload: Any, *, members: Any, **_: Any) -> Exchanged:
+        got, other = (self.got, self.other - self.late) if r == 6 else (tuple(members), frozenset())
+        return Exchanged(aggregate=payload, kept=payload, contributors=got, dead_owners=frozenset(), bytes_up=10,
+                         bytes_down=0, slice_owners=tuple(members), other_lists=other)
+
+    def other_lists(self, r: int) -> frozenset[str]:
+        return self.other if r == 6 else frozenset()
+
+    def send_ahead(self, r: int, payload: Any, **_: Any) -> None:
+        pass
+
+    def drop_ahead(self, r: int) -> None:
+        pass
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("told", ["at-once", "late", "never"])
+def test_members_that_froze_a_round_with_two_lists_expect_each_other_in_the_next(told: str) -> None:
+    """c registered to join at round 6; b read the registration in time, a did not. So a froze round 6 with
+    a and b, and b and c with a, b and c. The parts cut for another list were refused: a's slices held its
+    own payload only, b's and c's theirs, and all three aborted the round (no majority of a and b). Each
+    then expects the peers that froze otherwise in round 7 as well as its contributors: the three freeze
+    round 7 with one list and apply it. ``late``: c's part reached a after a's exchange ended (a knew of b
+    only then), and a adds c when it enters round 7. ``never``: what the exchange reported before the
+    lists were told apart (dead owners): b and c expect each other only and freeze at once without a,
+    which freezes without c, two lists again."""
+    lists = {"a": (("a",), frozenset({"b", "c"})), "b": (("b", "c"), frozenset({"a"})),
+             "c": (("b", "c"), frozenset({"a"}))}
+    exchanges = {p: _Lists(got, other if told != "never" else frozenset(),
+                           frozenset({"c"}) if p == "a" and told == "late" else frozenset())
+                 for p, (got, other) in lists.items()}
+    gatherers = _gatherers(exchanges, {"a": {"a", "b"}, "b": {"a", "b", "c"}, "c": {"a", "b", "c"}}, {"a", "b"})
+
+    async def run(r: int) -> list[Any]:
+        return await asyncio.gather(*(g.gather(r, f"payload-{p}", loss=1.0, param_digest="d")
+                                      for p, g in gatherers.items()))
+
+    assert all(x.aborted for x in asyncio.run(run(6)))
+    expected = {p: set(g._board.expected[7]) for p, g in gatherers.items()}
+    if told == "never":
+        assert expected == {"a": {"a"}, "b": {"b", "c"}, "c": {"b", "c"}}
+        return
+    assert expected == {"a": {"a", "b"} if told == "late" else {"a", "b", "c"}, "b": {"a", "b", "c"},
+                        "c": {"a", "b", "c"}}
+    seven = asyncio.run(run(7))
+    assert [(x.aborted, x.contributors) for x in seven] == [(False, ("a", "b", "c"))] * 3
