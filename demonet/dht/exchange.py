@@ -241,8 +241,9 @@ class SliceExchange:
     async def _send_part(self, r: int, st: RoundState, s: int, data: bytes, address: str, ahead: Call | None = None
                          ) -> None:
         """Send this peer's rows of slice `s` (encoded) to the slice's verifier, which answers once it holds
-        every member's part with the SHA-256 of their merge (`RoundState.early`): the check of the slice then
-        needs no call of its own when the owner merged the same parts. `ahead`: that call, made already
+        every member's part (or at the reduce-scatter's deadline) with the senders and SHA-256 of their merge
+        (`RoundState.early`): the check of the slice then needs no call of its own when the owner merged the
+        same parts. `ahead`: that call, made already
         (`send_ahead`); its failure is tried again as a new call."""
         def answered(early: tuple[tuple[str, ...], bytes] | None) -> None:
             if not st.early[s].done():  # the first answer counts; a failed try falls back to a check at once
@@ -371,16 +372,22 @@ class SliceExchange:
 
     # -- verification ----------------------------------------------------------------------------------
 
-    async def _digest_over(self, r: int, st: RoundState, s: int, senders: tuple[str, ...]) -> bytes | None:
-        """As the verifier of slice `s`: the SHA-256 of its merge over exactly `senders` (sorted), once.
+    async def _digest_over(self, r: int, st: RoundState, s: int, senders: tuple[str, ...] | None
+                           ) -> tuple[tuple[str, ...], bytes] | None:
+        """As the verifier of slice `s`: the senders and SHA-256 of its merge over exactly `senders` (sorted;
+        None: as its owner merges, over every member's part held by the reduce-scatter's deadline), once.
 
         The merge is one task shared by this peer's own check and the members' requests: a request whose
         caller goes away is cancelled, and must not cancel the merge the others wait for."""
+        if senders is not None and (s, None) in st.checks:  # the merge of the early answers, if over those
+            early = await asyncio.shield(st.checks[(s, None)])
+            if early is not None and early[0] == senders:
+                return early
         key = (s, senders)
         if key not in st.checks:
-            async def digest() -> bytes | None:
+            async def digest() -> tuple[tuple[str, ...], bytes] | None:
                 result = await self._merged(r, st, s, senders)
-                return None if result is None else hashlib.sha256(result[1].data).digest()
+                return None if result is None else (result[0], hashlib.sha256(result[1].data).digest())
 
             st.checks[key] = asyncio.create_task(digest())
         return await asyncio.shield(st.checks[key])
@@ -394,7 +401,8 @@ class SliceExchange:
         verifier = st.verifiers[s]
         early = await st.early[s] if s in st.early else None
         if verifier == self.peer_id:
-            theirs = await self._digest_over(r, st, s, senders)
+            own = await self._digest_over(r, st, s, senders)
+            theirs = None if own is None else own[1]
         elif early is not None and early[0] == senders:  # the verifier's answer to this peer's part
             theirs = early[1]
         elif verifier in st.silent or verifier in st.other_lists:  # a check call would wait, or be refused
@@ -506,14 +514,14 @@ class SliceExchange:
         return Reply()
 
     async def _answer_early(self, r: int, st: RoundState, s: int, sender: str) -> Reply:
-        """As the verifier of slice `s`: the answer to `sender`'s part, the SHA-256 of the merge over every
-        member (`RoundState.early`), or nothing if a part is missing (the sender then asks with a check)."""
-        members = tuple(sorted(st.members))
-        digest = await self._digest_over(r, st, s, members)
-        if digest is None:
+        """As the verifier of slice `s`: the answer to `sender`'s part, the senders and SHA-256 of the merge
+        its owner makes (`RoundState.early`): over every member's part, once it holds them all (a peer of
+        another member list left out), or the reduce-scatter's deadline. Nothing if no part is valid."""
+        early = await self._digest_over(r, st, s, None)
+        if early is None:
             return Reply()
-
-        return Reply(data=digest, fields={"contributors": list(members)}, sent=self._answered(st, s, sender))
+        senders, digest = early
+        return Reply(data=digest, fields={"contributors": list(senders)}, sent=self._answered(st, s, sender))
 
     def _answered(self, st: RoundState, s: int, sender: str) -> Callable[[], Awaitable[None]]:
         """What a verifier calls once `sender` got its digest of slice `s`: `sender` is answered
@@ -581,4 +589,4 @@ class SliceExchange:
         if digest is None:
             return Reply(error=f"cannot check slice {s}: a part of those senders is missing here")
 
-        return Reply(data=digest, sent=self._answered(st, s, head.sender))
+        return Reply(data=digest[1], sent=self._answered(st, s, head.sender))

@@ -124,10 +124,12 @@ class RoundState:
     asked: dict[int, set[str]] = field(default_factory=dict)  # slice -> peers this verifier answered a check of
     check_lists: dict[int, dict[str, tuple[str, ...]]] = field(default_factory=dict)  # slice -> asker -> its list
     verifiers: dict[int, str] = field(default_factory=dict)  # slice -> its second owner (rules.verifiers)
-    checks: dict[tuple[int, tuple[str, ...]], asyncio.Task[bytes | None]] = field(default_factory=dict)
-    """As a verifier: (slice, contributors) -> the SHA-256 of that merge (None: a part is missing)."""
+    checks: dict[tuple[int, tuple[str, ...] | None], asyncio.Task[tuple[tuple[str, ...], bytes] | None]] = field(
+        default_factory=dict)
+    """As a verifier: (slice, contributors; None: as the owner merges) -> the senders and SHA-256 of that merge
+    (None: a part is missing)."""
     early: dict[int, asyncio.Future[tuple[tuple[str, ...], bytes] | None]] = field(default_factory=dict)
-    """Slice -> its verifier's answer to this peer's part: (every member, the SHA-256 of their merge), or None."""
+    """Slice -> its verifier's answer to this peer's part: (the senders, the SHA-256 of their merge), or None."""
     disagreed: set[int] = field(default_factory=set)  # slices whose owner and verifier disagreed
     unverified: set[int] = field(default_factory=set)  # verified slices whose verifier could not answer
     silent: set[str] = field(default_factory=set)  # peers that let a call of the exchange time out (`NoAnswer`)

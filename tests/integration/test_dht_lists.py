@@ -61,10 +61,9 @@ async def _lists() -> None:
         for n in specs:
             assert torch.equal(b.aggregate.tensors[n].idx, c.aggregate.tensors[n].idx)
             assert torch.equal(b.aggregate.tensors[n].val, c.aggregate.tensors[n].val)
-        # Nobody waited for a part, a slice or a fetch that the other list never sends: each exchange ended
-        # well before the reduce-scatter's deadline (a slice's verifier that waits for a part of a, the
-        # same list's early answer, holds its sender up to it at most).
-        assert all(t < EXCHANGE_TIMEOUT_S + 1.0 for _, t in out.values()), {p: t for p, (_, t) in out.items()}
+        # Nobody waited for a part, a slice, a fetch or a verifier's answer that the other list never sends:
+        # each exchange ended far from the reduce-scatter's deadline (0.02-0.07 s on an idle machine).
+        assert all(t < EXCHANGE_TIMEOUT_S / 2 for _, t in out.values()), {p: t for p, (_, t) in out.items()}
 
         # Round 21: the three froze one list again; the whole round goes through.
         again = await asyncio.gather(*(run(p, 21, names) for p in names))

@@ -133,3 +133,38 @@ async def test_a_peer_that_let_a_call_time_out_is_not_asked_again_in_the_round()
     await ex._check(4, st, 2, "addr-b")
     assert [address for address, _ in calls] == ["addr-d"]  # no call to b
     assert st.unverified == {2} and not st.disagreed
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("c_is", ["silent", "of-another-list"])
+async def test_the_verifiers_early_answer_names_the_parts_it_merged(c_is: str) -> None:
+    """The verifier's answer to a part is its merge as the owner makes it: every member's part once it holds
+    them all, else those held at the reduce-scatter's deadline, named (a slice its owner merged over the
+    same parts is then checked without a call). c's part never comes: silent, the answer comes at the
+    deadline, over a and b; of another member list (c froze otherwise), at once."""
+    import hashlib
+    import time
+
+    from demonet import wire
+    from demonet.dht import rules
+    from demonet.dht.streams import now
+    from tests.payloads import random_payload
+
+    specs = {"w": ((32, 32), (8, 8)), "b": ((32,), (1, 32))}
+    plan, members = rules.SlicePlan(specs, 3), ["a", "b", "c"]
+    ex = _exchange()  # peer "a", the verifier of slice 0
+    st = ex._round(4, mine=True)
+    st.plan, st.owners, st.members, st.mdigest = plan, list(members), list(members), rules.members_digest(members)
+    st.verifiers = {0: "a"}
+    st.rs_deadline = now() + 0.5
+    for i, p in enumerate(["a", "b"]):
+        st.parts.setdefault(0, {})[p] = (st.mdigest, wire.encode(plan.cut(random_payload(specs, i, k=4), 0), step=4))
+    if c_is == "of-another-list":
+        st.other_lists.add("c")
+    t0 = time.monotonic()
+    reply = await ex._answer_early(4, st, 0, "b")
+    waited = time.monotonic() - t0
+    assert list(reply.fields["contributors"]) == ["a", "b"]
+    merged = await ex._merged(4, st, 0, ("a", "b"))
+    assert merged is not None and reply.data == hashlib.sha256(merged[1].data).digest()
+    assert (waited >= 0.4) if c_is == "silent" else (waited < 0.3), waited
