@@ -335,7 +335,7 @@ class SliceExchange:
                 outcomes[sender] = decode_part(parts[sender][1], specs, r, self.opts.rules)
             refused = {p: str(o) for p, o in outcomes.items() if isinstance(o, InvalidPayload)}
             decoded = {p: o for p, o in outcomes.items() if not isinstance(o, InvalidPayload)}
-            if not decoded or (senders is not None and set(decoded) != want()):
+            if not decoded or (senders is not None and set(decoded) != set(senders)):
                 return refused, None
             merged = merge([decoded[p] for p in sorted(decoded)], step=r, rules=self.opts.rules, expected=specs)
             return refused, (tuple(sorted(decoded)), merged)
