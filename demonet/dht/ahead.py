@@ -75,6 +75,9 @@ class PartsAhead:
                                                           members_digest=mdigest, ahead=True, timeout_s=timeout_s))
 
         async def send() -> None:
+            # One turn of the event loop first: the announcement's store, started just before, writes its calls
+            # to the other nodes then, and their freezes wait for it; parts encoded here would hold them back.
+            await asyncio.sleep(0)
             ahead.parts = await encode()
             for s, owner in enumerate(owners):
                 if owner != self.peer_id:

@@ -82,7 +82,8 @@ class SliceExchange:
         return r < self.latest - _KEEP_ROUNDS or (self.latest >= 0 and r > self.latest + 2)
 
     def send_ahead(self, r: int, payload: Payload, *, specs: rules.Specs, members: Sequence[str],
-                   owners: Sequence[str], addresses: Mapping[str, str]) -> None:
+                   owners: Sequence[str], addresses: Mapping[str, str],
+                   encoded: tuple[rules.SlicePlan, list[bytes]] | None = None) -> None:
         """Send round `r`'s parts now, before this peer froze the round, cut for the `members` and `owners`
         it expects (sorted; `addresses` reaches them): the round before's, when that round was whole.
 
@@ -92,7 +93,9 @@ class SliceExchange:
         owner waits for the part a sender cuts once frozen in place of one sent ahead for other members
         (`RoundState.ahead`). The calls are made by a task (demonet.dht.ahead): this returns at once.
 
-        The parts the others sent ahead for the same members are decoded from then on as they arrive."""
+        The parts the others sent ahead for the same members are decoded from then on as they arrive.
+        `encoded`: the parts encoded already (`encode_parts`, in the training's thread), and the plan they
+        were cut by; used where that is the plan of these owners."""
         plan = self._plan(specs, len(owners))
         st = self._round(r)
         mdigest = rules.members_digest(members)
@@ -100,8 +103,33 @@ class SliceExchange:
         for s, held in st.parts.items():
             for sender, (cut_for, data) in held.items():
                 st.decode_early(r, s, sender, cut_for, data, self.opts.rules)
-        self._ahead.send(r, lambda: self._encode_parts(r, plan, payload), plan=plan, mdigest=mdigest,
-                         owners=owners, addresses=addresses)
+        async def parts() -> list[bytes]:
+            if encoded is not None and encoded[0] is plan:
+                return encoded[1]
+            return await self._encode_parts(r, plan, payload)
+
+        self._ahead.send(r, parts, plan=plan, mdigest=mdigest, owners=owners, addresses=addresses)
+
+    def plan_for(self, specs: rules.Specs, owners: Sequence[str]) -> rules.SlicePlan:
+        """The slice plan of `specs` among `owners` (made once per owner count)."""
+        return self._plan(specs, len(owners))
+
+    @staticmethod
+    def encode_parts(r: int, plan: rules.SlicePlan, payload: Payload) -> list[bytes]:
+        """This peer's part of each slice of `plan`, encoded (in any thread: it touches no state here)."""
+        return wire.encode_many([plan.cut(payload, s) for s in range(plan.n)], step=r, index_coding=_PARTS_CODING)
+
+    def expect(self, r: int, *, specs: rules.Specs, members: Sequence[str], owners: Sequence[str]) -> None:
+        """Round `r`'s parts will likely be cut for these `members` and `owners` (sorted): the round before's,
+        which was whole. The parts that arrive from now on, while this peer still trains, are decoded as they
+        come (`RoundState.decode_early`), not all at once when its own parts go ahead (`send_ahead`)."""
+        plan = self._plan(specs, len(owners))
+        st = self._round(r)
+        if st.plan is None:
+            st.guess = plan, rules.members_digest(members)
+            for s, held in st.parts.items():  # a peer that went on first may have sent some already
+                for sender, (cut_for, data) in held.items():
+                    st.decode_early(r, s, sender, cut_for, data, self.opts.rules)
 
     def drop_ahead(self, r: int) -> None:
         """Cancel the calls of round `r`'s parts sent ahead, if `run` did not take them up."""
@@ -110,7 +138,7 @@ class SliceExchange:
     async def _encode_parts(self, r: int, plan: rules.SlicePlan, payload: Payload) -> list[bytes]:
         """This peer's part of each slice of `plan`, encoded."""
         def encode() -> list[bytes]:
-            return wire.encode_many([plan.cut(payload, s) for s in range(plan.n)], step=r, index_coding=_PARTS_CODING)
+            return self.encode_parts(r, plan, payload)
 
         small = payload.numel() <= wire.INLINE_ENCODE_ENTRIES
         return encode() if small else await asyncio.to_thread(encode)  # a small payload: no trip to a thread

@@ -59,6 +59,8 @@ class DhtGatherer:
         self._steady: tuple[int, list[str], list[str], dict[str, str]] | None = None
         """(r, members, owners, addresses) of the last round when it was whole (every member's payload in,
         no joiner, no slice lost): round r + 1's parts are sent ahead of its freeze, cut for the same."""
+        self._encoded: tuple[int, rules.SlicePlan, list[bytes]] | None = None
+        """(round, plan, parts): the parts `encode_ahead` encoded in the training's thread."""
 
     def reload_allowlist(self, allowed: Mapping[bytes, str | None]) -> list[str]:
         """A new allowlist (`keys.KeyBook.reload`): returns the peer ids whose key it no longer admits."""
@@ -156,6 +158,23 @@ class DhtGatherer:
         if self.view is not None:
             self.view.minority(round, minority)
 
+    def encode_ahead(self, round: int) -> Callable[[Payload], None] | None:
+        """Where `round` will likely send its parts ahead (`gather`: the round before was whole, and its members
+        are all this round waits for), a function that cuts and encodes the payload's parts for them, to run
+        in the training's thread right after the compress (`demonet.transport.EncodesAhead`); else None.
+
+        The peer that trains last then sends its parts with its announcement, instead of encoding them on
+        its event loop while every peer's exchange runs on the same cores."""
+        steady = self._steady
+        if steady is None or steady[0] != round - 1 or self._board.expected.get(round) != set(steady[1]):
+            return None
+        plan = self._exchange.plan_for(self.specs, steady[2])
+
+        def encode(payload: Payload) -> None:
+            self._encoded = (round, plan, self._exchange.encode_parts(round, plan, payload))
+
+        return encode
+
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
         """Announce, freeze the membership, reduce-scatter the payload's slices, all-gather the merged slices.
 
@@ -176,11 +195,13 @@ class DhtGatherer:
         # The round before was whole, and its members are all this round waits for: send the parts ahead,
         # cut for them, once the announcement's store is on its way (`SliceExchange.send_ahead`).
         steady, self._steady = self._steady, None
+        encoded, self._encoded = self._encoded, None
         ahead = None
         if steady is not None and steady[0] == r - 1 and board.expected.get(r) == set(steady[1]):
             def ahead() -> None:
                 self._exchange.send_ahead(r, payload, specs=self.specs, members=steady[1], owners=steady[2],
-                                          addresses=steady[3])
+                                          addresses=steady[3],
+                                          encoded=encoded[1:] if encoded is not None and encoded[0] == r else None)
         try:
             return await self._gather(r, payload, param_digest, loss, ahead)
         finally:
@@ -252,6 +273,7 @@ class DhtGatherer:
         if applies and not joiners and set(done.contributors) == set(members) and not done.dead_owners \
                 and not done.disagreed:
             self._steady = (r, members, owners, addresses)
+            self._exchange.expect(r + 1, specs=self.specs, members=members, owners=owners)
         phases = {**board.phases(), **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
         if not applies:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,

@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,6 +24,7 @@ from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload, to_host
 from demonet.transport import (
     Digest,
+    EncodesAhead,
     Gatherer,
     JoinInfo,
     Membership,
@@ -61,6 +62,8 @@ class _InFlight:
     before is settled; cancelled if the peer will not start this round from it)."""
     checked_s: float = 0.0
     """How long the round waited, after its forward and backward, for the round before's canonical digest."""
+    encode_s: float = 0.0
+    """How long the gatherer's encode ahead took in the training's thread (`EncodesAhead`): not compute."""
 
 
 @dataclass
@@ -287,9 +290,11 @@ class RoundLoop:
         trained again from them."""
         await self.membership.begin_round(self.round, self.digest, self.replica.named_parameters)
         t0 = time.perf_counter()
+        encode_s = 0.0
         if self._unchecked is None:
-            loss, payload, staged = await asyncio.to_thread(self._train_step)
-            compute_s, checked_s = time.perf_counter() - t0, 0.0
+            encode = self.gatherer.encode_ahead(self.round) if isinstance(self.gatherer, EncodesAhead) else None
+            loss, payload, staged, encode_s = await asyncio.to_thread(self._train_step, encode)
+            compute_s, checked_s = time.perf_counter() - t0 - encode_s, 0.0
         else:
             loss = await asyncio.to_thread(self.replica.forward_backward)
             compute_s = time.perf_counter() - t0
@@ -300,7 +305,7 @@ class RoundLoop:
             payload, staged = await asyncio.to_thread(self._compress, self.replica, False)
             compute_s += time.perf_counter() - t1
         flight = self._submit(payload, staged, loss, started=t0, compute_s=compute_s)
-        flight.checked_s = checked_s
+        flight.checked_s, flight.encode_s = checked_s, encode_s
         return await self._land(flight, metrics, defer=True) != "stopped"
 
     async def _check_before_compress(self, metrics: TextIO | None) -> tuple[bool, float]:
@@ -386,11 +391,20 @@ class RoundLoop:
                 await self._drop(flight)
                 await asyncio.to_thread(replica.restore, flight.payload)
 
-    def _train_step(self) -> tuple[float, Payload, tuple[Payload, torch.cuda.Event | None]]:
-        """A plain round's training: its loss, its payload, and the payload's host copy (`to_host`: the
-        exchange always gets a host payload, on a GPU too)."""
+    def _train_step(self, encode: Callable[[Payload], None] | None = None
+                    ) -> tuple[float, Payload, tuple[Payload, torch.cuda.Event | None], float]:
+        """A plain round's training: its loss, its payload, the payload's host copy (`to_host`: the exchange
+        always gets a host payload, on a GPU too), and the seconds `encode` took on that copy
+        (`EncodesAhead.encode_ahead`), which are not the round's compute."""
         loss, payload = self.replica.train_step()
-        return loss, payload, to_host(payload)
+        staged = to_host(payload)
+        if encode is None:
+            return loss, payload, staged, 0.0
+        t0 = time.perf_counter()
+        if staged[1] is not None:
+            staged[1].synchronize()
+        encode(staged[0])
+        return loss, payload, staged, time.perf_counter() - t0
 
     @staticmethod
     def _compress(replica: Replica, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
@@ -448,6 +462,8 @@ class RoundLoop:
             row["phases"] = dict(result.phases)
         if flight.checked_s:  # the wait, after this round's backward, for the round before's canonical digest
             row.setdefault("phases", {})["check"] = flight.checked_s
+        if flight.encode_s:  # the gatherer's encode ahead, in the training's thread (`EncodesAhead`)
+            row.setdefault("phases", {})["encode"] = flight.encode_s
         self.log.info("loss %.4f, up %d B, down %d B, %d contributors%s", flight.loss, result.bytes_up,
                       result.bytes_down, len(result.contributors), " (aborted)" if result.aborted else "")
         self.round += 1

@@ -14,15 +14,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload
 
-__all__ = ["Digest", "Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Parameters", "Rejected", "Resync",
-           "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive", "known"]
+__all__ = ["Digest", "EncodesAhead", "Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Parameters",
+           "Rejected", "Resync", "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive", "known"]
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 """A model's parameters as name -> (shape, dtype), in order: what a parameter download must fit."""
@@ -137,6 +137,19 @@ class Gatherer(Protocol):
 
     async def close(self) -> None:
         """Release connections; the gatherer is of no further use."""
+        ...
+
+
+@runtime_checkable
+class EncodesAhead(Protocol):
+    """A `Gatherer` that can encode a round's payload in the training's thread, right after its compress."""
+
+    def encode_ahead(self, round: int) -> Callable[[Payload], None] | None:
+        """Called on the event loop before `round`'s training: a function to run in the training's worker
+        thread on the round's host payload once it is compressed, which encodes what `gather` will send
+        (it keeps the result; `gather` uses it where it still fits, and encodes anew otherwise), or None
+        (nothing to encode ahead). `RoundLoop` times it apart from the compute (the row's
+        ``phases.encode``)."""
         ...
 
 

@@ -5,13 +5,17 @@ tests/integration/test_dht_ahead.py."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from demonet import wire
+from demonet._proto import demonet_pb2 as pb
 from demonet.dht import round_state, rules
+from demonet.dht.exchange import SliceExchange
 from demonet.dht.round_state import RoundState, decode_part
 from demonet.dht.streams import DhtOptions
 from demonet.errors import InvalidPayload
@@ -79,3 +83,61 @@ async def test_a_part_is_decoded_on_arrival_for_the_plan_it_was_cut_for_and_take
     refused = await st.decoded.take(1, "a", stale, two.slice_specs(1))
     assert isinstance(refused, InvalidPayload) and "part says round 4" in str(refused)
     assert len(threads) == 3 and all(name.startswith("demonet-decode") != inline for name in threads), threads
+
+
+def _exchange(sent: list[tuple[str, int, bytes]]) -> SliceExchange:
+    async def call(address: str, kind: int, r: int, *, slice: int, data: bytes, **_: object
+                   ) -> tuple[pb.DhtMessage, bytes]:
+        sent.append((address, slice, data))
+        return pb.DhtMessage(), b""
+
+    streams = SimpleNamespace(serve=lambda *_: None, call=call)
+    node = SimpleNamespace(opts=DhtOptions(run="r", token="t", verify_fraction=0.0), peer_id="a", streams=streams)
+    return SliceExchange(node)  # type: ignore[arg-type]
+
+
+async def test_the_parts_of_a_round_expected_like_the_one_before_are_decoded_as_they_arrive() -> None:
+    """After a whole round, the next round's parts are expected cut for the same members (`expect`): a part
+    that came already, and those that come while this peer still trains, are decoded on arrival; none is
+    decoded for a round frozen meanwhile, or for another member list."""
+    ex, members = _exchange([]), ["a", "b", "c"]
+    three = ex.plan_for(SPECS, members)
+    parts = wire.encode_many([three.cut(_payload(1), s) for s in range(3)], step=6)
+    st = ex._round(6)
+    st.parts[0] = {"b": (rules.members_digest(members), parts[0])}  # b went on first and sent its part
+    ex.expect(6, specs=SPECS, members=members, owners=members)
+    assert st.guess == (three, rules.members_digest(members)) and st.decoded is not None
+    got = await st.decoded.take(0, "b", parts[0], three.slice_specs(0))
+    assert isinstance(got, Payload) and _same(got, decode_part(parts[0], three.slice_specs(0), 6, RULES))  # type: ignore[arg-type]
+    st.decode_early(6, 0, "c", rules.members_digest(["a", "c"]), parts[0], RULES)  # another list: not decoded
+    assert await st.decoded.take(0, "c", parts[0], three.slice_specs(0)) is None
+    frozen = ex._round(7)
+    frozen.plan = rules.SlicePlan(SPECS, 2)
+    ex.expect(7, specs=SPECS, members=members, owners=members)  # frozen already: its own plan counts
+    assert frozen.guess == (None, "")
+
+
+async def test_parts_encoded_ahead_are_sent_as_they_are_for_their_plan_and_cut_anew_for_another() -> None:
+    """`send_ahead` sends the parts the training's thread encoded (`encode_parts`) where they were cut by the
+    plan of the owners it sends to, and cuts and encodes the payload itself otherwise."""
+    sent: list[tuple[str, int, bytes]] = []
+    ex, members, payload = _exchange(sent), ["a", "b", "c"], _payload(2)
+    three = ex.plan_for(SPECS, members)
+    ready = ex.encode_parts(4, three, payload)
+    assert ready == wire.encode_many([three.cut(payload, s) for s in range(3)], step=4, index_coding="entropy")
+    addresses = {p: f"addr-{p}" for p in members}
+    marked = [b"encoded ahead " + bytes([s]) for s in range(3)]  # not a payload: sent as they are
+    ex.send_ahead(4, payload, specs=SPECS, members=members, owners=members, addresses=addresses,
+                  encoded=(three, marked))
+    ahead, _ = await ex._ahead.take(4, rules.members_digest(members), members, {})
+    assert ahead is not None and ahead.parts == marked
+    await asyncio.gather(*ahead.to_owners.values())
+    assert sorted(sent) == [("addr-b", 1, marked[1]), ("addr-c", 2, marked[2])]
+    sent.clear()
+    two = rules.SlicePlan(SPECS, 2)  # encoded for other owners: cut anew
+    ex.send_ahead(5, payload, specs=SPECS, members=members, owners=members, addresses=addresses,
+                  encoded=(two, marked[:2]))
+    ahead, _ = await ex._ahead.take(5, rules.members_digest(members), members, {})
+    assert ahead is not None and ahead.parts == ex.encode_parts(5, three, payload)
+    await asyncio.gather(*ahead.to_owners.values())
+    assert sorted(sent) == [("addr-b", 1, ahead.parts[1]), ("addr-c", 2, ahead.parts[2])]

@@ -99,6 +99,9 @@ class _Exchange:
     def drop_ahead(self, r: int) -> None:
         pass
 
+    def expect(self, r: int, **_: Any) -> None:
+        pass
+
     def other_lists(self, r: int) -> frozenset[str]:
         return frozenset()
 
@@ -204,6 +207,9 @@ class _Lists:
         pass
 
     def drop_ahead(self, r: int) -> None:
+        pass
+
+    def expect(self, r: int, **_: Any) -> None:
         pass
 
 

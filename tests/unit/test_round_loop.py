@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -315,3 +317,38 @@ async def test_an_overlapped_payload_leaves_before_the_round_before_is_settled(t
     assert run.restored[FAULTY] == [2]  # round 2's payload went back once; round 3's compress was undone
     assert [r["round"] for r in run.rows(FAULTY)] == [0, 1, 3, 4, 5]
     assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
+
+
+async def test_a_gatherers_encode_ahead_runs_in_the_training_thread_and_is_not_compute(tmp_path: Path) -> None:
+    """A gatherer that encodes ahead (`EncodesAhead`: DHT mode's parts) has its function run in the training's
+    worker thread, on the very host payload its `gather` then gets, once per plain round. Its time counts in
+    the round and in the row's ``phases.encode``, not in the round's compute."""
+    encode_s = 0.5  # far longer than a round's compute of this tiny model
+    seen: list[tuple[int, bool, Payload]] = []
+
+    def wrap(client: Any) -> None:
+        gather = client.gather
+        client.digest_follows = False  # each round's digest is checked at its settle: every round is plain
+
+        def encode_ahead(r: int) -> Any:
+            def encode(payload: Payload) -> None:
+                seen.append((r, threading.current_thread() is threading.main_thread(), payload))
+                time.sleep(encode_s)
+            return encode
+
+        async def gathered(r: int, payload: Payload, **kwargs: Any) -> Any:
+            assert seen[-1][0] == r and seen[-1][2] is payload, "gather got another payload than the encode"
+            return await gather(r, payload, **kwargs)
+
+        client.encode_ahead, client.gather = encode_ahead, gathered
+
+    run = _Run(tmp_path, {}, overlap=0, wrap=wrap)
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    assert [r for r, _, _ in seen] == list(range(ROUNDS))
+    assert not any(on_loop for _, on_loop, _ in seen)  # never on the event loop's thread
+    rows = run.rows(FAULTY)
+    assert [r["round"] for r in rows] == list(range(ROUNDS))
+    for row in rows:
+        assert row["phases"]["encode"] >= encode_s
+        assert row["compute_s"] < encode_s <= row["round_time_s"], row
