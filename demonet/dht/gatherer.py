@@ -59,8 +59,9 @@ class DhtGatherer:
         self._steady: tuple[int, list[str], list[str], dict[str, str]] | None = None
         """(r, members, owners, addresses) of the last round when it was whole (every member's payload in,
         no joiner, no slice lost): round r + 1's parts are sent ahead of its freeze, cut for the same."""
-        self._encoded: tuple[int, rules.SlicePlan, list[bytes]] | None = None
-        """(round, plan, parts): the parts `encode_ahead` encoded in the training's thread."""
+        self._encoded: tuple[int, rules.SlicePlan, Payload, list[bytes]] | None = None
+        """(round, plan, payload, parts): the parts `encode_ahead` encoded in the training's thread, and the
+        payload they were cut from (`gather` sends them only for that very payload)."""
 
     def reload_allowlist(self, allowed: Mapping[bytes, str | None]) -> list[str]:
         """A new allowlist (`keys.KeyBook.reload`): returns the peer ids whose key it no longer admits."""
@@ -171,7 +172,7 @@ class DhtGatherer:
         plan = self._exchange.plan_for(self.specs, steady[2])
 
         def encode(payload: Payload) -> None:
-            self._encoded = (round, plan, self._exchange.encode_parts(round, plan, payload))
+            self._encoded = (round, plan, payload, self._exchange.encode_parts(round, plan, payload))
 
         return encode
 
@@ -201,7 +202,8 @@ class DhtGatherer:
             def ahead() -> None:
                 self._exchange.send_ahead(r, payload, specs=self.specs, members=steady[1], owners=steady[2],
                                           addresses=steady[3],
-                                          encoded=encoded[1:] if encoded is not None and encoded[0] == r else None)
+                                          encoded=(encoded[1], encoded[3]) if encoded is not None
+                                          and encoded[0] == r and encoded[2] is payload else None)
         try:
             return await self._gather(r, payload, param_digest, loss, ahead)
         finally:

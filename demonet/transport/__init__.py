@@ -147,7 +147,8 @@ class EncodesAhead(Protocol):
     def encode_ahead(self, round: int) -> Callable[[Payload], None] | None:
         """Called on the event loop before `round`'s training: a function to run in the training's worker
         thread on the round's host payload once it is compressed, which encodes what `gather` will send
-        (it keeps the result; `gather` uses it where it still fits, and encodes anew otherwise), or None
+        (it keeps the result; `gather` uses it where it still fits and it is given that very payload, and
+        encodes anew otherwise), or None
         (nothing to encode ahead). `RoundLoop` times it apart from the compute (the row's
         ``phases.encode``)."""
         ...
