@@ -403,7 +403,10 @@ class RoundLoop:
         t0 = time.perf_counter()
         if staged[1] is not None:
             staged[1].synchronize()
-        encode(staged[0])
+        try:
+            encode(staged[0])
+        except Exception as e:  # noqa: BLE001 - only a head start: `gather` encodes again, and handles what fails there
+            self.log.warning("encoding the payload ahead failed (%s: %s); the exchange encodes it", type(e).__name__, e)
         return loss, payload, staged, time.perf_counter() - t0
 
     @staticmethod

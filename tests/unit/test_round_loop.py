@@ -352,3 +352,28 @@ async def test_a_gatherers_encode_ahead_runs_in_the_training_thread_and_is_not_c
     for row in rows:
         assert row["phases"]["encode"] >= encode_s
         assert row["compute_s"] < encode_s <= row["round_time_s"], row
+
+
+async def test_an_encode_ahead_that_fails_leaves_the_round_to_gather(tmp_path: Path) -> None:
+    """An encode ahead is a head start only: one that raises is logged, and the round goes on with `gather`
+    (which encodes the payload itself): every round applies, on the canonical digest."""
+    failed: list[int] = []
+
+    def wrap(client: Any) -> None:
+        client.digest_follows = False
+
+        def encode_ahead(r: int) -> Any:
+            def encode(payload: Payload) -> None:
+                failed.append(r)
+                raise ValueError("cannot encode this")
+            return encode
+
+        client.encode_ahead = encode_ahead
+
+    run = _Run(tmp_path, {}, overlap=0, wrap=wrap)
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    assert failed == list(range(ROUNDS))
+    assert [r["round"] for r in run.rows(FAULTY)] == list(range(ROUNDS))
+    assert run.restored[FAULTY] == []  # nothing went back: every payload made it into its round
+    assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
