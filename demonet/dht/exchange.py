@@ -25,7 +25,7 @@ from demonet.optim import Payload
 from demonet.wire.merge import Merged, merge
 
 from . import rules
-from .ahead import Ahead, Call, PartsAhead, call_or_ahead
+from .ahead import Ahead, Call, PartsAhead, call_or_ahead, encode_parts_now
 from .node import DhtNode
 from .round_state import Exchanged, Outcome, RoundState, decode_part
 from .streams import NoAnswer, Reply, now, retry
@@ -35,7 +35,6 @@ __all__ = ["Exchanged", "SliceExchange"]
 logger = logging.getLogger(__name__)
 
 _KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
-_PARTS_CODING = "entropy"  # parts travel with entropy-coded indices: 7.9 bits an index instead of 12, lossless
 
 
 class SliceExchange:
@@ -70,8 +69,9 @@ class SliceExchange:
             st = self._rounds[r] = RoundState()
         return st
 
-    def _plan(self, specs: rules.Specs, n: int) -> rules.SlicePlan:
-        """The slice plan of `specs` for `n` owners, made once per `n` while the specs stay the same."""
+    def plan_for(self, specs: rules.Specs, owners: Sequence[str]) -> rules.SlicePlan:
+        """The slice plan of `specs` among `owners`, made once per owner count while the specs stay the same."""
+        n = len(owners)
         plan = self._plans.get(n)
         if plan is None or plan.specs != specs:
             plan = self._plans[n] = rules.SlicePlan(specs, n)
@@ -96,52 +96,27 @@ class SliceExchange:
         The parts the others sent ahead for the same members are decoded from then on as they arrive.
         `encoded`: the parts encoded already (`encode_parts`, in the training's thread), and the plan they
         were cut by; used where that is the plan of these owners."""
-        plan = self._plan(specs, len(owners))
-        st = self._round(r)
-        mdigest = rules.members_digest(members)
-        st.guess = plan, mdigest
-        for s, held in st.parts.items():
-            for sender, (cut_for, data) in held.items():
-                st.decode_early(r, s, sender, cut_for, data, self.opts.rules)
+        plan, mdigest = self.plan_for(specs, owners), rules.members_digest(members)
+        self._round(r).expect(r, plan, mdigest, self.opts.rules)
+
         async def parts() -> list[bytes]:
             if encoded is not None and encoded[0] is plan:
                 return encoded[1]
-            return await self._encode_parts(r, plan, payload)
+            return await encode_parts_now(r, plan, payload)
 
         self._ahead.send(r, parts, plan=plan, mdigest=mdigest, owners=owners, addresses=addresses)
-
-    def plan_for(self, specs: rules.Specs, owners: Sequence[str]) -> rules.SlicePlan:
-        """The slice plan of `specs` among `owners` (made once per owner count)."""
-        return self._plan(specs, len(owners))
-
-    @staticmethod
-    def encode_parts(r: int, plan: rules.SlicePlan, payload: Payload) -> list[bytes]:
-        """This peer's part of each slice of `plan`, encoded (in any thread: it touches no state here)."""
-        return wire.encode_many([plan.cut(payload, s) for s in range(plan.n)], step=r, index_coding=_PARTS_CODING)
 
     def expect(self, r: int, *, specs: rules.Specs, members: Sequence[str], owners: Sequence[str]) -> None:
         """Round `r`'s parts will likely be cut for these `members` and `owners` (sorted): the round before's,
         which was whole. The parts that arrive from now on, while this peer still trains, are decoded as they
         come (`RoundState.decode_early`), not all at once when its own parts go ahead (`send_ahead`)."""
-        plan = self._plan(specs, len(owners))
         st = self._round(r)
         if st.plan is None:
-            st.guess = plan, rules.members_digest(members)
-            for s, held in st.parts.items():  # a peer that went on first may have sent some already
-                for sender, (cut_for, data) in held.items():
-                    st.decode_early(r, s, sender, cut_for, data, self.opts.rules)
+            st.expect(r, self.plan_for(specs, owners), rules.members_digest(members), self.opts.rules)
 
     def drop_ahead(self, r: int) -> None:
         """Cancel the calls of round `r`'s parts sent ahead, if `run` did not take them up."""
         self._ahead.drop(r)
-
-    async def _encode_parts(self, r: int, plan: rules.SlicePlan, payload: Payload) -> list[bytes]:
-        """This peer's part of each slice of `plan`, encoded."""
-        def encode() -> list[bytes]:
-            return self.encode_parts(r, plan, payload)
-
-        small = payload.numel() <= wire.INLINE_ENCODE_ENTRIES
-        return encode() if small else await asyncio.to_thread(encode)  # a small payload: no trip to a thread
 
     async def run(self, r: int, payload: Payload, *, specs: rules.Specs, members: Sequence[str],
                   owners: Sequence[str], addresses: Mapping[str, str], frozen_at: float) -> Exchanged:
@@ -151,7 +126,7 @@ class SliceExchange:
         """
         st = self._round(r, mine=True)
         async with self._cond:
-            st.plan = self._plan(specs, len(owners))
+            st.plan = self.plan_for(specs, owners)
             st.owners, st.members = list(owners[:st.plan.n]), list(members)
             st.mdigest = rules.members_digest(members)
             st.verifiers = rules.verifiers(r, st.mdigest, owners, st.plan.n, self.opts.verify_fraction)
@@ -203,7 +178,7 @@ class SliceExchange:
                               ahead: Ahead | None) -> list[Payload | None]:
         assert st.plan is not None
         plan, me = st.plan, self.peer_id
-        parts = ahead.parts if ahead is not None else await self._encode_parts(r, plan, payload)
+        parts = ahead.parts if ahead is not None else await encode_parts_now(r, plan, payload)
         to_owners = ahead.to_owners if ahead is not None else {}
         to_verifiers = ahead.to_verifiers if ahead is not None else {}
         sends = []

@@ -20,6 +20,7 @@ from demonet.transport import Digest, NotMember, Resync, RoundResult, known
 from demonet.wire.identity import Identity
 
 from . import rules
+from .ahead import encode_parts
 from .board import RoundBoard
 from .donor import ParamDonor
 from .exchange import SliceExchange
@@ -172,7 +173,7 @@ class DhtGatherer:
         plan = self._exchange.plan_for(self.specs, steady[2])
 
         def encode(payload: Payload) -> None:
-            self._encoded = (round, plan, payload, self._exchange.encode_parts(round, plan, payload))
+            self._encoded = (round, plan, payload, encode_parts(round, plan, payload))
 
         return encode
 

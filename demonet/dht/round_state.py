@@ -141,6 +141,14 @@ class RoundState:
     bytes_up: int = 0
     bytes_down: int = 0
 
+    def expect(self, r: int, plan: rules.SlicePlan, mdigest: str, merge_rules: MergeRules) -> None:
+        """Parts are expected cut by `plan` for the member list `mdigest` (the `guess`): those held already, and
+        those that come from now on, are decoded as they arrive (`decode_early`)."""
+        self.guess = plan, mdigest
+        for s, held in self.parts.items():
+            for sender, (cut_for, data) in held.items():
+                self.decode_early(r, s, sender, cut_for, data, merge_rules)
+
     def decode_early(self, r: int, s: int, sender: str, mdigest: str, data: bytes, merge_rules: MergeRules) -> None:
         """Start decoding `sender`'s part `data` of slice `s`, cut for the member list `mdigest`, as it arrives,
         where the plan it was cut for is known here: the round's, or the one this peer sent its parts ahead for."""

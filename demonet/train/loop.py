@@ -128,9 +128,11 @@ class RoundLoop:
     _unchecked: _Unchecked | None = field(default=None, init=False)
     """A plain round whose canonical digest had not come when it was settled: checked after the next
     round's forward and backward, before its compress (`_check_before_compress`)."""
+    _ahead: EncodesAhead | None = field(default=None, init=False)  # the gatherer, where it encodes ahead
 
     def __post_init__(self) -> None:
         self.log = RoundLog(self.peer_id, lambda: self.round)
+        self._ahead = self.gatherer if isinstance(self.gatherer, EncodesAhead) else None
 
     async def run(self, info: JoinInfo) -> int:
         """Download the parameters to start from, resume the checkpoint, then run rounds.
@@ -292,7 +294,7 @@ class RoundLoop:
         t0 = time.perf_counter()
         encode_s = 0.0
         if self._unchecked is None:
-            encode = self.gatherer.encode_ahead(self.round) if isinstance(self.gatherer, EncodesAhead) else None
+            encode = self._ahead.encode_ahead(self.round) if self._ahead is not None else None
             loss, payload, staged, encode_s = await asyncio.to_thread(self._train_step, encode)
             compute_s, checked_s = time.perf_counter() - t0 - encode_s, 0.0
         else:

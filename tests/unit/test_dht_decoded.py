@@ -15,6 +15,7 @@ import torch
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.dht import round_state, rules
+from demonet.dht.ahead import encode_parts
 from demonet.dht.exchange import SliceExchange
 from demonet.dht.round_state import RoundState, decode_part
 from demonet.dht.streams import DhtOptions
@@ -123,7 +124,7 @@ async def test_parts_encoded_ahead_are_sent_as_they_are_for_their_plan_and_cut_a
     sent: list[tuple[str, int, bytes]] = []
     ex, members, payload = _exchange(sent), ["a", "b", "c"], _payload(2)
     three = ex.plan_for(SPECS, members)
-    ready = ex.encode_parts(4, three, payload)
+    ready = encode_parts(4, three, payload)
     assert ready == wire.encode_many([three.cut(payload, s) for s in range(3)], step=4, index_coding="entropy")
     addresses = {p: f"addr-{p}" for p in members}
     marked = [b"encoded ahead " + bytes([s]) for s in range(3)]  # not a payload: sent as they are
@@ -138,6 +139,6 @@ async def test_parts_encoded_ahead_are_sent_as_they_are_for_their_plan_and_cut_a
     ex.send_ahead(5, payload, specs=SPECS, members=members, owners=members, addresses=addresses,
                   encoded=(two, marked[:2]))
     ahead, _ = await ex._ahead.take(5, rules.members_digest(members), members, {})
-    assert ahead is not None and ahead.parts == ex.encode_parts(5, three, payload)
+    assert ahead is not None and ahead.parts == encode_parts(5, three, payload)
     await asyncio.gather(*ahead.to_owners.values())
     assert sorted(sent) == [("addr-b", 1, ahead.parts[1]), ("addr-c", 2, ahead.parts[2])]

@@ -82,7 +82,20 @@ def _gatherers(exchanges: dict[str, Any], expected: dict[str, set[str]], previou
     return gatherers
 
 
-class _Exchange:
+class _NothingAhead:
+    """An exchange that sends no part ahead of a freeze and expects none."""
+
+    def send_ahead(self, r: int, payload: Any, **_: Any) -> None:
+        pass
+
+    def drop_ahead(self, r: int) -> None:
+        pass
+
+    def expect(self, r: int, **_: Any) -> None:
+        pass
+
+
+class _Exchange(_NothingAhead):
     """The exchange as a cut-off peer sees it: the slices it got hold these contributors' payloads only."""
 
     def __init__(self, contributors: tuple[str, ...]) -> None:
@@ -93,14 +106,6 @@ class _Exchange:
                          bytes_up=10, bytes_down=0, slice_owners=("a", "b", "c"), disagreed=frozenset(), checked=0,
                          phases={})
 
-    def send_ahead(self, r: int, payload: Any, **_: Any) -> None:
-        pass
-
-    def drop_ahead(self, r: int) -> None:
-        pass
-
-    def expect(self, r: int, **_: Any) -> None:
-        pass
 
     def other_lists(self, r: int) -> frozenset[str]:
         return frozenset()
@@ -187,7 +192,7 @@ def test_a_peer_announces_its_next_rounds_while_a_node_holds_its_stores() -> Non
 # -- two member lists in one round (a joiner's registration read by some members only) ---------------------
 
 
-class _Lists:
+class _Lists(_NothingAhead):
     """The exchange of rounds 6 and 7: in 6, `other` froze round 6 with another member list than this peer
     (scripted as the real exchange reports it: `late` only after its exchange ended), and the slices held
     `got`'s payloads; in 7, everyone's."""
@@ -203,14 +208,6 @@ class _Lists:
     def other_lists(self, r: int) -> frozenset[str]:
         return self.other if r == 6 else frozenset()
 
-    def send_ahead(self, r: int, payload: Any, **_: Any) -> None:
-        pass
-
-    def drop_ahead(self, r: int) -> None:
-        pass
-
-    def expect(self, r: int, **_: Any) -> None:
-        pass
 
 
 @pytest.mark.timeout(10)
