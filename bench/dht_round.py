@@ -9,7 +9,8 @@ digests agreed (`bench/round_overhead.py` measures the same way; round 0 is left
 once per `--verify` fraction (`[net] verify_slices`: 0 is off, 0.25 the default, 1 every slice merged
 by a second owner), so the cost of verified slices is measured in the same run. With --baseline DIR
 (a checkout of another commit), every run is made on that code too, right after the same run on this
-tree. Goals:
+tree. With --own-cores each process runs on a CPU of its own (peer-i and its p2pd on CPU i, the coordinator
+on CPU N), as on a machine each; a mode whose processes outnumber the CPUs is not run. Goals:
 - DHT mode: per-peer download at most 2x upload at 8 peers;
 - DHT mode's round overhead comparable to coordinator mode's (the ratio of the two is printed).
 Run from the repo root: `python bench/dht_round.py`. Prints a table; not a test.
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from round_overhead import COORDINATOR_PHASES, measure, phase_means, print_phases, run_up  # noqa: E402  (a sibling script, not a package)
+from round_overhead import COORDINATOR_PHASES, fits_own_cores, measure, phase_means, print_phases, run_up  # noqa: E402  (a sibling script, not a package)
 
 GOAL_DOWN_UP = 2.0
 GOAL_PEERS = 8
@@ -41,6 +42,8 @@ def main() -> None:
                         "after the same run on this tree")
     parser.add_argument("--verify", default="0.25", help="DHT runs' verify_slices fractions, comma-separated "
                         "(0.25, the default; e.g. 0,0.25,1 for the cost of verification)")
+    parser.add_argument("--own-cores", action="store_true", help="each process on a CPU of its own (peer-i and "
+                        "its p2pd on CPU i, the coordinator on CPU N; Linux): as on a machine each; needs N + 1 CPUs")
     args = parser.parse_args()
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
     fractions = [float(f) for f in args.verify.split(",") if f.strip()]
@@ -51,7 +54,8 @@ def main() -> None:
 
     print(f"# DHT mode vs coordinator mode: `demonet up [--dht]`, {args.steps} rounds, "
           f"{'config ' + args.config if args.config else 'the embedded default model'} (torch {torch.__version__})")
-    print(f"# All peers share this machine's {os.cpu_count()} cores, one torch thread each; the modes alternate per N.")
+    where = "each on a CPU of its own" if args.own_cores else f"sharing this machine's {os.cpu_count()} cores"
+    print(f"# Peers {where}, one torch thread each; the modes alternate per N.")
     print()
     print("| mode | peers | round s (median) | slowest compute s | round / compute | up B/peer/round "
           "| down B/peer/round | down / up | digests agree | wall s |")
@@ -63,8 +67,11 @@ def main() -> None:
                 mode = base_mode + tag
                 out = Path(tmp) / f"{mode.replace(' ', '-').replace('(', '').replace(')', '')}-{n}"
                 env = {} if fraction is None else {"DEMONET_NET_VERIFY_SLICES": str(fraction)}
+                if args.own_cores and not fits_own_cores(n, dht=fraction is not None):
+                    print(f"| {mode} | {n} | not run: needs a CPU for each process | | | | | | | |")
+                    continue
                 code, wall, err = run_up(n, args.steps, args.config, out, dht=fraction is not None, env=env,
-                                         code=tree)
+                                         code=tree, own_cores=args.own_cores)
                 metrics = out / "metrics.jsonl"
                 rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
                 if code != 0 or not rows:

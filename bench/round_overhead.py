@@ -13,7 +13,9 @@ Round 0 is left out of the medians (first-call costs). Then the goals, met or no
 - bytes down <= 1.5x bytes up at 2, 4 and 8 peers.
 With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base REV`) every
 run is made twice, back to back, once on DIR's code and once on this tree's, and a last table
-compares the two side by side (same machine, same minute).
+compares the two side by side (same machine, same minute). With `--own-cores` each process runs on a
+CPU of its own (peer-i on CPU i, the coordinator on CPU N; it needs N + 1 CPUs), as on a machine each, so
+that the overhead is not the CPU that the processes take from each other.
 Run from the repo root: `python bench/round_overhead.py`. Prints a table; not a test.
 """
 
@@ -40,13 +42,16 @@ GOAL_BYTES = 1.5
 def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = False,
            code: Path | None = None, env: dict[str, str] | None = None,
            coordinator_cpu: int | None = None, coordinator_share: float | None = None,
-           up_args: tuple[str, ...] = ()) -> tuple[int, float, str]:
+           up_args: tuple[str, ...] = (), own_cores: bool = False) -> tuple[int, float, str]:
     """`demonet up [--dht]` with N peers (on the demonet in `code`, default this tree; `env`: more
     variables, e.g. DEMONET_NET_* settings); returns (exit code, wall seconds, the tail of its stderr).
     `coordinator_cpu`: the coordinator alone on that CPU and every other process on the others, as if it
     ran on a machine of its own (Linux affinity). `coordinator_share`: the coordinator held to this
     fraction of one CPU (a cgroup's CPU quota; root), a coordinator slower than its peers. `up_args`: more
-    `demonet up` flags."""
+    `demonet up` flags. `own_cores`: each process a CPU of its own (`_own_cores`), as on a machine each."""
+    if own_cores and not fits_own_cores(peers, dht):
+        raise SystemExit(f"--own-cores: {peers} peers{'' if dht else ' and the coordinator'} need "
+                         f"{peers + (0 if dht else 1)} CPUs; this machine has {os.cpu_count()}")
     cmd = [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", str(steps), "--out",
            str(out), "--no-progress", *(["--dht"] if dht else []), *up_args]
     if config:
@@ -61,6 +66,8 @@ def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = Fa
     with contextlib.ExitStack() as stack:
         if coordinator_cpu is not None:
             _pin_coordinator(proc.pid, coordinator_cpu)
+        if own_cores:
+            _own_cores(proc.pid, peers)
         if coordinator_share is not None:
             stack.enter_context(_limited_coordinator(proc.pid, coordinator_share))
         _, stderr = proc.communicate()
@@ -126,6 +133,37 @@ def _each_coordinator_thread(up_pid: int, move: Any, for_s: float = 15.0) -> Non
         time.sleep(0.05)
 
 
+def fits_own_cores(peers: int, dht: bool) -> bool:
+    """Whether this machine has a CPU for each process of the run: every peer, and the coordinator."""
+    return (os.cpu_count() or 1) >= peers + (0 if dht else 1)
+
+
+def _own_cores(up_pid: int, peers: int, for_s: float = 15.0) -> None:
+    """Each process of `demonet up` on a CPU of its own, again and again for `for_s` while the run starts:
+    peer-i and its children (a DHT peer's p2pd) on CPU i, the coordinator on CPU `peers`. The launcher
+    itself, which only waits, stays where it is. Threads made later inherit the CPU of their maker."""
+    import psutil
+
+    deadline = time.monotonic() + for_s
+    while time.monotonic() < deadline:
+        for child in psutil.Process(up_pid).children():
+            try:
+                cmdline = child.cmdline()
+                if "coordinator" in cmdline[:4]:
+                    cpu = peers
+                elif "--peer-id" in cmdline:
+                    cpu = int(cmdline[cmdline.index("--peer-id") + 1].rsplit("-", 1)[1])
+                else:
+                    continue
+                for proc in (child, *child.children(recursive=True)):
+                    for thread in proc.threads():
+                        with contextlib.suppress(OSError):
+                            os.sched_setaffinity(thread.id, {cpu})
+            except (psutil.Error, ValueError, IndexError):  # gone meanwhile, or not yet named
+                continue
+        time.sleep(0.05)
+
+
 COORDINATOR_PHASES = ("encode", "submit", "wait", "download", "decode", "digest", "check")
 """A coordinator-mode round's exchange, as its peers' rows break it down (`GrpcClient.gather`)."""
 
@@ -181,18 +219,27 @@ def main() -> None:
     parser.add_argument("--coordinator-share", type=float, help="the coordinator held to this fraction of one "
                         "CPU (a cgroup's CPU quota; Linux, root): a coordinator slower than its peers, as a CPU "
                         "coordinator of GPU peers is")
+    parser.add_argument("--own-cores", action="store_true", help="each process on a CPU of its own (peer-i on CPU "
+                        "i, the coordinator on CPU N; Linux): as on a machine each; needs N + 1 CPUs")
     parser.add_argument("--state-every-s", type=float, help="this tree's coordinator writes its state at most "
                         "this often (`demonet up --state-every-s`; not passed to --baseline, whose code may lack it)")
     args = parser.parse_args()
     mine = () if args.state_every_s is None else ("--state-every-s", str(args.state_every_s))
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
+    if args.own_cores and not all(fits_own_cores(n, dht=False) for n in counts):
+        parser.error(f"--own-cores: {max(counts)} peers and the coordinator need {max(counts) + 1} CPUs; this "
+                     f"machine has {os.cpu_count()}")
+    if args.own_cores and args.coordinator_cpu is not None:
+        parser.error("--own-cores places the coordinator itself; leave out --coordinator-cpu")
 
     import torch
 
     cores = os.cpu_count()
     print(f"# demonet round overhead: `demonet up`, {args.steps} rounds, "
           f"{'config ' + args.config if args.config else 'the embedded default model'} (torch {torch.__version__})")
-    if args.coordinator_cpu is None:
+    if args.own_cores:
+        print("# Each peer and the coordinator on a CPU of its own, one torch thread per peer,")
+    elif args.coordinator_cpu is None:
         print(f"# All N peers and the coordinator share this machine's {cores} cores, one torch thread per peer,")
     else:
         print(f"# The coordinator alone on CPU {args.coordinator_cpu}, the N peers on the other {cores - 1}, one torch "
@@ -214,7 +261,8 @@ def main() -> None:
             if args.baseline is not None:
                 out = Path(tmp) / f"baseline-{n}"
                 code, _, err = run_up(n, args.steps, args.config, out, code=args.baseline,
-                                     coordinator_cpu=args.coordinator_cpu, coordinator_share=args.coordinator_share)
+                                     coordinator_cpu=args.coordinator_cpu, coordinator_share=args.coordinator_share,
+                                     own_cores=args.own_cores)
                 metrics = out / "metrics.jsonl"
                 if code == 0 and metrics.exists():
                     baseline[n] = measure([json.loads(line) for line in metrics.read_text().splitlines()])
@@ -222,7 +270,7 @@ def main() -> None:
                     print(err, file=sys.stderr)
             out = Path(tmp) / f"peers-{n}"
             code, wall, err = run_up(n, args.steps, args.config, out, coordinator_cpu=args.coordinator_cpu,
-                                     coordinator_share=args.coordinator_share, up_args=mine)
+                                     coordinator_share=args.coordinator_share, up_args=mine, own_cores=args.own_cores)
             metrics = out / "metrics.jsonl"
             rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
             if code != 0 or not rows:
