@@ -9,8 +9,8 @@ digests agreed (`bench/round_overhead.py` measures the same way; round 0 is left
 once per `--verify` fraction (`[net] verify_slices`: 0 is off, 0.25 the default, 1 every slice merged
 by a second owner), so the cost of verified slices is measured in the same run. With --baseline DIR
 (a checkout of another commit), every run is made on that code too, right after the same run on this
-tree. With --own-cores each process runs on a CPU of its own (peer-i and its p2pd on CPU i, the coordinator
-on CPU N), as on a machine each; a mode whose processes outnumber the CPUs is not run. Goals:
+tree. With --own-cores each process runs on a CPU of its own (peer-i and its p2pd on the i-th CPU it may use, the
+coordinator on the next), as on a machine each; a mode whose processes outnumber the CPUs is not run. Goals:
 - DHT mode: per-peer download at most 2x upload at 8 peers;
 - DHT mode's round overhead comparable to coordinator mode's (the ratio of the two is printed).
 Run from the repo root: `python bench/dht_round.py`. Prints a table; not a test.
@@ -43,7 +43,8 @@ def main() -> None:
     parser.add_argument("--verify", default="0.25", help="DHT runs' verify_slices fractions, comma-separated "
                         "(0.25, the default; e.g. 0,0.25,1 for the cost of verification)")
     parser.add_argument("--own-cores", action="store_true", help="each process on a CPU of its own (peer-i and "
-                        "its p2pd on CPU i, the coordinator on CPU N; Linux): as on a machine each; needs N + 1 CPUs")
+                        "its p2pd on the i-th CPU, the coordinator on the next; Linux): as on a machine each; a mode "
+                        "with more processes than CPUs is not run")
     args = parser.parse_args()
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
     fractions = [float(f) for f in args.verify.split(",") if f.strip()]

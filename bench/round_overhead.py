@@ -14,8 +14,8 @@ Round 0 is left out of the medians (first-call costs). Then the goals, met or no
 With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base REV`) every
 run is made twice, back to back, once on DIR's code and once on this tree's, and a last table
 compares the two side by side (same machine, same minute). With `--own-cores` each process runs on a
-CPU of its own (peer-i on CPU i, the coordinator on CPU N; it needs N + 1 CPUs), as on a machine each, so
-that the overhead is not the CPU that the processes take from each other.
+CPU of its own (peer-i on the i-th CPU it may use, the coordinator on the next; it needs N + 1), as on
+a machine each, so that the overhead is not the CPU that the processes take from each other.
 Run from the repo root: `python bench/round_overhead.py`. Prints a table; not a test.
 """
 
@@ -51,7 +51,7 @@ def run_up(peers: int, steps: int, config: str | None, out: Path, dht: bool = Fa
     `demonet up` flags. `own_cores`: each process a CPU of its own (`_own_cores`), as on a machine each."""
     if own_cores and not fits_own_cores(peers, dht):
         raise SystemExit(f"--own-cores: {peers} peers{'' if dht else ' and the coordinator'} need "
-                         f"{peers + (0 if dht else 1)} CPUs; this machine has {os.cpu_count()}")
+                         f"{peers + (0 if dht else 1)} CPUs; this process may run on {len(_cpus())}")
     cmd = [sys.executable, "-m", "demonet", "up", "--peers", str(peers), "--steps", str(steps), "--out",
            str(out), "--no-progress", *(["--dht"] if dht else []), *up_args]
     if config:
@@ -133,26 +133,32 @@ def _each_coordinator_thread(up_pid: int, move: Any, for_s: float = 15.0) -> Non
         time.sleep(0.05)
 
 
+def _cpus() -> list[int]:
+    """The CPUs this process may run on, in order (a container's or a cpuset's, not always 0..N-1)."""
+    return sorted(os.sched_getaffinity(0))
+
+
 def fits_own_cores(peers: int, dht: bool) -> bool:
-    """Whether this machine has a CPU for each process of the run: every peer, and the coordinator."""
-    return (os.cpu_count() or 1) >= peers + (0 if dht else 1)
+    """Whether there is a CPU for each process of the run: every peer, and the coordinator."""
+    return len(_cpus()) >= peers + (0 if dht else 1)
 
 
 def _own_cores(up_pid: int, peers: int, for_s: float = 15.0) -> None:
     """Each process of `demonet up` on a CPU of its own, again and again for `for_s` while the run starts:
-    peer-i and its children (a DHT peer's p2pd) on CPU i, the coordinator on CPU `peers`. The launcher
-    itself, which only waits, stays where it is. Threads made later inherit the CPU of their maker."""
+    peer-i and its children (a DHT peer's p2pd) on the i-th CPU this process may run on, the coordinator on
+    the next. The launcher itself, which only waits, stays where it is. Threads made later inherit the CPU
+    of their maker."""
     import psutil
 
-    deadline = time.monotonic() + for_s
+    cpus, deadline = _cpus(), time.monotonic() + for_s
     while time.monotonic() < deadline:
         for child in psutil.Process(up_pid).children():
             try:
                 cmdline = child.cmdline()
                 if "coordinator" in cmdline[:4]:
-                    cpu = peers
+                    cpu = cpus[peers]
                 elif "--peer-id" in cmdline:
-                    cpu = int(cmdline[cmdline.index("--peer-id") + 1].rsplit("-", 1)[1])
+                    cpu = cpus[int(cmdline[cmdline.index("--peer-id") + 1].rsplit("-", 1)[1])]
                 else:
                     continue
                 for proc in (child, *child.children(recursive=True)):
@@ -220,7 +226,7 @@ def main() -> None:
                         "CPU (a cgroup's CPU quota; Linux, root): a coordinator slower than its peers, as a CPU "
                         "coordinator of GPU peers is")
     parser.add_argument("--own-cores", action="store_true", help="each process on a CPU of its own (peer-i on CPU "
-                        "i, the coordinator on CPU N; Linux): as on a machine each; needs N + 1 CPUs")
+                        "i, the coordinator on the next; Linux): as on a machine each; needs N + 1 CPUs")
     parser.add_argument("--state-every-s", type=float, help="this tree's coordinator writes its state at most "
                         "this often (`demonet up --state-every-s`; not passed to --baseline, whose code may lack it)")
     args = parser.parse_args()
@@ -228,7 +234,7 @@ def main() -> None:
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
     if args.own_cores and not all(fits_own_cores(n, dht=False) for n in counts):
         parser.error(f"--own-cores: {max(counts)} peers and the coordinator need {max(counts) + 1} CPUs; this "
-                     f"machine has {os.cpu_count()}")
+                     f"process may run on {len(_cpus())}")
     if args.own_cores and args.coordinator_cpu is not None:
         parser.error("--own-cores places the coordinator itself; leave out --coordinator-cpu")
 
