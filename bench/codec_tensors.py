@@ -14,31 +14,22 @@ changed. Run from the repo root: `python bench/codec_tensors.py`.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dht_exchange_cpu import _ms  # noqa: E402  (a sibling script's median timer, not a package)
 
 from demonet import wire  # noqa: E402
 from demonet.config import load_config  # noqa: E402
 from demonet.optim import Compressed, Payload  # noqa: E402
 from demonet.train.trainer import Trainer  # noqa: E402
 from demonet.wire.merge import MergeRules, merge  # noqa: E402
-
-
-def _ms(f: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def by_chunk(payload: Payload) -> Payload:
