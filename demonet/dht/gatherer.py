@@ -160,6 +160,14 @@ class DhtGatherer:
         if self.view is not None:
             self.view.minority(round, minority)
 
+    def _steady_before(self, round: int) -> tuple[int, list[str], list[str], dict[str, str]] | None:
+        """`_steady` where it is the round just before `round` and its members are all `round` waits for: the
+        parts are then cut for them ahead of the freeze; else None."""
+        steady = self._steady
+        if steady is None or steady[0] != round - 1 or self._board.expected.get(round) != set(steady[1]):
+            return None
+        return steady
+
     def encode_ahead(self, round: int) -> Callable[[Payload], None] | None:
         """Where `round` will likely send its parts ahead (`gather`: the round before was whole, and its members
         are all this round waits for), a function that cuts and encodes the payload's parts for them, to run
@@ -167,8 +175,8 @@ class DhtGatherer:
 
         The peer that trains last then sends its parts with its announcement, instead of encoding them on
         its event loop while every peer's exchange runs on the same cores."""
-        steady = self._steady
-        if steady is None or steady[0] != round - 1 or self._board.expected.get(round) != set(steady[1]):
+        steady = self._steady_before(round)
+        if steady is None:
             return None
         plan = self._exchange.plan_for(self.specs, steady[2])
 
@@ -196,10 +204,11 @@ class DhtGatherer:
             self.view.entered(r)
         # The round before was whole, and its members are all this round waits for: send the parts ahead,
         # cut for them, once the announcement's store is on its way (`SliceExchange.send_ahead`).
-        steady, self._steady = self._steady, None
+        steady = self._steady_before(r)
+        self._steady = None
         encoded, self._encoded = self._encoded, None
         ahead = None
-        if steady is not None and steady[0] == r - 1 and board.expected.get(r) == set(steady[1]):
+        if steady is not None:
             def ahead() -> None:
                 self._exchange.send_ahead(r, payload, specs=self.specs, members=steady[1], owners=steady[2],
                                           addresses=steady[3],

@@ -148,9 +148,8 @@ class EncodesAhead(Protocol):
         """Called on the event loop before `round`'s training: a function to run in the training's worker
         thread on the round's host payload once it is compressed, which encodes what `gather` will send
         (it keeps the result; `gather` uses it where it still fits and it is given that very payload, and
-        encodes anew otherwise), or None
-        (nothing to encode ahead). `RoundLoop` times it apart from the compute (the row's
-        ``phases.encode``)."""
+        encodes anew otherwise), or None (nothing to encode ahead). `RoundLoop` times it apart from the
+        compute (the row's ``phases.encode``)."""
         ...
 
 
