@@ -24,7 +24,7 @@ from . import rules
 from .node import DhtNode
 from .streams import DhtOptions, now
 
-__all__ = ["RoundBoard"]
+__all__ = ["FrozeWithout", "RoundBoard"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,14 @@ def _expected(states: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...] | None
 
 
 @dataclass
+class FrozeWithout(NotMember):
+    """The round froze without this peer (it announced too late); `members`: who is in it, as read here."""
+
+    def __init__(self, message: str, members: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.members = members
+
+
 class _Waiting:
     """What a peer without a majority waits with in one freeze (`RoundBoard._freeze`)."""
 
@@ -214,7 +222,7 @@ class RoundBoard:
         `stored` is called once the announcement's store is on its way, before the freeze's first look.
 
         Raises:
-            NotMember: the round froze without this peer (it announced too late).
+            FrozeWithout: the round froze without this peer (it announced too late), a `NotMember`.
             PeerUnavailable: the DHT did not give the round's membership.
         """
         announcement = {"t": now(), "digest": digest, "address": self._node.address,
@@ -250,7 +258,7 @@ class RoundBoard:
         frozen, announced = await self._freeze(r)
         timing["freeze"] = time.perf_counter() - t0
         if self._node.peer_id not in frozen.members:
-            raise NotMember(f"round {r} froze without this peer (announced too late)")
+            raise FrozeWithout(f"round {r} froze without this peer (announced too late)", frozen.members)
         return frozen, announced
 
     async def stored(self) -> None:

@@ -54,6 +54,7 @@ class SliceExchange:
         self._cond = asyncio.Condition()
         self.latest = -1
         """The latest round this peer gathered for; streams about rounds far from it are refused."""
+        self._left: dict[int, tuple[str, ...]] = {}  # rounds that froze without this peer -> the members it read
         node.streams.serve(pb.DHT_KIND_PART, self._take_part)
         node.streams.serve(pb.DHT_KIND_FETCH, self._serve_slice)
         node.streams.serve(pb.DHT_KIND_CHECK, self._serve_check)
@@ -77,9 +78,22 @@ class SliceExchange:
             plan = self._plans[n] = rules.SlicePlan(specs, n)
         return plan
 
-    def _far(self, r: int) -> bool:
-        """A round this peer keeps no state for: long over, or too far ahead (a peer out of step)."""
-        return r < self.latest - _KEEP_ROUNDS or (self.latest >= 0 and r > self.latest + 2)
+    async def left_out(self, r: int, members: Sequence[str]) -> None:
+        """Round `r` froze without this peer, with these `members` as it read them. A member that counted
+        this peer in (it read a record the others did not) is answered its parts with that list, as by a peer
+        that froze another list (`_take_part`): it waits no longer for this peer, not until the deadlines."""
+        async with self._cond:
+            self._left = {q: m for q, m in self._left.items() if q > r - _KEEP_ROUNDS}
+            self._left[r] = tuple(sorted(members))
+            self._cond.notify_all()
+
+    def _not_here(self, r: int) -> str | None:
+        """Why calls about round `r` are refused here: it froze without this peer, or it keeps no state for it
+        (long over, or too far ahead: a peer out of step)."""
+        if r in self._left:
+            return f"round {r} froze without this peer"
+        far = r < self.latest - _KEEP_ROUNDS or (self.latest >= 0 and r > self.latest + 2)
+        return f"round {r} is not kept here (at {self.latest})" if far else None
 
     def send_ahead(self, r: int, payload: Payload, *, specs: rules.Specs, members: Sequence[str],
                    owners: Sequence[str], addresses: Mapping[str, str],
@@ -316,7 +330,7 @@ class SliceExchange:
         async with self._cond:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, st.rs_deadline - now())):
-                    await self._cond.wait_for(lambda: want() <= self._final_parts(st, s))
+                    await self._cond.wait_for(lambda: want() <= st.final_parts(s))
             parts = {p: v for p, v in st.parts.get(s, {}).items() if p in want()}
         assert st.plan is not None
         specs = st.plan.slice_specs(s)
@@ -347,13 +361,6 @@ class SliceExchange:
         for sender, why in refused.items():
             logger.warning("[%s round=%d] refused the part of %s: %s", self.peer_id, r, sender, why)
         return result
-
-    @staticmethod
-    def _final_parts(st: RoundState, s: int) -> set[str]:
-        """The senders of slice `s` whose part held here is final: cut for this peer's member list, or
-        sent after the sender's freeze (a part sent ahead for other members will be replaced)."""
-        ahead = st.ahead.get(s, set())
-        return {p for p, (d, _) in st.parts.get(s, {}).items() if d == st.mdigest or p not in ahead}
 
     async def _merge(self, r: int, st: RoundState, s: int) -> None:
         """As the owner of slice `s`: wait for every member's part (or the deadline), merge, keep it."""
@@ -441,17 +448,9 @@ class SliceExchange:
         st = self._rounds.get(r)
         return frozenset((st.other_lists | st.named) - {self.peer_id}) if st is not None else frozenset()
 
-    def _holders(self, st: RoundState, s: int) -> list[str]:
-        """Whom to ask for missing slice `s` after the exchange: the other owners, its own owner last. A peer
-        that let a call of the exchange time out (cut off, or stalled) is not asked: asking would only wait
-        `exchange_timeout_s` more (a dead peer refuses at once, and is asked)."""
-        owner = st.owners[s]
-        others = [p for p in st.owners if p not in (self.peer_id, owner, *st.silent)]
-        return others if owner in st.silent or owner == self.peer_id else [*others, owner]
-
     async def _fetch_from_holders(self, r: int, st: RoundState, s: int, addresses: Mapping[str, str]) -> None:
         await asyncio.sleep(max(0.0, st.ag_deadline - now()))  # holders answer for good only after it
-        for p in self._holders(st, s):
+        for p in st.holders(s, self.peer_id):
             with contextlib.suppress(PeerUnavailable, InvalidPayload):
                 await self._fetch(r, st, s, addresses[p], timeout_s=self.opts.exchange_timeout_s)
                 return
@@ -489,8 +488,8 @@ class SliceExchange:
         r = head.round
         if data is None:
             return Reply(error="a part request without its payload")
-        if self._far(r):
-            return Reply(error=f"round {r} is not kept here (at {self.latest})")
+        if why := self._not_here(r):
+            return self._left_reply(r) if r in self._left else Reply(error=why)
         st = self._round(r)
         async with self._cond:
             held = st.parts.setdefault(head.slice, {})
@@ -504,7 +503,9 @@ class SliceExchange:
             self._cond.notify_all()
             with contextlib.suppress(TimeoutError):  # the part can come before this peer froze the round
                 async with asyncio.timeout(self.opts.window_s + self.opts.exchange_timeout_s):
-                    await self._cond.wait_for(lambda: st.plan is not None)
+                    await self._cond.wait_for(lambda: st.plan is not None or r in self._left)
+        if st.plan is None and r in self._left:
+            return self._left_reply(r)
         if head.members_digest != st.mdigest:
             if head.ahead or st.plan is None:  # its sender sends another part once frozen
                 return Reply()
@@ -515,6 +516,10 @@ class SliceExchange:
         if st.verifiers.get(head.slice) == self.peer_id and head.sender in st.members:
             return await self._answer_early(r, st, head.slice, head.sender)
         return Reply()
+
+    def _left_reply(self, r: int) -> Reply:
+        """The answer to a part of round `r`, which froze without this peer (`left_out`): the list it read."""
+        return Reply(fields={"members_digest": rules.members_digest(self._left[r]), "contributors": self._left[r]})
 
     async def _answer_early(self, r: int, st: RoundState, s: int, sender: str) -> Reply:
         """As the verifier of slice `s`: the answer to `sender`'s part, the senders and SHA-256 of the merge
@@ -539,8 +544,8 @@ class SliceExchange:
     async def _serve_slice(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
         """A merged slice, once this peer holds it (or, if not its owner, once the phase is over)."""
         r, s, sender = head.round, head.slice, head.sender
-        if self._far(r):
-            return Reply(error=f"round {r} is not kept here (at {self.latest})")
+        if why := self._not_here(r):
+            return Reply(error=why)
         st = self._round(r)
         limit = self.opts.window_s + 3 * self.opts.exchange_timeout_s  # the round must freeze and merge by then
 
@@ -572,8 +577,8 @@ class SliceExchange:
     async def _serve_check(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
         """As a verifier: the SHA-256 of this peer's merge of the slice over the asked senders."""
         r, s, senders = head.round, head.slice, tuple(sorted(head.contributors))
-        if self._far(r):
-            return Reply(error=f"round {r} is not kept here (at {self.latest})")
+        if why := self._not_here(r):
+            return Reply(error=why)
         st = self._round(r)
         async with self._cond:  # the request can come before this peer froze the round
             with contextlib.suppress(TimeoutError):

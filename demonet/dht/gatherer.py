@@ -21,7 +21,7 @@ from demonet.wire.identity import Identity
 
 from . import rules
 from .ahead import encode_parts
-from .board import RoundBoard
+from .board import FrozeWithout, RoundBoard
 from .donor import ParamDonor
 from .exchange import SliceExchange
 from .node import DhtNode
@@ -223,7 +223,11 @@ class DhtGatherer:
                       ahead: Callable[[], None] | None) -> RoundResult:
         board, view = self._board, self.view
         gets = self._node.gets
-        frozen, announced = await board.enter(r, param_digest, loss, stored=ahead)
+        try:
+            frozen, announced = await board.enter(r, param_digest, loss, stored=ahead)
+        except FrozeWithout as e:  # a member that counted this peer in is told at once, and does not wait for it
+            await self._exchange.left_out(r, e.members)
+            raise
         digests = {p: announced[p].digest for p in frozen.members}
         good = rules.majority_digest(digests)
         members = [p for p in frozen.members if digests[p] == good]

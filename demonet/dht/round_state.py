@@ -161,3 +161,17 @@ class RoundState:
     def other_list(self, reply: pb.DhtMessage) -> bool:
         """Whether `reply` comes from a peer that froze the round with another member list than this one."""
         return bool(reply.members_digest) and reply.members_digest != self.mdigest
+
+    def final_parts(self, s: int) -> set[str]:
+        """The senders of slice `s` whose part held here is final: cut for this peer's member list, or
+        sent after the sender's freeze (a part sent ahead for other members will be replaced)."""
+        ahead = self.ahead.get(s, set())
+        return {p for p, (d, _) in self.parts.get(s, {}).items() if d == self.mdigest or p not in ahead}
+
+    def holders(self, s: int, me: str) -> list[str]:
+        """Whom `me` asks for missing slice `s` after the exchange: the other owners, its own owner last. A peer
+        that let a call of the exchange time out (cut off, or stalled) is not asked: asking would only wait
+        `exchange_timeout_s` more (a dead peer refuses at once, and is asked)."""
+        owner = self.owners[s]
+        others = [p for p in self.owners if p not in (me, owner, *self.silent)]
+        return others if owner in self.silent or owner == me else [*others, owner]

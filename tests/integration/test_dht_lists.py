@@ -6,7 +6,8 @@ after a partition heals) gives a round two member lists. A part cut for another 
 owner answers with the digest of the list it froze: the sender drops that slice at once, asks nobody else
 for it, and both report the other as having frozen otherwise (`Exchanged.other_lists`), not as a dead
 owner. `DhtGatherer.gather` then expects those peers in the next round, where the lists agree again
-(tests/unit/test_dht_late_round.py).
+(tests/unit/test_dht_late_round.py). A joiner that some members counted in while its own read of the
+freeze left it out answers their parts with the list it read, so that they do not wait for it either.
 """
 
 from __future__ import annotations
@@ -68,6 +69,23 @@ async def _lists() -> None:
         # Round 21: the three froze one list again; the whole round goes through.
         again = await asyncio.gather(*(run(p, 21, names) for p in names))
         assert all(d.contributors == tuple(names) and not d.other_lists and not d.dead_owners for d, _ in again)
+
+        # Rounds 22 and 30: a froze all three, b froze a and b, and c read b's freeze, which is without it: c
+        # takes no part (`FrozeWithout`), and tells a so when a's part comes (`SliceExchange.left_out`), a
+        # moment after it arrived. Round 22 is c's next round (the part waits for c's freeze); round 30 is
+        # far past its last one (c refuses the part until it knows, and a tries again).
+        for r in (22, 30):
+            async def left_out(r: int = r) -> None:
+                await asyncio.sleep(0.3)
+                await nodes["c"]._exchange.left_out(r, ["a", "b"])
+
+            (a, t_a), (b, t_b), _ = await asyncio.gather(run("a", r, names), run("b", r, ["a", "b"]), left_out())
+            # Both end far from the deadlines instead of a waiting for c's part and slice until them: each
+            # names the others as having frozen another list (c named by a's answer to b), none a dead owner.
+            assert (a.other_lists, b.other_lists) == ({"b", "c"}, {"a", "c"}), (r, a, b)
+            assert not a.dead_owners and not b.dead_owners, (r, a, b)
+            assert a.contributors == ("a",) and b.contributors == ("b",), (r, a, b)
+            assert t_a < EXCHANGE_TIMEOUT_S / 2 and t_b < EXCHANGE_TIMEOUT_S / 2, (r, t_a, t_b)
     finally:
         for p in names:
             await asyncio.wait_for(nodes[p].close(), 30)

@@ -108,7 +108,7 @@ async def test_a_peer_that_let_a_call_time_out_is_not_asked_again_in_the_round()
     ex = _exchange()  # peer "a"
     st = RoundState(owners=["a", "b", "c", "d"], members=["a", "b", "c", "d"], verifiers={1: "d", 2: "b"},
                 ag_deadline=now() + 0.3)
-    assert ex._holders(st, 1) == ["c", "d", "b"] and ex._holders(st, 0) == ["b", "c", "d"]
+    assert st.holders(1, "a") == ["c", "d", "b"] and st.holders(0, "a") == ["b", "c", "d"]
     calls: list[tuple[str, int]] = []
 
     async def call(address: str, kind: int, *_: object, **__: object) -> tuple[object, bytes]:
@@ -123,8 +123,8 @@ async def test_a_peer_that_let_a_call_time_out_is_not_asked_again_in_the_round()
     await ex._part_and_slice(4, st, 1, b"part", "addr-b")  # b owns slice 1: silent
     await ex._part_and_slice(4, st, 2, b"part", "addr-c")  # c owns slice 2: its link broke
     assert st.silent == {"b"} and not st.merged
-    assert ex._holders(st, 1) == ["c", "d"]  # not b, its silent owner
-    assert ex._holders(st, 2) == ["d", "c"] and ex._holders(st, 3) == ["c", "d"]  # a silent b is asked for nothing
+    assert st.holders(1, "a") == ["c", "d"]  # not b, its silent owner
+    assert st.holders(2, "a") == ["d", "c"] and st.holders(3, "a") == ["c", "d"]  # a silent b is asked for nothing
 
     for s in (1, 2):  # slice 1's verifier d answers the check; slice 2's verifier b is silent
         st.merged[s] = (("a", "b", "c", "d"), b"merged", None)  # type: ignore[assignment]

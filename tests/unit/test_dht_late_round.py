@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from demonet.dht.board import RoundBoard
+from demonet.dht.board import FrozeWithout, RoundBoard
 from demonet.dht.exchange import Exchanged
 from demonet.dht.gatherer import DhtGatherer
 from demonet.dht.streams import DhtOptions
+from demonet.transport import NotMember
 from tests.unit.test_dht_majority import _FakeNode
 
 
@@ -241,3 +242,37 @@ def test_members_that_froze_a_round_with_two_lists_expect_each_other_in_the_next
                         "c": {"a", "b", "c"}}
     seven = asyncio.run(run(7))
     assert [(x.aborted, x.contributors) for x in seven] == [(False, ("a", "b", "c"))] * 3
+
+
+# -- a joiner that some members counted in, left out by its own read of the freeze ------------------------
+
+
+class _LeftOut(_Exchange):
+    """A scripted exchange that records what its peer's gatherer tells it of the rounds it was left out of."""
+
+    def __init__(self) -> None:
+        super().__init__(("a", "b"))
+        self.left: list[tuple[int, tuple[str, ...]]] = []
+
+    async def left_out(self, r: int, members: Any) -> None:
+        self.left.append((r, tuple(members)))
+
+
+@pytest.mark.timeout(10)
+def test_a_peer_that_read_a_freeze_without_itself_tells_its_exchange_the_members_it_read() -> None:
+    """a and b read c's registration in time and expect it in round 6; c's own read expects a and b only (its
+    donors' list), so its freeze is complete without it. c gets `NotMember` (a `FrozeWithout`, naming a and
+    b), and its exchange is told, so that it answers a's and b's parts with that list
+    (tests/integration/test_dht_lists.py) instead of leaving them to wait for its parts until the deadlines."""
+    everyone = ("a", "b", "c")
+    exchanges = {p: _LeftOut() for p in everyone}
+    gatherers = _gatherers(exchanges, {"a": set(everyone), "b": set(everyone), "c": {"a", "b"}}, {"a", "b"})
+
+    async def run() -> list[Any]:
+        return await asyncio.gather(*(g.gather(6, f"payload-{p}", loss=1.0, param_digest="d")
+                                      for p, g in gatherers.items()), return_exceptions=True)
+
+    a, b, c = asyncio.run(run())
+    assert isinstance(c, FrozeWithout) and isinstance(c, NotMember) and c.members == ("a", "b"), c
+    assert exchanges["c"].left == [(6, ("a", "b"))]
+    assert not a.aborted and not b.aborted and exchanges["a"].left == exchanges["b"].left == []
