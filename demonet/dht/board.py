@@ -42,7 +42,6 @@ def _expected(states: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...] | None
     return max(set(lists), key=lists.count) if lists else None
 
 
-@dataclass
 class FrozeWithout(NotMember):
     """The round froze without this peer (it announced too late); `members`: who is in it, as read here."""
 
@@ -51,6 +50,7 @@ class FrozeWithout(NotMember):
         self.members = members
 
 
+@dataclass
 class _Waiting:
     """What a peer without a majority waits with in one freeze (`RoundBoard._freeze`)."""
 
