@@ -13,7 +13,10 @@ Round 0 is left out of the medians (first-call costs). Then the goals, met or no
 - bytes down <= 1.5x bytes up at 2, 4 and 8 peers.
 With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base REV`) every
 run is made twice, back to back, once on DIR's code and once on this tree's, and a last table
-compares the two side by side (same machine, same minute). With `--own-cores` each process runs on a
+compares the two side by side (same machine, same minute). The second of two runs back to back tends to
+come out a little ahead on a shared machine, so `--pairs K` makes K such pairs for each N, the baseline
+first in the odd ones and this tree first in the even ones, and prints each pair and the medians of
+the K ratios (the first pair's rows fill the tables above). With `--own-cores` each process runs on a
 CPU of its own (peer-i on the i-th CPU it may use, the coordinator on the next; it needs N + 1), as on
 a machine each, so that the overhead is not the CPU that the processes take from each other.
 Run from the repo root: `python bench/round_overhead.py`. Prints a table; not a test.
@@ -220,6 +223,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="rounds per run (30)")
     parser.add_argument("--config", help="TOML run config (default: the embedded default model)")
     parser.add_argument("--baseline", type=Path, help="a checkout of another commit: run it too, side by side")
+    parser.add_argument("--pairs", type=int, default=1, help="with --baseline: pairs of runs for each N, in "
+                        "alternating order (1)")
     parser.add_argument("--coordinator-cpu", type=int, help="the coordinator alone on this CPU, the peers on the "
                         "others: as on a machine of its own (Linux)")
     parser.add_argument("--coordinator-share", type=float, help="the coordinator held to this fraction of one "
@@ -235,6 +240,8 @@ def main() -> None:
     if args.own_cores and not all(fits_own_cores(n, dht=False) for n in counts):
         parser.error(f"--own-cores: {max(counts)} peers and the coordinator need {max(counts) + 1} CPUs; this "
                      f"process may run on {len(_cpus())}")
+    if args.pairs < 1 or (args.pairs > 1 and args.baseline is None):
+        parser.error("--pairs should be >= 1, and more than 1 only with --baseline")
     if args.own_cores and args.coordinator_cpu is not None:
         parser.error("--own-cores places the coordinator itself; leave out --coordinator-cpu")
 
@@ -262,33 +269,37 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     results: dict[int, dict[str, Any]] = {}
     baseline: dict[int, dict[str, Any]] = {}
+    pairs: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {}  # N -> (baseline, this tree) of each pair
     with tempfile.TemporaryDirectory(prefix="round_overhead-") as tmp:
         for n in counts:
-            if args.baseline is not None:
-                out = Path(tmp) / f"baseline-{n}"
-                code, _, err = run_up(n, args.steps, args.config, out, code=args.baseline,
-                                     coordinator_cpu=args.coordinator_cpu, coordinator_share=args.coordinator_share,
-                                     own_cores=args.own_cores)
-                metrics = out / "metrics.jsonl"
-                if code == 0 and metrics.exists():
-                    baseline[n] = measure([json.loads(line) for line in metrics.read_text().splitlines()])
-                else:
-                    print(err, file=sys.stderr)
-            out = Path(tmp) / f"peers-{n}"
-            code, wall, err = run_up(n, args.steps, args.config, out, coordinator_cpu=args.coordinator_cpu,
-                                     coordinator_share=args.coordinator_share, up_args=mine, own_cores=args.own_cores)
-            metrics = out / "metrics.jsonl"
-            rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-            if code != 0 or not rows:
-                print(f"| {n} | demonet up exited with {code}, {len(rows)} metrics rows | | | | | | | | {wall:.0f} |")
-                print(err, file=sys.stderr)
-                continue
-            m = results[n] = measure(rows)
-            m["phases"] = phase_means(rows)
-            print(f"| {n} | {m['rounds']} | {m['round_s']:.3f} | {m['compute_s']:.3f} | {m['overhead']:.2f}x "
-                  f"| {m['slowest_s']:.3f} | {m['overhead_slowest']:.2f}x "
-                  f"| {m['up']:,.0f} | {m['down']:,.0f} | {m['down_up']:.2f}x | {'yes' if m['agree'] else 'NO'} "
-                  f"| {wall:.0f} |")
+            for k in range(args.pairs):
+                got: dict[bool, dict[str, Any]] = {}
+                for ours in ((False, True) if k % 2 == 0 else (True, False)) if args.baseline is not None else (True,):
+                    out = Path(tmp) / f"{'peers' if ours else 'baseline'}-{n}-{k}"
+                    code, wall, err = run_up(n, args.steps, args.config, out, code=None if ours else args.baseline,
+                                             coordinator_cpu=args.coordinator_cpu,
+                                             coordinator_share=args.coordinator_share,
+                                             up_args=mine if ours else (), own_cores=args.own_cores)
+                    metrics = out / "metrics.jsonl"
+                    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+                    if code != 0 or not rows:
+                        if ours:
+                            print(f"| {n} | demonet up exited with {code}, {len(rows)} metrics rows | | | | | | | "
+                                  f"| {wall:.0f} |")
+                        print(err, file=sys.stderr)
+                        continue
+                    m = got[ours] = measure(rows)
+                    m["phases"], m["wall"] = phase_means(rows), wall
+                if len(got) == 2:
+                    pairs.setdefault(n, []).append((got[False], got[True]))
+                if k == 0 and True in got:
+                    m = results[n] = got[True]
+                    if False in got:
+                        baseline[n] = got[False]
+                    print(f"| {n} | {m['rounds']} | {m['round_s']:.3f} | {m['compute_s']:.3f} | {m['overhead']:.2f}x "
+                          f"| {m['slowest_s']:.3f} | {m['overhead_slowest']:.2f}x "
+                          f"| {m['up']:,.0f} | {m['down']:,.0f} | {m['down_up']:.2f}x "
+                          f"| {'yes' if m['agree'] else 'NO'} | {m['wall']:.0f} |")
 
     print_phases("where a round's exchange goes: encode, submit, wait for the aggregate's header (the other "
                  "peers, then the close), download, decode, the wait for the canonical digest: right after the "
@@ -307,6 +318,19 @@ def main() -> None:
                 b, m = baseline[n], results[n]
                 print(f"| {n} | {b['overhead_slowest']:.2f}x | {m['overhead_slowest']:.2f}x | {b['round_s']:.3f} "
                       f"| {m['round_s']:.3f} | {m['round_s'] / b['round_s']:.2f} |")
+    if args.pairs > 1:
+        print()
+        print(f"## {args.pairs} pairs for each N: the baseline first in pairs 1, 3, ..., this tree first in 2, 4, ...")
+        print()
+        print("| peers | pair | round / slowest compute, baseline | this tree | difference |")
+        print("|---|---|---|---|---|")
+        for n, each in pairs.items():
+            for k, (b, m) in enumerate(each, 1):
+                print(f"| {n} | {k} | {b['overhead_slowest']:.3f}x | {m['overhead_slowest']:.3f}x "
+                      f"| {m['overhead_slowest'] - b['overhead_slowest']:+.3f} |")
+            print(f"| {n} | median of {len(each)} | {statistics.median(b['overhead_slowest'] for b, _ in each):.3f}x "
+                  f"| {statistics.median(m['overhead_slowest'] for _, m in each):.3f}x "
+                  f"| {statistics.median(m['overhead_slowest'] - b['overhead_slowest'] for b, m in each):+.3f} |")
     print()
     print("## goals")
     if GOAL_OVERHEAD_PEERS in results:

@@ -8,7 +8,7 @@ U = entries per chunk of the merged union.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -149,7 +149,8 @@ def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: i
 
 
 def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None,
-                      clip: bool = True) -> tuple[Payload, list[float]]:
+                      clip: bool = True, rounding: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      ) -> tuple[Payload, list[float]]:
     """`aggregate`, also returning each payload's clip factor in (0, 1] (all 1.0 without `clip`).
 
     With `clip`, every payload whose L2 norm (all its values together) exceeds the median norm of
@@ -160,6 +161,10 @@ def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False,
     are scaled in float32. The norms are taken on the blocks of values the merge concatenates anyway
     (one reduction per block and payload, in float64, in order), so clipping costs next to nothing and
     is deterministic: the same payloads in the same order give the same bits.
+
+    `rounding`: an elementwise function applied to the merged values (e.g. a rounding through an encoding
+    without a scale), once for each block of tensors merged together rather than once a tensor: the same
+    bits as applying it to each merged tensor, in a few calls. A single payload is returned as it is.
     """
     if not payloads:
         raise ValueError("aggregate needs at least one payload")
@@ -206,6 +211,8 @@ def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False,
         rows = [payloads[0].tensors[name].idx.shape[0] for name in group]
         idx_CU, val_CU = _merge_rows([torch.cat([p.tensors[name].idx for name in group]) for p in payloads],
                                      block_vals, count_zeros=count_zeros, topk=topk, n=chunk[0] * chunk[1])
+        if rounding is not None:
+            val_CU = rounding(val_CU)
         for name, idx_part, val_part in zip(group, torch.split(idx_CU, rows), torch.split(val_CU, rows),
                                             strict=True):
             merged[name] = Compressed(idx=idx_part, val=val_part, shape=payloads[0].tensors[name].shape, chunk=chunk)

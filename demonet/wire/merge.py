@@ -10,6 +10,7 @@ scaled down to it before the merge.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -85,14 +86,27 @@ def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected
     `Merged.payload` is not decoded from `Merged.data`, yet it is what `wire.decode(data, expected=...)`
     returns, bit for bit: see `_as_received`.
     """
-    merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip)
-    tensors = {}
-    for name, c in merged.tensors.items():
-        val, scale = quantize(c.val.float(), rules.encoding)
-        tensors[name] = Compressed(idx=c.idx, val=val, shape=c.shape, chunk=c.chunk, scale=scale)
-    sent = Payload(tensors=tensors, encoding=rules.encoding)
+    if rules.encoding in _UNSCALED and len(payloads) > 1:  # rounded a block of tensors at a time, in the merge
+        merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip,
+                                            rounding=functools.partial(_rounded, encoding=rules.encoding))
+        sent = Payload(tensors=merged.tensors, encoding=rules.encoding)
+    else:
+        merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip)
+        tensors = {}
+        for name, c in merged.tensors.items():
+            val, scale = quantize(c.val.float(), rules.encoding)
+            tensors[name] = Compressed(idx=c.idx, val=val, shape=c.shape, chunk=c.chunk, scale=scale)
+        sent = Payload(tensors=tensors, encoding=rules.encoding)
     data = wire.encode(sent, step=step, index_coding="entropy", value_coding=value_coding)
     return Merged(data=data, payload=_as_received(sent, expected), factors=tuple(factors))
+
+
+_UNSCALED = ("fp32", "bf16")  # encodings whose rounding is elementwise, without a scale
+
+
+def _rounded(val: torch.Tensor, *, encoding: str) -> torch.Tensor:
+    """Merged values as `quantize` rounds them through an encoding of `_UNSCALED` (float32)."""
+    return quantize(val.float(), encoding)[0]
 
 
 def _as_received(sent: Payload, expected: Mapping[str, Any]) -> Payload:

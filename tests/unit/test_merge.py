@@ -89,3 +89,29 @@ def test_what_the_merger_applies_is_bit_identical_to_what_peers_decode(encoding:
         if want.scale is not None:
             assert got.scale is not None and got.scale.shape == want.scale.shape
             assert torch.equal(got.scale.view(torch.int32), want.scale.view(torch.int32))
+
+
+def test_values_rounded_a_block_at_a_time_are_the_bits_of_rounding_each_merged_tensor() -> None:
+    """`aggregate_clipped(rounding=...)` (what `merge` uses for bf16 and fp32) rounds each block of tensors
+    merged together in one call: the same bits as rounding each merged tensor on its own."""
+    from demonet.optim import aggregate_clipped, quantize
+
+    specs = {**SPECS, "w2": ((8, 8), (4, 4)), "b2": ((8,), (1, 8))}  # two tensors for each chunk shape
+    g = torch.Generator().manual_seed(3)
+    payloads = []
+    for _ in range(4):
+        tensors = {}
+        for name, (shape, chunk) in specs.items():
+            rows = 4 if name.startswith("w") else 1
+            idx = torch.stack([torch.randperm(chunk[0] * chunk[1], generator=g)[:3] for _ in range(rows)])
+            tensors[name] = Compressed(idx=idx, val=torch.randn(rows, 3, generator=g), shape=shape, chunk=chunk)
+        payloads.append(Payload(tensors=tensors))
+    plain, factors = aggregate_clipped(payloads, topk=4, clip=True)
+    rounded, same = aggregate_clipped(payloads, topk=4, clip=True,
+                                      rounding=lambda v: quantize(v.float(), "bf16")[0])
+    assert same == factors and list(rounded.tensors) == list(specs)
+    for name, c in plain.tensors.items():
+        want = quantize(c.val.float(), "bf16")[0]
+        got = rounded.tensors[name]
+        assert torch.equal(got.idx, c.idx) and torch.equal(got.val.view(torch.int32), want.view(torch.int32)), name
+        assert not torch.equal(want, c.val), name  # the rounding did something
