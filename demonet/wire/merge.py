@@ -24,6 +24,8 @@ from ._indices import sort_rows
 
 __all__ = ["MergeRules", "Merged", "decode_contribution", "merge"]
 
+_UNSCALED = ("fp32", "bf16")  # encodings whose rounding is elementwise, without a scale: rounded a block at a time
+
 
 @dataclass(frozen=True)
 class MergeRules:
@@ -99,9 +101,6 @@ def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected
         sent = Payload(tensors=tensors, encoding=rules.encoding)
     data = wire.encode(sent, step=step, index_coding="entropy", value_coding=value_coding)
     return Merged(data=data, payload=_as_received(sent, expected), factors=tuple(factors))
-
-
-_UNSCALED = ("fp32", "bf16")  # encodings whose rounding is elementwise, without a scale
 
 
 def _rounded(val: torch.Tensor, *, encoding: str) -> torch.Tensor:
