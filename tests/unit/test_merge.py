@@ -1,5 +1,7 @@
 """The one merge of the coordinator and the DHT slice owners: rules, the norm bound, clipping, the bytes."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -12,11 +14,11 @@ from demonet.wire.merge import MergeRules, decode_contribution, merge
 SPECS = {"w": ((8, 8), (4, 4)), "b": ((8,), (1, 8))}
 
 
-def _payload(seed: int, scale: float = 1.0) -> Payload:
+def _payload(seed: int, scale: float = 1.0, specs: dict[str, Any] = SPECS) -> Payload:
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, (shape, chunk) in SPECS.items():
-        rows = 4 if name == "w" else 1
+    for name, (shape, chunk) in specs.items():
+        rows = 4 if name.startswith("w") else 1
         n = chunk[0] * chunk[1]
         idx = torch.stack([torch.randperm(n, generator=g)[:3] for _ in range(rows)])
         tensors[name] = Compressed(idx=idx, val=torch.randn(rows, 3, generator=g) * scale, shape=shape, chunk=chunk)
@@ -97,15 +99,7 @@ def test_values_rounded_a_block_at_a_time_are_the_bits_of_rounding_each_merged_t
     from demonet.optim import aggregate_clipped, quantize
 
     specs = {**SPECS, "w2": ((8, 8), (4, 4)), "b2": ((8,), (1, 8))}  # two tensors for each chunk shape
-    g = torch.Generator().manual_seed(3)
-    payloads = []
-    for _ in range(4):
-        tensors = {}
-        for name, (shape, chunk) in specs.items():
-            rows = 4 if name.startswith("w") else 1
-            idx = torch.stack([torch.randperm(chunk[0] * chunk[1], generator=g)[:3] for _ in range(rows)])
-            tensors[name] = Compressed(idx=idx, val=torch.randn(rows, 3, generator=g), shape=shape, chunk=chunk)
-        payloads.append(Payload(tensors=tensors))
+    payloads = [_payload(s, specs=specs) for s in range(4)]
     plain, factors = aggregate_clipped(payloads, topk=4, clip=True)
     rounded, same = aggregate_clipped(payloads, topk=4, clip=True,
                                       rounding=lambda v: quantize(v.float(), "bf16")[0])
