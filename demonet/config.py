@@ -144,6 +144,12 @@ class NetConfig:
     """DHT mode: the fraction of each round's slices that a second owner merges too (seeded by the round),
     so an owner that serves a wrong merged slice shows as a disagreement (docs/dht.md#verified-slices);
     0: off."""
+    slice_entries: int = 4096
+    """DHT mode: a round's slices hold about this many entries of the aggregate each, and so many members
+    own one (at least 4, or every member that can be dialed where fewer; the owners turn with the round):
+    each owner answers every member's part, so slices far smaller than a stream's fixed cost are cheaper
+    carried in fewer (docs/dht.md#slice-owners). 0: every member that can be dialed owns a slice. Every
+    peer of a run must use the same value."""
     exclude_owner_rounds: int = 20
     """DHT mode: an owner that a majority of a round's members reported for a disagreeing slice owns no
     slice for this many rounds after the report."""
@@ -192,6 +198,8 @@ class NetConfig:
         _check(self.leave_after_s > 0, "leave_after_s should be > 0")
         _check(0.0 <= self.verify_slices <= 1.0, f"verify_slices should be in [0, 1], got {self.verify_slices}")
         _check(self.exclude_owner_rounds >= 0, "exclude_owner_rounds should be >= 0")
+        _check(self.slice_entries >= 0, f"slice_entries should be >= 0 (0: every member owns a slice), "
+                                        f"got {self.slice_entries}")
         _check(self.max_idle_rounds >= 0, f"max_idle_rounds should be >= 0 (0: off), got {self.max_idle_rounds}")
         _check(self.aggregate_topk >= 0, "aggregate_topk should be >= 0")
         _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")

@@ -340,7 +340,7 @@ async def _dht(cfg: Config, token: str, peer_id: str, run: str, initial_peers: S
     opts = DhtOptions(**{"run": run, "token": token, "initial_peers": tuple(initial_peers),
                          "window_s": cfg.net.round_timeout_s, "start_peers": cfg.net.start_peers,
                          "leave_after_s": cfg.net.leave_after_s, "verify_fraction": cfg.net.verify_slices,
-                         "exclude_rounds": cfg.net.exclude_owner_rounds,
+                         "exclude_rounds": cfg.net.exclude_owner_rounds, "slice_entries": cfg.net.slice_entries,
                          "rules": MergeRules.from_config(cfg), "allowed": allowed_keys(cfg), **options})
     identity = Identity.load_or_create(key) if key is not None else None
     gatherer = await DhtGatherer.create(opts, peer_id, {}, identity=identity)

@@ -63,14 +63,14 @@ class PartsAhead:
 
     def send(self, r: int, encode: Callable[[], Awaitable[list[bytes]]], *, plan: rules.SlicePlan, mdigest: str,
              owners: Sequence[str], addresses: Mapping[str, str]) -> None:
-        """Send round `r`'s parts, cut by `plan` (`encode`) for the member list of digest `mdigest` and `owners`
-        (sorted; `addresses` reaches them), by a task: this returns at once. Those sent ahead of earlier
-        rounds are cancelled."""
+        """Send round `r`'s parts, cut by `plan` (`encode`) for the member list of digest `mdigest` and the
+        dialable members `owners` (in `rules.owner_order`; `addresses` reaches them), by a task: this returns
+        at once. Those sent ahead of earlier rounds are cancelled."""
         for q in [q for q in self._rounds if q <= r]:
             self.drop(q)
-        owners = tuple(owners[:plan.n])
-        ahead = self._rounds[r] = Ahead(mdigest, owners,
+        ahead = self._rounds[r] = Ahead(mdigest, tuple(owners[:plan.n]),
                                         rules.verifiers(r, mdigest, owners, plan.n, self.opts.verify_fraction))
+        owners = ahead.owners
         # Until this peer's freeze and the owner's merge: the freeze's deadline at the latest, then the exchange.
         timeout_s = self.opts.window_s + 2 * self.opts.exchange_timeout_s
 

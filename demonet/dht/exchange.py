@@ -71,8 +71,8 @@ class SliceExchange:
         return st
 
     def plan_for(self, specs: rules.Specs, owners: Sequence[str]) -> rules.SlicePlan:
-        """The slice plan of `specs` among `owners`, made once per owner count while the specs stay the same."""
-        n = len(owners)
+        """The slice plan of `specs` among dialable `owners` (`rules.owner_count` slices), made once per count."""
+        n = rules.owner_count(len(owners), specs, self.opts.rules.topk, self.opts.slice_entries)
         plan = self._plans.get(n)
         if plan is None or plan.specs != specs:
             plan = self._plans[n] = rules.SlicePlan(specs, n)
@@ -111,6 +111,7 @@ class SliceExchange:
         `encoded`: the parts encoded already (`encode_parts`, in the training's thread), and the plan they
         were cut by; used where that is the plan of these owners."""
         plan, mdigest = self.plan_for(specs, owners), rules.members_digest(members)
+        owners = rules.owner_order(r, owners, plan.n)
         self._round(r).expect(r, plan, mdigest, self.opts.rules)
 
         async def parts() -> list[bytes]:
@@ -134,14 +135,14 @@ class SliceExchange:
 
     async def run(self, r: int, payload: Payload, *, specs: rules.Specs, members: Sequence[str],
                   owners: Sequence[str], addresses: Mapping[str, str], frozen_at: float) -> Exchanged:
-        """Exchange round `r`'s payload among `members` (sorted), `owners` (sorted, dialable) owning its slices.
-
-        `frozen_at`: the round's freeze (DHT time), from which the phases' deadlines run.
-        """
+        """Exchange round `r`'s payload among `members` (sorted), `owners` (sorted, dialable) owning its slices
+        (`rules.owner_count` of them, in `rules.owner_order`). `frozen_at`: the round's freeze (DHT time), from
+        which the phases' deadlines run."""
         st = self._round(r, mine=True)
         async with self._cond:
             st.plan = self.plan_for(specs, owners)
-            st.owners, st.members = list(owners[:st.plan.n]), list(members)
+            owners = rules.owner_order(r, owners, st.plan.n)
+            st.owners, st.members, st.dialable = list(owners[:st.plan.n]), list(members), list(owners)
             st.mdigest = rules.members_digest(members)
             st.verifiers = rules.verifiers(r, st.mdigest, owners, st.plan.n, self.opts.verify_fraction)
             st.rs_deadline = max(frozen_at, now()) + self.opts.exchange_timeout_s
@@ -596,5 +597,4 @@ class SliceExchange:
         digest = await self._digest_over(r, st, s, senders)
         if digest is None:
             return Reply(error=f"cannot check slice {s}: a part of those senders is missing here")
-
         return Reply(data=digest[1], sent=self._answered(st, s, head.sender))

@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
                           window_s=cfg.net.round_timeout_s, exchange_timeout_s=args.exchange_timeout_s,
                           settle_s=args.settle_s, start_peers=cfg.net.start_peers,
                           leave_after_s=cfg.net.leave_after_s, verify_fraction=cfg.net.verify_slices,
-                          exclude_rounds=cfg.net.exclude_owner_rounds,
+                          exclude_rounds=cfg.net.exclude_owner_rounds, slice_entries=cfg.net.slice_entries,
                           rules=MergeRules.from_config(cfg), allowed=allowed_keys(cfg))
     except (ValueError, OSError) as e:
         print(f"demonet peer: {e}", file=sys.stderr)

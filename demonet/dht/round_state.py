@@ -109,7 +109,8 @@ class RoundState:
     plan: rules.SlicePlan | None = None
     guess: tuple[rules.SlicePlan | None, str] = (None, "")
     """The plan and member-list digest this peer sent its parts ahead for (`SliceExchange.send_ahead`)."""
-    owners: list[str] = field(default_factory=list)
+    owners: list[str] = field(default_factory=list)  # slice -> its owner
+    dialable: list[str] = field(default_factory=list)  # the members that can be dialed, owners first
     members: list[str] = field(default_factory=list)  # the effective members (majority digest)
     mdigest: str = ""
     rs_deadline: float = 0.0
@@ -169,9 +170,10 @@ class RoundState:
         return {p for p, (d, _) in self.parts.get(s, {}).items() if d == self.mdigest or p not in ahead}
 
     def holders(self, s: int, me: str) -> list[str]:
-        """Whom `me` asks for missing slice `s` after the exchange: the other owners, its own owner last. A peer
-        that let a call of the exchange time out (cut off, or stalled) is not asked: asking would only wait
-        `exchange_timeout_s` more (a dead peer refuses at once, and is asked)."""
+        """Whom `me` asks for missing slice `s` after the exchange: the other dialable members (each fetched
+        every slice), its own owner last. A peer that let a call of the exchange time out (cut off, or
+        stalled) is not asked: asking would only wait `exchange_timeout_s` more (a dead peer refuses at once,
+        and is asked)."""
         owner = self.owners[s]
-        others = [p for p in self.owners if p not in (me, owner, *self.silent)]
+        others = [p for p in self.dialable or self.owners if p not in (me, owner, *self.silent)]
         return others if owner in self.silent or owner == me else [*others, owner]

@@ -24,9 +24,9 @@ import torch
 from demonet.optim import Compressed, Payload
 from demonet.optim.payload import num_chunks
 
-__all__ = ["Announcement", "Frozen", "SlicePlan", "excluded_owners", "freeze", "has_majority", "late_majority",
-           "majority_base", "majority_digest", "members_digest", "next_base", "param_ranges", "sign", "verifiers",
-           "verify"]
+__all__ = ["MIN_SLICE_OWNERS", "Announcement", "Frozen", "SlicePlan", "excluded_owners", "freeze", "has_majority",
+           "late_majority", "majority_base", "majority_digest", "members_digest", "next_base", "owner_count",
+           "owner_order", "param_ranges", "sign", "verifiers", "verify"]
 
 Specs = Mapping[str, tuple[tuple[int, ...], tuple[int, int]]]
 """Parameter name -> (shape, chunk), in the optimizer's order (`DeMo.param_specs()`)."""
@@ -232,16 +232,50 @@ def members_digest(members: Sequence[str]) -> str:
     return hashlib.sha256("\n".join(members).encode()).hexdigest()[:16]
 
 
+# -- slice owners -----------------------------------------------------------------------------------------
+
+MIN_SLICE_OWNERS = 4
+"""Members that own a slice of a round at least, where that many can be dialed: one owner lost then drops
+at most a quarter of the aggregate."""
+
+
+def owner_count(dialable: int, specs: Specs, topk: int, slice_entries: int) -> int:
+    """How many of a round's `dialable` members own a slice: one for each `slice_entries` entries of the
+    aggregate (`topk` a chunk, at most the chunk's coefficients), at least `MIN_SLICE_OWNERS`, at most every
+    dialable member (`slice_entries` 0: every one).
+
+    Each owner answers every member's part with its merged slice, so a round makes members x owners
+    streams; a slice much smaller than a stream's fixed cost (a few milliseconds of CPU and a round
+    trip at each end) is cheaper to carry in fewer, larger slices (docs/dht.md#slice-owners). `SlicePlan`
+    still makes no more slices than the model has rows.
+    """
+    if slice_entries <= 0 or dialable <= MIN_SLICE_OWNERS:
+        return dialable
+    entries = sum(num_chunks(shape, chunk) * min(topk, chunk[0] * chunk[1]) for shape, chunk in specs.values())
+    return min(dialable, max(MIN_SLICE_OWNERS, math.ceil(entries / slice_entries)))
+
+
+def owner_order(r: int, dialable: Sequence[str], n_owners: int) -> list[str]:
+    """Round `r`'s `dialable` members (sorted) in the order they own slices: slice s is the s-th one's, for
+    s < `n_owners`. With fewer owners than members the list turns by one member a round, so that every
+    member owns slices (and carries their upload) in turn; with every member an owner it is as given."""
+    if n_owners >= len(dialable) or not dialable:
+        return list(dialable)
+    k = r % len(dialable)
+    return [*dialable[k:], *dialable[:k]]
+
+
 # -- verified slices ------------------------------------------------------------------------------------
 
 
 def verifiers(r: int, mdigest: str, owners: Sequence[str], n_slices: int, fraction: float) -> dict[int, str]:
-    """The slices of round `r` that a second owner merges too: slice -> its verifier, the same on every peer.
+    """The slices of round `r` that a second member merges too: slice -> its verifier, the same on every peer.
 
     ``ceil(fraction * n_slices)`` slices, drawn with a generator seeded by the round and its member list
-    (`mdigest`), each verified by an owner drawn among the others (slice s is `owners[s]`'s, so
-    `n_slices <= len(owners)`). An owner of one slice is thus checked with probability
-    ``ceil(fraction * n) / n`` per round. None with fewer than two owners.
+    (`mdigest`), each verified by a member drawn among the others of `owners` (the dialable members in
+    `owner_order`: slice s is `owners[s]`'s, so `n_slices <= len(owners)`; a member that owns no slice may
+    verify one). An owner of one slice is thus checked with probability ``ceil(fraction * n) / n`` per
+    round. None with fewer than two dialable members.
     """
     if fraction <= 0.0 or len(owners) < 2 or n_slices < 1:
         return {}

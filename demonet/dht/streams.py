@@ -160,6 +160,8 @@ class DhtOptions:
     """The fraction of each round's slices that a second owner merges as well (docs/dht.md#verified-slices)."""
     exclude_rounds: int = 20
     """Rounds an owner reported by a majority for a disagreeing slice owns no slice."""
+    slice_entries: int = 4096
+    """Entries of the aggregate per slice owner (`rules.owner_count`); 0: every dialable member owns a slice."""
     rules: MergeRules = field(default_factory=lambda: MergeRules(topk=32))
     """How a slice owner merges: the coordinator's rules (top-k, encoding, median-norm clipping, norm bound)."""
     allowed: Mapping[bytes, str | None] | None = None
@@ -180,6 +182,8 @@ class DhtOptions:
             raise ValueError("leave_after_s should be > window_s")
         if not 0.0 <= self.verify_fraction <= 1.0 or self.exclude_rounds < 0:
             raise ValueError("verify_fraction should be in [0, 1] and exclude_rounds >= 0")
+        if self.slice_entries < 0:
+            raise ValueError(f"slice_entries should be >= 0 (0: every member owns a slice), got {self.slice_entries}")
 
 
 @dataclass
