@@ -3,7 +3,8 @@ five real hivemind nodes and their p2pd daemons on loopback.
 
 A member that owns no slice still sends its parts and fetches every merged slice; the owners turn with the
 round; a member that owns none may verify one; parts sent ahead go to that round's owners. The aggregate
-is the bits of the slices merged from every member's parts, whoever owns them.
+is the bits of the slices merged from every member's parts, whoever owns them. A member that dies is left
+out of the merges where it owns no slice, and its slice is dropped where it owns one.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ async def _owners() -> None:
     opts = nodes["a"]._node.opts
     plan = rules.SlicePlan(specs, 4)
 
-    def reference(r: int) -> Payload:
-        """The slices merged here from every member's parts, in sorted order, as any owner merges them."""
-        parts = {p: encode_parts(r, plan, payloads[p]) for p in names}
-        slices = [merge([decode_contribution(parts[p][s], expected=plan.slice_specs(s), rules=opts.rules)[1]
-                         for p in names], step=r, rules=opts.rules, expected=plan.slice_specs(s)).payload
+    def reference(r: int, senders: list[str] = names, dropped: int | None = None) -> Payload:
+        """The slices merged here from the `senders`' parts, in sorted order, as any owner merges them; slice
+        `dropped` left out, as by every peer when nobody delivered it."""
+        parts = {p: encode_parts(r, plan, payloads[p]) for p in senders}
+        slices = [None if s == dropped else
+                  merge([decode_contribution(parts[p][s], expected=plan.slice_specs(s), rules=opts.rules)[1]
+                         for p in senders], step=r, rules=opts.rules, expected=plan.slice_specs(s)).payload
                   for s in range(plan.n)]
         return plan.join(slices)  # type: ignore[arg-type]
 
@@ -61,6 +64,7 @@ async def _owners() -> None:
     r1 = next(r for r in range(20, 200)
               if rules.owner_order(r, names, 4)[4] in rules.verifiers(r, mdigest, rules.owner_order(r, names, 4), 4,
                                                                       1.0).values())
+    closed: set[str] = set()
     try:
         for r, ahead in ((r1, False), (r1 + 1, True)):
             order = rules.owner_order(r, names, 4)
@@ -82,9 +86,28 @@ async def _owners() -> None:
             assert sorted(st.merged) == [0, 1, 2, 3] and not st.fetched  # fetched every slice, served none
             if r == r1:
                 assert idle in st.verifiers.values()  # and merged one as its verifier
+
+        # One member dies. In a round where it owns no slice, the others merge without its part (after the
+        # reduce-scatter's deadline); in a round where it owns one, that slice is dropped by everyone and
+        # the next round no longer waits for it (`dead_owners`).
+        gone = rules.owner_order(r1 + 6, names, 4)[4]  # owns no slice in round r1 + 6, one in round r1 + 7
+        await asyncio.wait_for(nodes[gone].close(), 30)
+        closed.add(gone)
+        alive = [p for p in names if p != gone]
+        for r in (r1 + 6, r1 + 7):
+            order = rules.owner_order(r, names, 4)
+            dropped = order.index(gone) if gone in order[:4] else None
+            assert (dropped is None) == (r == r1 + 6)
+            done = await asyncio.gather(*(run(p, r) for p in alive))
+            expected = reference(r, alive, dropped)
+            for p, d in zip(alive, done, strict=True):
+                assert d.contributors == tuple(alive) and d.slice_owners == tuple(order[:4]), (r, p, d)
+                assert d.dead_owners == (frozenset() if dropped is None else {gone}), (r, p, d)
+                assert same(d.aggregate, expected), (r, p)  # type: ignore[arg-type]
     finally:
         for p in names:
-            await asyncio.wait_for(nodes[p].close(), 30)
+            if p not in closed:
+                await asyncio.wait_for(nodes[p].close(), 30)
 
 
 def test_members_without_a_slice_send_parts_fetch_every_slice_and_the_owners_turn(reap_children: Reaper) -> None:
