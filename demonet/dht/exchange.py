@@ -78,6 +78,11 @@ class SliceExchange:
             plan = self._plans[n] = rules.SlicePlan(specs, n)
         return plan
 
+    def _ordered(self, r: int, specs: rules.Specs, owners: Sequence[str]) -> tuple[rules.SlicePlan, list[str]]:
+        """Round `r`'s plan and its dialable `owners` in `rules.owner_order`: the same for parts sent ahead."""
+        plan = self.plan_for(specs, owners)
+        return plan, rules.owner_order(r, owners, plan.n)
+
     async def left_out(self, r: int, members: Sequence[str]) -> None:
         """Round `r` froze without this peer, with these `members` as it read them. A member that counted
         this peer in (it read a record the others did not) is answered its parts with that list, as by a peer
@@ -88,8 +93,7 @@ class SliceExchange:
             self._cond.notify_all()
 
     def _not_here(self, r: int) -> str | None:
-        """Why calls about round `r` are refused here: it froze without this peer, or it keeps no state for it
-        (long over, or too far ahead: a peer out of step)."""
+        """Why calls about round `r` are refused here: it froze without this peer, or is long over or far ahead."""
         if r in self._left:
             return f"round {r} froze without this peer"
         far = r < self.latest - _KEEP_ROUNDS or (self.latest >= 0 and r > self.latest + 2)
@@ -105,13 +109,10 @@ class SliceExchange:
         freeze, and the peer that announced last has sent its parts before its freeze. `run` takes the
         calls up where the freeze gives the same members and owners, and cancels them otherwise; an
         owner waits for the part a sender cuts once frozen in place of one sent ahead for other members
-        (`RoundState.ahead`). The calls are made by a task (demonet.dht.ahead): this returns at once.
-
-        The parts the others sent ahead for the same members are decoded from then on as they arrive.
-        `encoded`: the parts encoded already (`encode_parts`, in the training's thread), and the plan they
-        were cut by; used where that is the plan of these owners."""
-        plan, mdigest = self.plan_for(specs, owners), rules.members_digest(members)
-        owners = rules.owner_order(r, owners, plan.n)
+        (`RoundState.ahead`). The calls are made by a task (demonet.dht.ahead): this returns at once. The
+        parts the others sent ahead for the same members are decoded from then on as they arrive. `encoded`:
+        the parts encoded already (in the training's thread), and their plan; used where it is this one."""
+        (plan, owners), mdigest = self._ordered(r, specs, owners), rules.members_digest(members)
         self._round(r).expect(r, plan, mdigest, self.opts.rules)
 
         async def parts() -> list[bytes]:
@@ -140,8 +141,7 @@ class SliceExchange:
         which the phases' deadlines run."""
         st = self._round(r, mine=True)
         async with self._cond:
-            st.plan = self.plan_for(specs, owners)
-            owners = rules.owner_order(r, owners, st.plan.n)
+            st.plan, owners = self._ordered(r, specs, owners)
             st.owners, st.members, st.dialable = list(owners[:st.plan.n]), list(members), list(owners)
             st.mdigest = rules.members_digest(members)
             st.verifiers = rules.verifiers(r, st.mdigest, owners, st.plan.n, self.opts.verify_fraction)

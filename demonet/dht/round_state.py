@@ -175,5 +175,5 @@ class RoundState:
         stalled) is not asked: asking would only wait `exchange_timeout_s` more (a dead peer refuses at once,
         and is asked)."""
         owner = self.owners[s]
-        others = [p for p in self.dialable or self.owners if p not in (me, owner, *self.silent)]
+        others = [p for p in self.dialable if p not in (me, owner, *self.silent)]
         return others if owner in self.silent or owner == me else [*others, owner]

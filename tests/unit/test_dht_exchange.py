@@ -106,8 +106,8 @@ async def test_a_peer_that_let_a_call_time_out_is_not_asked_again_in_the_round()
     from demonet.errors import PeerUnavailable
 
     ex = _exchange()  # peer "a"
-    st = RoundState(owners=["a", "b", "c", "d"], members=["a", "b", "c", "d"], verifiers={1: "d", 2: "b"},
-                ag_deadline=now() + 0.3)
+    st = RoundState(owners=["a", "b", "c", "d"], dialable=["a", "b", "c", "d"], members=["a", "b", "c", "d"],
+                    verifiers={1: "d", 2: "b"}, ag_deadline=now() + 0.3)
     assert st.holders(1, "a") == ["c", "d", "b"] and st.holders(0, "a") == ["b", "c", "d"]
     calls: list[tuple[str, int]] = []
 
