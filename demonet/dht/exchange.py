@@ -27,7 +27,7 @@ from demonet.wire.merge import Merged, merge
 from . import rules
 from .ahead import Ahead, Call, PartsAhead, call_or_ahead, encode_parts_now
 from .node import DhtNode
-from .round_state import Exchanged, Outcome, RoundState, decode_part
+from .round_state import Exchanged, Outcome, RoundState, decode_part, merges_inline
 from .streams import NoAnswer, Reply, now, retry
 
 __all__ = ["Exchanged", "SliceExchange"]
@@ -323,9 +323,9 @@ class SliceExchange:
         """The merge of slice `s` over the valid parts held here from `senders` (None: every member), and
         the senders in it (sorted); None if no part is valid, or (`senders` given) one of them is missing.
 
-        Waits until all of them are in, or the reduce-scatter's deadline. The parts not decoded as they
-        arrived (`RoundState.decode_early`) are decoded and merged in one trip to a worker thread: under
-        load, each trip waits for the thread to be scheduled."""
+        Waits until all of them are in, or the reduce-scatter's deadline. Parts not decoded as they arrived
+        (`RoundState.decode_early`) are decoded and merged in one trip to a worker thread; with none left, a
+        small slice is merged on the event loop (`round_state.merges_inline`)."""
         # Every member but those that froze another member list: they send no part for this one.
         want = lambda: set(st.members) - st.other_lists if senders is None else set(senders)  # noqa: E731
         async with self._cond:
@@ -340,7 +340,6 @@ class SliceExchange:
                 logger.warning("[%s round=%d] refused the part of %s: cut for another member list", self.peer_id, r,
                                sender)
                 del parts[sender]
-
         outcomes: dict[str, Outcome] = {}
         for sender in parts if st.decoded is not None else ():
             outcome = await st.decoded.take(s, sender, parts[sender][1], specs)
@@ -358,7 +357,8 @@ class SliceExchange:
             merged = merge([decoded[p] for p in sorted(decoded)], step=r, rules=self.opts.rules, expected=specs)
             return refused, (tuple(sorted(decoded)), merged)
 
-        refused, result = await asyncio.to_thread(decode_and_merge)
+        inline = merges_inline(parts.keys() - outcomes.keys(), outcomes.values())
+        refused, result = decode_and_merge() if inline else await asyncio.to_thread(decode_and_merge)
         for sender, why in refused.items():
             logger.warning("[%s round=%d] refused the part of %s: %s", self.peer_id, r, sender, why)
         return result

@@ -5,14 +5,15 @@ Net layer helper for demonet.dht.exchange. A part whose slice plan this peer kno
 round's, once frozen, or the one this peer's own parts were sent ahead for) is decoded at once: on the
 event loop if it is small (`wire.INLINE_DECODE_BYTES`), else in a thread of its own, one part at a time,
 so that a round's parts never take the worker threads the training step needs. The merge after the
-last part then decodes that one alone (docs/dht.md#a-round, step 4). Must not import grpc,
+last part then decodes that one alone, and, where every part was decoded so and the slice is small
+(`merges_inline`), merges on the event loop (docs/dht.md#a-round, step 4). Must not import grpc,
 demonet.transport.grpc, or the round board.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,13 +25,27 @@ from demonet.wire.merge import MergeRules, decode_contribution
 
 from . import rules
 
-__all__ = ["DecodedParts", "Exchanged", "Outcome", "RoundState", "decode_part"]
+__all__ = ["INLINE_MERGE_ENTRIES", "DecodedParts", "Exchanged", "Outcome", "RoundState", "decode_part",
+           "merges_inline"]
 
 Outcome = Payload | InvalidPayload
 """A part decoded for a merge, or why it is refused."""
 
 _DECODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demonet-decode")
 """Where large parts are decoded as they arrive: one thread, whatever the number of parts."""
+
+INLINE_MERGE_ENTRIES = 1 << 15
+"""A merge over parts of up to this many entries in all, each decoded as it arrived, is made on the event
+loop (about 4 ms of one core at 32k entries of the embedded default model): a trip to a worker thread, at
+the end of every owner's and verifier's reduce-scatter at once, costs more than the merge, waiting on the
+cores and the GIL (docs/benchmarks.md#merges-on-the-event-loop)."""
+
+
+def merges_inline(undecoded: Collection[str], decoded: Iterable[Outcome]) -> bool:
+    """Whether a slice's merge is made on the event loop (`INLINE_MERGE_ENTRIES`): no part is left to decode,
+    and the decoded parts hold that many entries at most."""
+    entries = sum(o.numel() for o in decoded if not isinstance(o, InvalidPayload))
+    return not undecoded and entries <= INLINE_MERGE_ENTRIES
 
 
 def decode_part(data: bytes, specs: wire.Expected, r: int, rules: MergeRules) -> Outcome:

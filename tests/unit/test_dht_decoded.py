@@ -1,6 +1,7 @@
 """DHT mode: the parts an owner decodes as they arrive (`RoundState.decode_early`), before its merge. The
 merge takes such a decode only for the very bytes it holds and the slice it merges; anything else is
-decoded again. Pure logic over real encoded parts; the exchange over real nodes is tested in
+decoded again. A small slice whose parts were all decoded so is merged on the event loop, the same bits
+as in a worker thread. Pure logic over real encoded parts; the exchange over real nodes is tested in
 tests/integration/test_dht_ahead.py."""
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import torch
 
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
-from demonet.dht import round_state, rules
+from demonet.dht import exchange, round_state, rules
 from demonet.dht.ahead import encode_parts
 from demonet.dht.exchange import SliceExchange
 from demonet.dht.round_state import RoundState, decode_part
-from demonet.dht.streams import DhtOptions
+from demonet.dht.streams import DhtOptions, now
 from demonet.errors import InvalidPayload
 from demonet.optim import Payload
+from demonet.wire.merge import merge
 from tests.payloads import random_payload
 
 SPECS = {"w": ((32, 32), (8, 8)), "b": ((32,), (1, 32))}
@@ -142,3 +144,39 @@ async def test_parts_encoded_ahead_are_sent_as_they_are_for_their_plan_and_cut_a
     assert ahead is not None and ahead.parts == encode_parts(5, three, payload)
     await asyncio.gather(*ahead.to_owners.values())
     assert sorted(sent) == [("addr-b", 1, ahead.parts[1]), ("addr-c", 2, ahead.parts[2])]
+
+
+@pytest.mark.parametrize("limit", [round_state.INLINE_MERGE_ENTRIES, 0])
+async def test_a_small_slice_whose_parts_were_all_decoded_on_arrival_is_merged_on_the_event_loop(
+        limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`merges_inline`: every part decoded as it came and at most `INLINE_MERGE_ENTRIES` entries in all: the
+    merge runs on the event loop, else in a worker thread (as it does where a part is left to decode); the
+    merged bytes are the same either way."""
+    monkeypatch.setattr(round_state, "INLINE_MERGE_ENTRIES", limit)
+    loop_thread, on_loop = threading.current_thread(), []
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        on_loop.append(threading.current_thread() is loop_thread)
+        return merge(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exchange, "merge", recorded)
+    ex, members = _exchange([]), ["a", "b", "c"]
+    three = ex.plan_for(SPECS, members)
+    st = ex._round(6)
+    st.plan, st.members, st.mdigest, st.rs_deadline = three, members, rules.members_digest(members), now() + 30
+    for s in range(2):
+        for i, p in enumerate(members):
+            data = wire.encode(three.cut(_payload(10 * s + i), s), step=6, index_coding="entropy")
+            st.parts.setdefault(s, {})[p] = (st.mdigest, data)
+            if s == 0 or p != "c":  # slice 1: c's part is left for the merge to decode
+                st.decode_early(6, s, p, st.mdigest, data, RULES)
+    entries = sum(three.cut(_payload(i), 0).numel() for i in range(3))
+    assert 0 < entries <= 1 << 15  # a small slice
+    assert not round_state.merges_inline({"c"}, [])  # a part left to decode
+    assert round_state.merges_inline((), [InvalidPayload("refused")])  # a refused part merges nothing
+    for s in range(2):
+        got = await ex._merged(6, st, s)
+        parts = [decode_part(st.parts[s][p][1], three.slice_specs(s), 6, RULES) for p in members]
+        reference = merge(parts, step=6, rules=RULES, expected=three.slice_specs(s))  # type: ignore[arg-type]
+        assert got is not None and got[0] == tuple(members) and got[1].data == reference.data
+    assert on_loop == [limit > 0, False], on_loop
