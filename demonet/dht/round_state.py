@@ -21,12 +21,12 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 from demonet.optim import Payload
+from demonet.wire import merge as merging
 from demonet.wire.merge import MergeRules, decode_contribution
 
 from . import rules
 
-__all__ = ["INLINE_MERGE_ENTRIES", "DecodedParts", "Exchanged", "Outcome", "RoundState", "decode_part",
-           "merges_inline"]
+__all__ = ["DecodedParts", "Exchanged", "Outcome", "RoundState", "decode_part", "merges_inline"]
 
 Outcome = Payload | InvalidPayload
 """A part decoded for a merge, or why it is refused."""
@@ -34,18 +34,10 @@ Outcome = Payload | InvalidPayload
 _DECODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demonet-decode")
 """Where large parts are decoded as they arrive: one thread, whatever the number of parts."""
 
-INLINE_MERGE_ENTRIES = 1 << 15
-"""A merge over parts of up to this many entries in all, each decoded as it arrived, is made on the event
-loop (about 4 ms of one core at 32k entries of the embedded default model): a trip to a worker thread, at
-the end of every owner's and verifier's reduce-scatter at once, costs more than the merge, waiting on the
-cores and the GIL (docs/benchmarks.md#merges-on-the-event-loop)."""
-
-
 def merges_inline(undecoded: Collection[str], decoded: Iterable[Outcome]) -> bool:
-    """Whether a slice's merge is made on the event loop (`INLINE_MERGE_ENTRIES`): no part is left to decode,
-    and the decoded parts hold that many entries at most."""
-    entries = sum(o.numel() for o in decoded if not isinstance(o, InvalidPayload))
-    return not undecoded and entries <= INLINE_MERGE_ENTRIES
+    """Whether a slice's merge is made on the event loop: no part is left to decode, and the decoded ones
+    hold `demonet.wire.merge.INLINE_MERGE_ENTRIES` entries at most (`demonet.wire.merge.merges_inline`)."""
+    return not undecoded and merging.merges_inline(o for o in decoded if not isinstance(o, InvalidPayload))
 
 
 def decode_part(data: bytes, specs: wire.Expected, r: int, rules: MergeRules) -> Outcome:

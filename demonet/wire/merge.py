@@ -11,7 +11,7 @@ scaled down to it before the merge.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,13 @@ from demonet.optim import Compressed, Payload, aggregate_clipped, quantize
 
 from ._indices import sort_rows
 
-__all__ = ["MergeRules", "Merged", "decode_contribution", "merge"]
+__all__ = ["INLINE_MERGE_ENTRIES", "MergeRules", "Merged", "decode_contribution", "merge", "merges_inline"]
+
+INLINE_MERGE_ENTRIES = 1 << 17
+"""A merge of up to this many entries in all is made on the event loop that awaits it: 5-8 ms of one core
+from 20k to 80k entries (2 to 8 payloads of the embedded default model; most of it a cost per tensor, not per
+entry). A trip to a worker thread, at the end of a round, when every peer (and the coordinator) works at
+once, costs more than that: it waits for the cores and the GIL (docs/benchmarks.md#merges-on-the-event-loop)."""
 
 _UNSCALED = ("fp32", "bf16")  # encodings whose rounding is elementwise, without a scale: rounded a block at a time
 
@@ -71,6 +77,11 @@ class Merged:
 def decode_contribution(data: bytes, *, expected: Mapping[str, Any], rules: MergeRules) -> tuple[int, Payload]:
     """Validate and decode a peer's payload (or its part of a slice) for a merge; raises `InvalidPayload`."""
     return wire.decode(data, expected=expected, max_norm=rules.max_norm)
+
+
+def merges_inline(payloads: Iterable[Payload]) -> bool:
+    """Whether merging `payloads` is small enough to make on the event loop (`INLINE_MERGE_ENTRIES`)."""
+    return sum(p.numel() for p in payloads) <= INLINE_MERGE_ENTRIES
 
 
 def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected: Mapping[str, Any],

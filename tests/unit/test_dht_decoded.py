@@ -22,6 +22,7 @@ from demonet.dht.round_state import RoundState, decode_part
 from demonet.dht.streams import DhtOptions, now
 from demonet.errors import InvalidPayload
 from demonet.optim import Payload
+from demonet.wire import merge as merging
 from demonet.wire.merge import merge
 from tests.payloads import random_payload
 
@@ -146,13 +147,13 @@ async def test_parts_encoded_ahead_are_sent_as_they_are_for_their_plan_and_cut_a
     assert sorted(sent) == [("addr-b", 1, ahead.parts[1]), ("addr-c", 2, ahead.parts[2])]
 
 
-@pytest.mark.parametrize("limit", [round_state.INLINE_MERGE_ENTRIES, 0])
+@pytest.mark.parametrize("limit", [merging.INLINE_MERGE_ENTRIES, 0])
 async def test_a_small_slice_whose_parts_were_all_decoded_on_arrival_is_merged_on_the_event_loop(
         limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """`merges_inline`: every part decoded as it came and at most `INLINE_MERGE_ENTRIES` entries in all: the
     merge runs on the event loop, else in a worker thread (as it does where a part is left to decode); the
     merged bytes are the same either way."""
-    monkeypatch.setattr(round_state, "INLINE_MERGE_ENTRIES", limit)
+    monkeypatch.setattr(merging, "INLINE_MERGE_ENTRIES", limit)
     loop_thread, on_loop = threading.current_thread(), []
 
     def recorded(*args: object, **kwargs: object) -> object:
