@@ -28,7 +28,6 @@ from demonet.optim import Payload
 from demonet.train.data import data_seed
 from demonet.train.task import param_specs
 from demonet.wire.identity import heartbeat_statement, leave_statement, parameters_statement
-from demonet.wire.merge import merges_inline
 
 from . import weights
 from .handlers import Malformed
@@ -434,9 +433,7 @@ class CoordinatorServicer(Submissions, pb_grpc.CoordinatorServicer):
         outcome = r.outcome()  # Rounds alone decides: the state applies (or not) what it says
         contributors = outcome.contributors
         payloads = [self.payloads[p] for p in contributors]
-        # A small merge on the loop: a trip to a worker thread would cost more (`merges_inline`)
-        closed, applied = (self.state.merge_round(outcome, payloads) if merges_inline(payloads)
-                           else await asyncio.to_thread(self.state.merge_round, outcome, payloads))
+        closed, applied = await asyncio.to_thread(self.state.merge_round, outcome, payloads)
         members, opened_at = tuple(r.members), r.opened_at  # for the dashboard's record, before they change
         decided = r.close(_now())
         for ends in self.limits.slots.outlived(r.round):

@@ -24,11 +24,13 @@ from ._indices import sort_rows
 
 __all__ = ["INLINE_MERGE_ENTRIES", "MergeRules", "Merged", "decode_contribution", "merge", "merges_inline"]
 
-INLINE_MERGE_ENTRIES = 1 << 17
-"""A merge of up to this many entries in all is made on the event loop that awaits it: 5-8 ms of one core
-from 20k to 80k entries (2 to 8 payloads of the embedded default model; most of it a cost per tensor, not per
-entry). A trip to a worker thread, at the end of a round, when every peer (and the coordinator) works at
-once, costs more than that: it waits for the cores and the GIL (docs/benchmarks.md#merges-on-the-event-loop)."""
+INLINE_MERGE_ENTRIES = 1 << 14
+"""A DHT slice's merge of up to this many entries in all, its parts decoded as they arrived, is made on the
+event loop that awaits it (about 3 ms of one core at 10k entries of the embedded default model, most of it
+a cost per tensor). At the end of a round every owner and verifier merges at once: for a 4-peer round's
+slices (10k entries) a trip to a worker thread cost more than the merge, waiting for the cores and the GIL;
+for an 8-peer round's (20k entries, 8 parts) the thread did as well or better
+(docs/benchmarks.md#merges-on-the-event-loop)."""
 
 _UNSCALED = ("fp32", "bf16")  # encodings whose rounding is elementwise, without a scale: rounded a block at a time
 

@@ -113,8 +113,8 @@ def test_values_rounded_a_block_at_a_time_are_the_bits_of_rounding_each_merged_t
 
 
 def test_a_merge_is_made_on_the_event_loop_up_to_inline_merge_entries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`merges_inline` counts the entries of every payload merged: the coordinator and a DHT slice owner merge
-    on their event loop up to `INLINE_MERGE_ENTRIES`, in a worker thread above."""
+    """`merges_inline` counts the entries of every payload merged: a DHT slice owner (or verifier) merges on
+    its event loop up to `INLINE_MERGE_ENTRIES`, in a worker thread above."""
     payloads = [_payload(seed) for seed in range(3)]
     entries = sum(p.numel() for p in payloads)
     assert entries == 3 * (4 * 3 + 3)  # 4 rows of 3 entries in w, one row of 3 in b
