@@ -34,6 +34,7 @@ Outcome = Payload | InvalidPayload
 _DECODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demonet-decode")
 """Where large parts are decoded as they arrive: one thread, whatever the number of parts."""
 
+
 def merges_inline(undecoded: Collection[str], decoded: Iterable[Outcome]) -> bool:
     """Whether a slice's merge is made on the event loop: no part is left to decode, and the decoded ones
     hold `demonet.wire.merge.INLINE_MERGE_ENTRIES` entries at most (`demonet.wire.merge.merges_inline`)."""
