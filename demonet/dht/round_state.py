@@ -36,9 +36,10 @@ _DECODER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="demonet-decode"
 
 
 def merges_inline(undecoded: Collection[str], decoded: Iterable[Outcome]) -> bool:
-    """Whether a slice's merge is made on the event loop: no part is left to decode, and the decoded ones
-    hold `demonet.wire.merge.INLINE_MERGE_ENTRIES` entries at most (`demonet.wire.merge.merges_inline`)."""
-    return not undecoded and merging.merges_inline(o for o in decoded if not isinstance(o, InvalidPayload))
+    """Whether a slice's merge is made on the event loop: no part is left to decode, and the decoded ones (a
+    refused part merges nothing) hold `demonet.wire.merge.INLINE_MERGE_ENTRIES` entries at most."""
+    entries = sum(o.numel() for o in decoded if not isinstance(o, InvalidPayload))
+    return not undecoded and entries <= merging.INLINE_MERGE_ENTRIES
 
 
 def decode_part(data: bytes, specs: wire.Expected, r: int, rules: MergeRules) -> Outcome:

@@ -11,7 +11,7 @@ scaled down to it before the merge.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ from demonet.optim import Compressed, Payload, aggregate_clipped, quantize
 
 from ._indices import sort_rows
 
-__all__ = ["INLINE_MERGE_ENTRIES", "MergeRules", "Merged", "decode_contribution", "merge", "merges_inline"]
+__all__ = ["INLINE_MERGE_ENTRIES", "MergeRules", "Merged", "decode_contribution", "merge"]
 
 INLINE_MERGE_ENTRIES = 1 << 14
 """A DHT slice's merge of up to this many entries in all, its parts decoded as they arrived, is made on the
@@ -79,11 +79,6 @@ class Merged:
 def decode_contribution(data: bytes, *, expected: Mapping[str, Any], rules: MergeRules) -> tuple[int, Payload]:
     """Validate and decode a peer's payload (or its part of a slice) for a merge; raises `InvalidPayload`."""
     return wire.decode(data, expected=expected, max_norm=rules.max_norm)
-
-
-def merges_inline(payloads: Iterable[Payload]) -> bool:
-    """Whether merging `payloads` is small enough to make on the event loop (`INLINE_MERGE_ENTRIES`)."""
-    return sum(p.numel() for p in payloads) <= INLINE_MERGE_ENTRIES
 
 
 def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected: Mapping[str, Any],

@@ -153,6 +153,7 @@ async def test_a_small_slice_whose_parts_were_all_decoded_on_arrival_is_merged_o
     """`merges_inline`: every part decoded as it came and at most `INLINE_MERGE_ENTRIES` entries in all: the
     merge runs on the event loop, else in a worker thread (as it does where a part is left to decode); the
     merged bytes are the same either way."""
+    default = merging.INLINE_MERGE_ENTRIES
     monkeypatch.setattr(merging, "INLINE_MERGE_ENTRIES", limit)
     loop_thread, on_loop = threading.current_thread(), []
 
@@ -172,7 +173,7 @@ async def test_a_small_slice_whose_parts_were_all_decoded_on_arrival_is_merged_o
             if s == 0 or p != "c":  # slice 1: c's part is left for the merge to decode
                 st.decode_early(6, s, p, st.mdigest, data, RULES)
     entries = sum(three.cut(_payload(i), 0).numel() for i in range(3))
-    assert 0 < entries <= 1 << 15  # a small slice
+    assert 0 < entries <= default  # a small slice
     assert not round_state.merges_inline({"c"}, [])  # a part left to decode
     assert round_state.merges_inline((), [InvalidPayload("refused")])  # a refused part merges nothing
     for s in range(2):
@@ -181,3 +182,16 @@ async def test_a_small_slice_whose_parts_were_all_decoded_on_arrival_is_merged_o
         reference = merge(parts, step=6, rules=RULES, expected=three.slice_specs(s))  # type: ignore[arg-type]
         assert got is not None and got[0] == tuple(members) and got[1].data == reference.data
     assert on_loop == [limit > 0, False], on_loop
+
+
+def test_the_inline_merge_counts_the_entries_of_every_part_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`round_state.merges_inline` counts the entries of every decoded part: on the event loop up to
+    `INLINE_MERGE_ENTRIES`, in a worker thread above."""
+    payloads = [_payload(seed) for seed in range(3)]
+    entries = sum(p.numel() for p in payloads)
+    assert entries == 3 * (16 * 4 + 4)  # 16 rows of 4 entries in w, one row of 4 in b
+    assert round_state.merges_inline((), payloads) and round_state.merges_inline((), [])
+    monkeypatch.setattr(merging, "INLINE_MERGE_ENTRIES", entries)
+    assert round_state.merges_inline((), payloads)
+    monkeypatch.setattr(merging, "INLINE_MERGE_ENTRIES", entries - 1)
+    assert not round_state.merges_inline((), payloads) and round_state.merges_inline((), payloads[:2])

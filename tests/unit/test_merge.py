@@ -9,8 +9,7 @@ from demonet import wire
 from demonet.config import load_config
 from demonet.errors import InvalidPayload
 from demonet.optim import Compressed, Payload
-from demonet.wire import merge as wire_merge
-from demonet.wire.merge import MergeRules, decode_contribution, merge, merges_inline
+from demonet.wire.merge import MergeRules, decode_contribution, merge
 
 SPECS = {"w": ((8, 8), (4, 4)), "b": ((8,), (1, 8))}
 
@@ -111,15 +110,3 @@ def test_values_rounded_a_block_at_a_time_are_the_bits_of_rounding_each_merged_t
         assert torch.equal(got.idx, c.idx) and torch.equal(got.val.view(torch.int32), want.view(torch.int32)), name
         assert not torch.equal(want, c.val), name  # the rounding did something
 
-
-def test_a_merge_is_made_on_the_event_loop_up_to_inline_merge_entries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`merges_inline` counts the entries of every payload merged: a DHT slice owner (or verifier) merges on
-    its event loop up to `INLINE_MERGE_ENTRIES`, in a worker thread above."""
-    payloads = [_payload(seed) for seed in range(3)]
-    entries = sum(p.numel() for p in payloads)
-    assert entries == 3 * (4 * 3 + 3)  # 4 rows of 3 entries in w, one row of 3 in b
-    assert merges_inline(payloads) and merges_inline([])
-    monkeypatch.setattr(wire_merge, "INLINE_MERGE_ENTRIES", entries)
-    assert merges_inline(payloads)
-    monkeypatch.setattr(wire_merge, "INLINE_MERGE_ENTRIES", entries - 1)
-    assert not merges_inline(payloads) and merges_inline(payloads[:2])
