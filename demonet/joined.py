@@ -334,6 +334,7 @@ async def _dht(cfg: Config, token: str, peer_id: str, run: str, initial_peers: S
     from demonet.dht.gatherer import DhtGatherer, DhtOptions
     from demonet.dht.membership import DhtMembership
     from demonet.dht.peer import allowed_keys
+    from demonet.dht.rules import stacks_slices
     from demonet.wire.identity import Identity
     from demonet.wire.merge import MergeRules
 
@@ -341,7 +342,8 @@ async def _dht(cfg: Config, token: str, peer_id: str, run: str, initial_peers: S
                          "window_s": cfg.net.round_timeout_s, "start_peers": cfg.net.start_peers,
                          "leave_after_s": cfg.net.leave_after_s, "verify_fraction": cfg.net.verify_slices,
                          "exclude_rounds": cfg.net.exclude_owner_rounds, "slice_entries": cfg.net.slice_entries,
-                         "rules": MergeRules.from_config(cfg), "allowed": allowed_keys(cfg), **options})
+                         "stack_slices": stacks_slices(cfg.optim.encoding), "rules": MergeRules.from_config(cfg),
+                         "allowed": allowed_keys(cfg), **options})
     identity = Identity.load_or_create(key) if key is not None else None
     gatherer = await DhtGatherer.create(opts, peer_id, {}, identity=identity)
     membership = DhtMembership(gatherer, JoinInfo(

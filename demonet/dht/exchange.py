@@ -75,7 +75,7 @@ class SliceExchange:
         n = rules.owner_count(len(owners), specs, self.opts.rules.topk, self.opts.slice_entries)
         plan = self._plans.get(n)
         if plan is None or plan.specs != specs:
-            plan = self._plans[n] = rules.SlicePlan(specs, n)
+            plan = self._plans[n] = rules.SlicePlan(specs, n, stack=self.opts.stack_slices)
         return plan
 
     def _ordered(self, r: int, specs: rules.Specs, owners: Sequence[str]) -> tuple[rules.SlicePlan, list[str]]:

@@ -30,6 +30,7 @@ from demonet.transport import JoinInfo
 from demonet.wire.identity import Identity, KeyFileError, read_allowlist
 from demonet.wire.merge import MergeRules
 
+from . import rules
 from .membership import DhtMembership
 from .view import DhtView
 
@@ -218,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
                           settle_s=args.settle_s, start_peers=cfg.net.start_peers,
                           leave_after_s=cfg.net.leave_after_s, verify_fraction=cfg.net.verify_slices,
                           exclude_rounds=cfg.net.exclude_owner_rounds, slice_entries=cfg.net.slice_entries,
-                          rules=MergeRules.from_config(cfg), allowed=allowed_keys(cfg))
+                          stack_slices=rules.stacks_slices(cfg.optim.encoding), rules=MergeRules.from_config(cfg),
+                          allowed=allowed_keys(cfg))
     except (ValueError, OSError) as e:
         print(f"demonet peer: {e}", file=sys.stderr)
         return 2

@@ -162,6 +162,10 @@ class DhtOptions:
     """Rounds an owner reported by a majority for a disagreeing slice owns no slice."""
     slice_entries: int = 4096
     """Entries of the aggregate per slice owner (`rules.owner_count`); 0: every dialable member owns a slice."""
+    stack_slices: bool = True
+    """Within a slice, the rows of all tensors with one chunk shape travel as one tensor (`rules.SlicePlan`).
+    Off where the payloads' values carry one scale per tensor (`[optim] encoding = "fp16"`), which cannot
+    be stacked. Every peer of a run must agree: `rules.stacks_slices` gives it from the run's encoding."""
     rules: MergeRules = field(default_factory=lambda: MergeRules(topk=32))
     """How a slice owner merges: the coordinator's rules (top-k, encoding, median-norm clipping, norm bound)."""
     allowed: Mapping[bytes, str | None] | None = None

@@ -20,6 +20,7 @@ from demonet.dht.rules import (
     members_digest,
     param_ranges,
     sign,
+    stacks_slices,
     verify,
 )
 from demonet.optim import DeMo, Payload, aggregate
@@ -139,6 +140,56 @@ def test_slice_plan_covers_every_row_once_and_a_missing_slice_is_empty() -> None
     lost = [name for name, c in dropped.tensors.items() if not torch.equal(c.val, payloads[0].tensors[name].val)]
     assert lost and all(bool((dropped.tensors[n].val == 0).any()) for n in lost)
     assert SlicePlan(opt.param_specs(), 10**6).n == total  # never more slices than rows
+
+
+def _dense(payload: Payload) -> dict[str, torch.Tensor]:
+    """Each tensor's rows as dense (C, h*w) coefficients: what applying it adds, padding (value 0) or not."""
+    out = {}
+    for name, c in payload.tensors.items():
+        dense = torch.zeros(c.idx.shape[0], c.totalk, dtype=torch.float32)
+        out[name] = dense.scatter_add_(1, c.idx, c.val.float())
+    return out
+
+
+def test_stacked_slices_travel_one_tensor_per_chunk_shape_and_merge_as_unstacked() -> None:
+    """Stacking a slice's rows of one chunk shape into one tensor changes the bytes, not what is applied."""
+    opt, payloads = _payloads(3)
+    specs = opt.param_specs()
+    stacked, apart = SlicePlan(specs, 3), SlicePlan(specs, 3, stack=False)
+    merged: dict[bool, list[Payload]] = {True: [], False: []}
+    for s in range(stacked.n):
+        chunks = {specs[p.name][1] for p in stacked.slices[s]}
+        assert len(stacked.slice_specs(s)) == len(chunks) < len(apart.slice_specs(s))
+        size = {}
+        for plan in (stacked, apart):
+            parts = [plan.cut(p, s) for p in payloads]
+            assert {n: (c.shape, c.chunk) for n, c in parts[0].tensors.items()} == plan.slice_specs(s)
+            data = [wire.encode(part, step=5) for part in parts]
+            size[plan.stack] = len(data[0])
+            cuts = [wire.decode(d, expected=plan.slice_specs(s))[1] for d in data]
+            merged[plan.stack].append(aggregate(cuts, topk=4))
+        assert size[True] < size[False]  # fewer tensor headers
+    one, two = _dense(stacked.join(merged[True])), _dense(apart.join(merged[False]))
+    assert one.keys() == two.keys() == specs.keys()
+    for name in specs:
+        assert torch.equal(one[name], two[name]), name
+    whole = stacked.join([stacked.cut(payloads[1], s) for s in range(stacked.n)])  # cut then joined: unchanged
+    for name, c in payloads[1].tensors.items():
+        assert torch.equal(whole.tensors[name].idx, c.idx) and torch.equal(whole.tensors[name].val, c.val)
+
+
+def test_fp16_payloads_are_cut_unstacked_and_a_stacked_cut_of_them_is_refused() -> None:
+    opt, payloads = _payloads(1, encoding="fp16")  # one scale per tensor: rows of two tensors cannot share one
+    assert not stacks_slices("fp16") and all(stacks_slices(e) for e in ("fp32", "bf16", "int8", "sign"))
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        for s in range(3):
+            SlicePlan(opt.param_specs(), 3).cut(payloads[0], s)
+    plan = SlicePlan(opt.param_specs(), 3, stack=False)
+    cuts = [wire.decode(wire.encode(plan.cut(payloads[0], s), step=0), expected=plan.slice_specs(s))[1]
+            for s in range(plan.n)]
+    joined, sent = _dense(plan.join(cuts)), _dense(payloads[0])  # rows come sorted by index
+    for name in sent:
+        assert torch.equal(joined[name], sent[name]), name
 
 
 def test_param_ranges_are_contiguous_balanced_and_never_empty() -> None:
