@@ -48,8 +48,22 @@ def _retry_after_s(e: grpc.aio.AioRpcError) -> float | None:
 
 
 def _transient(e: BaseException) -> bool:
-    """A failure `call` tries again: the coordinator is unreachable for now."""
-    return isinstance(e, grpc.aio.AioRpcError) and e.code() in RETRY_CODES
+    """A failure `call` tries again: the coordinator is unreachable for now, or a stream's write failed as
+    its call ended (`_failed_write`)."""
+    return isinstance(e, grpc.aio.AioRpcError) and (e.code() in RETRY_CODES or _failed_write(e))
+
+
+def _failed_write(e: grpc.aio.AioRpcError) -> bool:
+    """A client stream's message that gRPC's core could not send because the call had ended (the
+    coordinator killed or restarting mid-Submit): grpc.aio reports that as INTERNAL "Internal error from
+    Core", with `Failed "execute_batch"` and the send operation in its debug string, in place of the
+    call's own status (grpc/grpc#36066). That status is lost, so the call is tried again as the
+    UNAVAILABLE it stands for when the connection died; a refusal hidden this way (a bad signature that
+    aborted the stream) costs the tries until `reconnect_timeout_s`, then `PeerUnavailable`."""
+    if e.code() != grpc.StatusCode.INTERNAL:
+        return False
+    debug = e.debug_error_string() or ""
+    return "execute_batch" in debug and "SendMessageOperation" in debug
 
 
 def _rpc_error(state: tenacity.RetryCallState) -> grpc.aio.AioRpcError:

@@ -217,8 +217,8 @@ def test_settle_restores_and_applies_by_outcome(case: str) -> None:
 # -- the client against a fake coordinator ---------------------------------------------------------------
 
 
-def _rpc_error(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+def _rpc_error(code: grpc.StatusCode, details: str = "", debug: str | None = None) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, debug)
 
 
 class _FakeStub:
@@ -395,6 +395,32 @@ async def test_unavailable_is_retried_with_backoff(monkeypatch: pytest.MonkeyPat
     assert len(calls) == 4
     with pytest.raises(grpc.aio.AioRpcError):  # anything else is not retried
         await client._call("Bug", lambda: _raise(_rpc_error(grpc.StatusCode.INTERNAL)))
+    await client.close()
+
+
+async def test_a_stream_write_that_failed_as_its_call_ended_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Submit stream cut by a coordinator killed mid-call can end as INTERNAL "Internal error from Core"
+    (a failed send in the debug string) instead of UNAVAILABLE: tried again, not a crash of the peer.
+    Another INTERNAL is a bug and propagates."""
+    monkeypatch.setattr(grpc_retry, "BACKOFF_FIRST_S", 0.001)
+    client = GrpcClient("127.0.0.1:1", token="tok", reconnect_timeout_s=5.0)
+    cut = _rpc_error(grpc.StatusCode.INTERNAL, "Internal error from Core",
+                     'Failed "execute_batch": (<grpc._cython.cygrpc.SendMessageOperation object at 0x7f83f59f7ab0>,)')
+    calls = []
+
+    async def killed_then_back() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise cut
+        return "ok"
+
+    assert await client._call("Submit(3)", killed_then_back) == "ok" and len(calls) == 2
+    other = _rpc_error(grpc.StatusCode.INTERNAL, "Internal error from Core", 'Failed "execute_batch": '
+                       "(<grpc._cython.cygrpc.ReceiveMessageOperation object at 0x7f83f59f7ab0>,)")
+    for error in (other, _rpc_error(grpc.StatusCode.INTERNAL, "serialization failed")):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await client._call("Bug", lambda e=error: _raise(e))
+        assert raised.value is error
     await client.close()
 
 
