@@ -326,7 +326,7 @@ class SlicePlan:
 
     Slice `s` holds global rows [s*T//n, (s+1)*T//n). Within a slice, the rows of every tensor with one
     chunk shape (h, w) travel as one tensor, stacked in the model's order, of shape ``(rows*h, w)`` and
-    chunk ``(h, w)``, named ``h x w@name@lo`` after its first piece (rows [lo, ...) of tensor `name`): the
+    chunk ``(h, w)``, named ``{h}x{w}@{name}@{lo}`` after its first piece (rows [lo, ...) of tensor `name`): the
     wire format carries and validates it like any payload's tensor, and the codecs and the merge, whose
     work is row by row, do in one tensor what they did in one per piece, with fewer bytes of tensor
     headers. With `stack` off (payloads whose values carry one scale per tensor: fp16), each piece travels
