@@ -286,12 +286,14 @@ class SubmitReply(_message.Message):
     def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., resync: bool = ..., refusal: _Optional[_Union[Refusal, str]] = ..., open_round: _Optional[int] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
-    __slots__ = ("peer_id", "round")
+    __slots__ = ("peer_id", "round", "submitting")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTING_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+    submitting: bool
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., submitting: bool = ...) -> None: ...
 
 class AggregateHeader(_message.Message):
     __slots__ = ("round", "aborted", "contributors")

@@ -334,8 +334,10 @@ class CoordinatorServicer(Submissions, pb_grpc.CoordinatorServicer):
         await self._admit(request, context)
         async with self.cond:
             r = self.rounds
-            if request.round == r.round and request.peer_id in r.members and request.peer_id not in r.submitted:
-                # After a restart the payload this member sent is gone; it still holds it.
+            if (request.round == r.round and request.peer_id in r.members and request.peer_id not in r.submitted
+                    and not request.submitting):
+                # After a restart the payload this member sent is gone; it still holds it. (`submitting`: its
+                # Submit is on its way beside this call; should it be refused, the peer drops this call.)
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                     f"no payload from {request.peer_id} for round {r.round}: submit it again")
             if request.round > r.round:

@@ -96,6 +96,18 @@ def _retrieved(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
+def _drop_early(early: asyncio.Task[_Aggregate]) -> None:
+    """Call off a GetAggregate sent beside a Submit that failed: the call, or the trailer of an aggregate it
+    had already received (a round that closed without this payload)."""
+    early.cancel()
+
+    def drop(task: asyncio.Task[_Aggregate]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            task.result().trailer.cancel()
+
+    early.add_done_callback(drop)
+
+
 class GrpcClient:
     """One peer's (or an operator's) connection to the coordinator; a `Gatherer` that sends a payload
     before its parameter digest is known (`digest_follows`).
@@ -322,9 +334,12 @@ class GrpcClient:
         """Submit this peer's payload for `round`, then wait for the round's aggregate.
 
         See `demonet.transport.Gatherer.gather`. The aggregate is validated against the payload's
-        own tensors (names, shapes, chunks), which are the model's. With a digest still to come, the
-        payload streams as soon as this client's Submit of the round before has ended (the open round's,
-        which may still be merged), and the digest follows in the stream's last message once it is known.
+        own tensors (names, shapes, chunks), which are the model's. With its digest, the GetAggregate call
+        goes out beside the Submit (`submitting`): the aggregate leaves the coordinator at the close, not a
+        round trip after the Submit's reply. With a digest still to come, the payload streams as soon as
+        this client's Submit of the round before has ended (the open round's, which may still be merged),
+        the digest follows in the stream's last message once it is known, and the GetAggregate call after
+        the Submit's reply (the round it asks for may not have opened before).
         """
         t0 = time.perf_counter()
         small = payload.numel() <= wire.INLINE_ENCODE_ENTRIES
@@ -333,17 +348,31 @@ class GrpcClient:
         for old in [r for r in self._submitted if r < round - 1]:
             del self._submitted[old]
         ended = self._submitted[round] = asyncio.Event()
+        expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
+        beside = isinstance(param_digest, str)
+
+        def aggregate() -> Awaitable[_Aggregate]:  # a retry once the Submit has ended is a plain call again
+            return self._aggregate(round, expected, submitting=beside and not ended.is_set())
+
+        early = asyncio.create_task(self._call(f"GetAggregate({round})", aggregate)) if beside else None
         try:
-            if not isinstance(param_digest, str) and round - 1 in self._submitted:
+            if not beside and round - 1 in self._submitted:
                 await self._submitted[round - 1].wait()
             param_digest = await self._submit(round, data, loss=loss, param_digest=param_digest)
+        except BaseException:
+            if early is not None:
+                _drop_early(early)
+            raise
         finally:
             ended.set()
         t2 = time.perf_counter()
-        expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
         for attempt in range(_RESUBMITS + 1):
             try:
-                got = await self._call(f"GetAggregate({round})", lambda: self._aggregate(round, expected))
+                if early is not None:
+                    call, early = early, None
+                    got = await call
+                else:
+                    got = await self._call(f"GetAggregate({round})", aggregate)
                 break
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt < _RESUBMITS:
@@ -359,7 +388,7 @@ class GrpcClient:
         # canonical digest comes after (the coordinator applies the round meanwhile): `RoundLoop` waits for
         # it once it has applied the aggregate itself. A payload sent ahead has its "submit" from its
         # encode to the reply, which comes once its round has opened and its digest has followed.
-        phases = {"encode": t1 - t0, "submit": t2 - t1, "wait": got.header_at - t2,
+        phases = {"encode": t1 - t0, "submit": t2 - t1, "wait": max(got.header_at - t2, 0.0),
                   "download": got.parts_at - got.header_at, "decode": got.decoded_at - got.parts_at}
         return RoundResult(round=round, aggregate=got.aggregate, contributors=tuple(got.header.contributors),
                            param_digest="", aborted=bool(got.header.aborted), bytes_up=len(data),
@@ -429,13 +458,14 @@ class GrpcClient:
             raise StaleRound(f"round {round}: {reply.reason}", open_round=int(reply.open_round))
         raise RuntimeError(f"the coordinator refused this peer's payload for round {round}: {reply.reason}")
 
-    async def _aggregate(self, round: int, expected: Mapping[str, tuple[tuple[int, ...], tuple[int, int]]],
-                         ) -> _Aggregate:
+    async def _aggregate(self, round: int, expected: Mapping[str, tuple[tuple[int, ...], tuple[int, int]]], *,
+                         submitting: bool = False) -> _Aggregate:
         """One GetAggregate stream: the header and the parts of the aggregate (none if aborted), decoded; a
-        task goes on reading its trailer (`_trailer`), which comes once the coordinator applied the round."""
+        task goes on reading its trailer (`_trailer`), which comes once the coordinator applied the round.
+        `submitting`: this peer's Submit of the round is on its way beside the call."""
         header, data, header_at, parts_at = None, b"", 0.0, 0.0
         parts = wire.Reassembler()
-        call = self._stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round),
+        call = self._stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round, submitting=submitting),
                                        metadata=self._metadata, timeout=self.wait_timeout_s)
         stream = aiter(call)
         while header is None or not (header.aborted or data):

@@ -160,10 +160,10 @@ class Peer:
         self.opt.zero_grad()
         return reply, header
 
-    async def aggregate(self, round_: int) -> tuple[Closed, object]:
+    async def aggregate(self, round_: int, *, submitting: bool = False) -> tuple[Closed, object]:
         header, data, digest, parts = None, None, None, wire.Reassembler()
-        async for chunk in self.stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round_),
-                                                  metadata=self.md, timeout=60):
+        request = pb.AggregateRequest(peer_id=self.peer_id, round=round_, submitting=submitting)
+        async for chunk in self.stub.GetAggregate(request, metadata=self.md, timeout=60):
             kind = chunk.WhichOneof("kind")
             if kind == "header":
                 header = chunk.header
@@ -276,6 +276,47 @@ async def test_a_member_with_other_parameters_resyncs_and_each_resync_is_counted
     coordinator.kill()
     a = Peer(coordinator.start(), "a")
     assert (await a.status()).resyncs == 2
+
+
+async def test_a_get_aggregate_beside_its_submit_waits_for_the_payload_and_gets_the_close(
+        slow_rounds: Coordinator) -> None:
+    """A member without a payload in the open round is refused a plain GetAggregate (FAILED_PRECONDITION: a
+    restarted coordinator lost it, submit it again); with `submitting` (its Submit is on its way beside the
+    call) the call waits, and once the round closes it gets the aggregate with that payload in it, the
+    same bytes and canonical digest as a call made after the Submit."""
+    coordinator = slow_rounds
+    a, b = Peer(coordinator.address, "a"), Peer(coordinator.address, "b")
+    assert await a.join() == 0
+    assert await b.join(load=False) == 1
+    await a.step(0)
+    await b.load_parameters(1)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await b.aggregate(1)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no payload from b for round 1: submit it again" in (refused.value.details() or "")
+
+    beside = asyncio.create_task(b.aggregate(1, submitting=True))
+    await asyncio.sleep(0.5)
+    assert not beside.done(), "the call waits for the round's close"
+    assert (await a.status()).submitted == 0, "the call is no submission"
+    payloads = []
+    for peer in (a, b):
+        x, y = next(peer.batches)
+        peer.model(x, y)[1].backward()  # type: ignore[union-attr]
+        payloads.append(peer.opt.compress())
+        reply = await peer.submit_bytes(1, wire.encode(payloads[-1], step=1))
+        assert reply.accepted, reply.reason
+    header, agg = await asyncio.wait_for(beside, 30)
+    after, agg_after = await a.aggregate(1)  # the same round, asked for after the Submit
+    assert header == after and header.contributors == ("a", "b") and not header.aborted
+    assert agg is not None and agg_after is not None
+    assert all(torch.equal(agg.tensors[n].val, agg_after.tensors[n].val)  # type: ignore[attr-defined]
+               and torch.equal(agg.tensors[n].idx, agg_after.tensors[n].idx)  # type: ignore[attr-defined]
+               for n in agg.tensors)  # type: ignore[attr-defined]
+    for peer, payload in zip((a, b), payloads, strict=True):
+        peer.opt.restore(payload, kept=agg)
+        peer.opt.apply(agg, lr=peer.lr(1))
+    assert a.digest() == b.digest() == header.param_digest
 
 
 async def test_requests_that_do_not_parse_get_a_clear_error_and_change_nothing(coordinator: Coordinator) -> None:
