@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
 import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,28 @@ def tiny_config(*, round_timeout_s: float, steps: int | None = None, optim: Mapp
         lines += ["[optim]", *(f"{k} = {json.dumps(v)}" for k, v in optim.items())]
     lines += ["[net]", f"round_timeout_s = {round_timeout_s}", *(f"{k} = {v}" for k, v in net.items())]
     return "\n".join(lines) + "\n"
+
+
+@contextlib.asynccontextmanager
+async def coordinator_in_process(tmp: Path, *, token: str, steps: int, state_dir: Path | None = None
+                                 ) -> AsyncIterator[tuple[str, asyncio.Task[None]]]:
+    """A real `demonet.coordinator.serve` (grpc.aio on loopback) in this event loop, on `tiny_config` with
+    rounds of at most 30 s and `steps` rounds: yields its address and its task, which ends after the run's
+    last round; cancelled at the end."""
+    from demonet.config import load_config
+    from demonet.coordinator import CoordinatorOptions, serve
+
+    (tmp / "run.toml").write_text(tiny_config(round_timeout_s=30.0, steps=steps))
+    cfg = load_config(str(tmp / "run.toml"), {}, {})
+    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    server = asyncio.create_task(serve(cfg, CoordinatorOptions(token=token, state_dir=state_dir, total_rounds=steps),
+                                       on_listening=listening.set_result, linger_s=0.2))
+    try:
+        yield await asyncio.wait_for(listening, 30), server
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
 
 
 # A `demonet` process held at a gate: it imports torch and warms up, says "gate: ready" on stderr, and

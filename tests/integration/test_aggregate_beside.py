@@ -8,18 +8,15 @@ always.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from demonet.config import load_config
-from demonet.coordinator import CoordinatorOptions, serve
 from demonet.coordinator.server import CoordinatorServicer
 from demonet.transport.grpc import GrpcClient
-from tests.integration.common import tiny_config
+from tests.integration.common import coordinator_in_process
 from tests.integration.test_coordinator import TOKEN, Peer
 
 pytestmark = pytest.mark.slow
@@ -38,35 +35,26 @@ async def test_gather_asks_for_the_aggregate_beside_its_submit(tmp_path: Path,
             yield chunk
 
     monkeypatch.setattr(CoordinatorServicer, "GetAggregate", recorded)
-    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=30.0, steps=2))
-    cfg = load_config(str(tmp_path / "run.toml"), {}, {})
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(cfg, CoordinatorOptions(token=TOKEN, state_dir=tmp_path / "state",
-                                                               total_rounds=2),
-                                       on_listening=listening.set_result, linger_s=0.2))
     client = None
-    try:
-        address = await asyncio.wait_for(listening, 30)
-        peer = Peer(address, "a")
-        assert await peer.join() == 0
-        client = GrpcClient(address, token=TOKEN, peer_id="a", identity=peer.identity)
-        await client.join()  # a again, with its key: a member's join changes nothing
-        for round_ in range(2):
-            x, y = next(peer.batches)
-            peer.model(x, y)[1].backward()  # type: ignore[union-attr]
-            payload = peer.opt.compress()
-            result = await client.gather(round_, payload, loss=1.0, param_digest=peer.digest())
-            assert result.contributors == ("a",) and not result.aborted and result.aggregate is not None
-            peer.opt.restore(payload, kept=result.aggregate)
-            peer.opt.apply(result.aggregate, lr=peer.lr(round_))
-            peer.opt.zero_grad()
-            assert result.digest_later is not None
-            assert await asyncio.wait_for(result.digest_later, 30) == peer.digest()
-            assert result.phases["wait"] >= 0.0
-        assert asked == [("a", 0, True), ("a", 1, True)]
-    finally:
-        if client is not None:
-            await client.close()
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
+    async with coordinator_in_process(tmp_path, token=TOKEN, steps=2, state_dir=tmp_path / "state") as (address, _):
+        try:
+            peer = Peer(address, "a")
+            assert await peer.join() == 0
+            client = GrpcClient(address, token=TOKEN, peer_id="a", identity=peer.identity)
+            await client.join()  # a again, with its key: a member's join changes nothing
+            for round_ in range(2):
+                x, y = next(peer.batches)
+                peer.model(x, y)[1].backward()  # type: ignore[union-attr]
+                payload = peer.opt.compress()
+                result = await client.gather(round_, payload, loss=1.0, param_digest=peer.digest())
+                assert result.contributors == ("a",) and not result.aborted and result.aggregate is not None
+                peer.opt.restore(payload, kept=result.aggregate)
+                peer.opt.apply(result.aggregate, lr=peer.lr(round_))
+                peer.opt.zero_grad()
+                assert result.digest_later is not None
+                assert await asyncio.wait_for(result.digest_later, 30) == peer.digest()
+                assert result.phases["wait"] >= 0.0
+            assert asked == [("a", 0, True), ("a", 1, True)]
+        finally:
+            if client is not None:
+                await client.close()

@@ -180,6 +180,16 @@ class Peer:
         return await self.stub.Status(pb.StatusRequest(), metadata=self.md, timeout=10)
 
 
+async def _a_and_b(address: str) -> tuple[Peer, Peer]:
+    """Peers a (a member from round 0, which it trains alone) and b (a member from round 1), both at round 1."""
+    a, b = Peer(address, "a"), Peer(address, "b")
+    assert await a.join() == 0
+    assert await b.join(load=False) == 1
+    await a.step(0)
+    await b.load_parameters(1)
+    return a, b
+
+
 async def test_every_rpc_refuses_a_wrong_or_missing_token(coordinator: Coordinator) -> None:
     async with grpc.aio.insecure_channel(coordinator.address) as channel:
         stub = pbg.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
@@ -242,11 +252,7 @@ async def test_a_member_with_other_parameters_resyncs_and_each_resync_is_counted
     peer whose digest differed after applying) count once each in `demonet_resyncs`, are logged, and
     survive a restart."""
     coordinator = slow_rounds
-    a, b = Peer(coordinator.address, "a"), Peer(coordinator.address, "b")
-    assert await a.join() == 0
-    assert await b.join(load=False) == 1
-    await a.step(0)
-    await b.load_parameters(1)
+    a, b = await _a_and_b(coordinator.address)
     assert (await a.status()).resyncs == 0
     x, y = next(b.batches)
     b.model(x, y)[1].backward()  # type: ignore[union-attr]
@@ -285,11 +291,7 @@ async def test_a_get_aggregate_beside_its_submit_waits_for_the_payload_and_gets_
     call) the call waits, and once the round closes it gets the aggregate with that payload in it, the
     same bytes and canonical digest as a call made after the Submit."""
     coordinator = slow_rounds
-    a, b = Peer(coordinator.address, "a"), Peer(coordinator.address, "b")
-    assert await a.join() == 0
-    assert await b.join(load=False) == 1
-    await a.step(0)
-    await b.load_parameters(1)
+    a, b = await _a_and_b(coordinator.address)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await b.aggregate(1)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -20,11 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from demonet.config import load_config
-from demonet.coordinator import CoordinatorOptions, serve
 from demonet.coordinator.state import CanonicalState
 from demonet.wire.digest import param_digest
-from tests.integration.common import metrics_rows, tiny_config
+from tests.integration.common import coordinator_in_process, metrics_rows
 
 pytestmark = pytest.mark.slow
 
@@ -50,14 +48,8 @@ async def test_a_peer_checks_the_digest_after_its_next_backward_and_resyncs_from
         return digest
 
     monkeypatch.setattr(CanonicalState, "advance", slow)
-    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=30.0, steps=STEPS))
-    cfg = load_config(str(tmp_path / "run.toml"), {}, {})
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(cfg, CoordinatorOptions(token=TOKEN, total_rounds=STEPS),
-                                       on_listening=listening.set_result, linger_s=0.2))
     out = tmp_path / "out"
-    try:
-        address = await asyncio.wait_for(listening, 30)
+    async with coordinator_in_process(tmp_path, token=TOKEN, steps=STEPS) as (address, server):
         peer = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "demonet", "peer", "--coordinator", address, "--peer-id", "a", "--out", str(out),
             "--threads", "1", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -71,8 +63,6 @@ async def test_a_peer_checks_the_digest_after_its_next_backward_and_resyncs_from
         log = stderr.decode(errors="replace")
         assert peer.returncode == 0, log[-3000:]
         await asyncio.wait_for(server, 30)  # it ends after its last round
-    finally:
-        server.cancel()
     rows = metrics_rows(out, "a")
     assert [r["round"] for r in rows] == list(range(STEPS))
     # Round 1's digest differed: found after round 2's backward, the parameters downloaded once.

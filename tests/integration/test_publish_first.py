@@ -8,7 +8,6 @@ Status and the next round's Submit wait for the apply, and nothing is refused me
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,10 +17,8 @@ import torch
 
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
-from demonet.config import load_config
-from demonet.coordinator import CoordinatorOptions, serve
 from demonet.coordinator.state import STATE_FILE, CanonicalState
-from tests.integration.common import tiny_config
+from tests.integration.common import coordinator_in_process
 from tests.integration.test_coordinator import TOKEN, Peer
 
 pytestmark = pytest.mark.slow
@@ -49,60 +46,53 @@ async def test_a_round_is_published_before_the_coordinator_applies_it(tmp_path: 
         return real_advance(self, round, applied)
 
     monkeypatch.setattr(CanonicalState, "advance", held)
-    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=30.0, steps=3))
-    cfg = load_config(str(tmp_path / "run.toml"), {}, {})
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(serve(cfg, CoordinatorOptions(token=TOKEN, state_dir=tmp_path / "state",
-                                                               total_rounds=3),
-                                       on_listening=listening.set_result, linger_s=0.2))
-    try:
-        peer = Peer(await asyncio.wait_for(listening, 30), "a")
-        assert await peer.join() == 0
-        before = (await peer.status()).param_digest
-        reply, payload = await _submit(peer, 0)
-        assert reply.accepted, reply.reason
+    state_dir = tmp_path / "state"
+    async with coordinator_in_process(tmp_path, token=TOKEN, steps=3, state_dir=state_dir) as (address, server):
+        try:
+            peer = Peer(address, "a")
+            assert await peer.join() == 0
+            before = (await peer.status()).param_digest
+            reply, payload = await _submit(peer, 0)
+            assert reply.accepted, reply.reason
 
-        # The whole aggregate arrives while the coordinator's apply is held.
-        stream = aiter(peer.stub.GetAggregate(pb.AggregateRequest(peer_id="a", round=0), metadata=peer.md,
-                                              timeout=60))
-        header = (await anext(stream)).header
-        assert (header.round, header.aborted, list(header.contributors)) == (0, False, ["a"])
-        parts, data = wire.Reassembler(), None
-        while data is None:
-            data = parts.add((await anext(stream)).part)
-        assert await asyncio.to_thread(applying.wait, 30), "the coordinator did not start its apply"
-        agg = wire.decode(data, expected=peer.opt.param_specs())[1]
-        peer.opt.restore(payload, kept=agg)
-        peer.opt.apply(agg, lr=peer.lr(0))
-        peer.opt.zero_grad()
-        assert peer.digest() != before
+            # The whole aggregate arrives while the coordinator's apply is held.
+            stream = aiter(peer.stub.GetAggregate(pb.AggregateRequest(peer_id="a", round=0), metadata=peer.md,
+                                                  timeout=60))
+            header = (await anext(stream)).header
+            assert (header.round, header.aborted, list(header.contributors)) == (0, False, ["a"])
+            parts, data = wire.Reassembler(), None
+            while data is None:
+                data = parts.add((await anext(stream)).part)
+            assert await asyncio.to_thread(applying.wait, 30), "the coordinator did not start its apply"
+            agg = wire.decode(data, expected=peer.opt.param_specs())[1]
+            peer.opt.restore(payload, kept=agg)
+            peer.opt.apply(agg, lr=peer.lr(0))
+            peer.opt.zero_grad()
+            assert peer.digest() != before
 
-        # What needs the applied parameters waits for them: the digest, the Status, the next Submit.
-        trailer = asyncio.create_task(anext(stream))
-        status = asyncio.create_task(peer.status())
-        submitted = asyncio.create_task(_submit(peer, 1))
-        await asyncio.sleep(0.5)
-        assert not trailer.done() and not status.done() and not submitted.done()
-        gate.set()
-        assert (await trailer).trailer.param_digest == peer.digest()
-        got = await status
-        assert (got.round, got.param_digest) == (1, peer.digest())
-        reply, payload = await submitted
-        assert reply.accepted and reply.refusal == pb.REFUSAL_NONE, reply.reason  # no false resync
+            # What needs the applied parameters waits for them: the digest, the Status, the next Submit.
+            trailer = asyncio.create_task(anext(stream))
+            status = asyncio.create_task(peer.status())
+            submitted = asyncio.create_task(_submit(peer, 1))
+            await asyncio.sleep(0.5)
+            assert not trailer.done() and not status.done() and not submitted.done()
+            gate.set()
+            assert (await trailer).trailer.param_digest == peer.digest()
+            got = await status
+            assert (got.round, got.param_digest) == (1, peer.digest())
+            reply, payload = await submitted
+            assert reply.accepted and reply.refusal == pb.REFUSAL_NONE, reply.reason  # no false resync
 
-        closed, agg = await peer.aggregate(1)
-        peer.opt.restore(payload, kept=agg)
-        peer.opt.apply(agg, lr=peer.lr(1))
-        peer.opt.zero_grad()
-        assert closed.param_digest == peer.digest()
-        _, closed = await peer.step(2)
-        assert closed.param_digest == peer.digest()
-        await asyncio.wait_for(server, 60)  # the run's last round: it stops after its apply and its state write
-        saved = torch.load(tmp_path / "state" / STATE_FILE, weights_only=False)
-        assert (saved["rounds"]["round"], saved["digest"]) == (3, peer.digest())
-        await peer.channel.close()
-    finally:
-        gate.set()
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
+            closed, agg = await peer.aggregate(1)
+            peer.opt.restore(payload, kept=agg)
+            peer.opt.apply(agg, lr=peer.lr(1))
+            peer.opt.zero_grad()
+            assert closed.param_digest == peer.digest()
+            _, closed = await peer.step(2)
+            assert closed.param_digest == peer.digest()
+            await asyncio.wait_for(server, 60)  # the run's last round: it stops after its apply and its state write
+            saved = torch.load(tmp_path / "state" / STATE_FILE, weights_only=False)
+            assert (saved["rounds"]["round"], saved["digest"]) == (3, peer.digest())
+            await peer.channel.close()
+        finally:
+            gate.set()  # before the server stops: its shutdown awaits the held apply
