@@ -16,9 +16,11 @@ run is made twice, back to back, once on DIR's code and once on this tree's, and
 compares the two side by side (same machine, same minute). The second of two runs back to back tends to
 come out a little ahead on a shared machine, so `--pairs K` makes K such pairs for each N, the baseline
 first in the odd ones and this tree first in the even ones, and prints each pair and the medians of
-the K ratios (the first pair's rows fill the tables above). With `--own-cores` each process runs on a
-CPU of its own (peer-i on the i-th CPU it may use, the coordinator on the next; it needs N + 1), as on
-a machine each, so that the overhead is not the CPU that the processes take from each other.
+the K ratios, with each run's round and slowest compute seconds: a ratio can fall because the compute
+grew while the rounds stayed as long (the first pair's rows fill the tables above). With `--own-cores`
+each process runs on a CPU of its own (peer-i on the i-th CPU it may use, the coordinator on the next;
+it needs N + 1), as on a machine each, so that the overhead is not the CPU that the processes take from
+each other.
 Run from the repo root: `python bench/round_overhead.py`. Prints a table; not a test.
 """
 
@@ -322,15 +324,23 @@ def main() -> None:
         print()
         print(f"## {args.pairs} pairs for each N: the baseline first in pairs 1, 3, ..., this tree first in 2, 4, ...")
         print()
-        print("| peers | pair | round / slowest compute, baseline | this tree | difference |")
-        print("|---|---|---|---|---|")
+        print("| peers | pair | round / slowest compute, baseline | this tree | difference | round s, baseline "
+              "| this tree | slowest compute s, baseline | this tree |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for n, each in pairs.items():
             for k, (b, m) in enumerate(each, 1):
                 print(f"| {n} | {k} | {b['overhead_slowest']:.3f}x | {m['overhead_slowest']:.3f}x "
-                      f"| {m['overhead_slowest'] - b['overhead_slowest']:+.3f} |")
-            print(f"| {n} | median of {len(each)} | {statistics.median(b['overhead_slowest'] for b, _ in each):.3f}x "
-                  f"| {statistics.median(m['overhead_slowest'] for _, m in each):.3f}x "
-                  f"| {statistics.median(m['overhead_slowest'] - b['overhead_slowest'] for b, m in each):+.3f} |")
+                      f"| {m['overhead_slowest'] - b['overhead_slowest']:+.3f} | {b['round_s']:.3f} "
+                      f"| {m['round_s']:.3f} | {b['slowest_s']:.3f} | {m['slowest_s']:.3f} |")
+
+            def median(key: str, side: int, each: list[tuple[dict[str, Any], dict[str, Any]]] = each) -> float:
+                return statistics.median(pair[side][key] for pair in each)
+
+            print(f"| {n} | median of {len(each)} | {median('overhead_slowest', 0):.3f}x "
+                  f"| {median('overhead_slowest', 1):.3f}x "
+                  f"| {statistics.median(m['overhead_slowest'] - b['overhead_slowest'] for b, m in each):+.3f} "
+                  f"| {median('round_s', 0):.3f} | {median('round_s', 1):.3f} | {median('slowest_s', 0):.3f} "
+                  f"| {median('slowest_s', 1):.3f} |")
     print()
     print("## goals")
     if GOAL_OVERHEAD_PEERS in results:
