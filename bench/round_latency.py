@@ -19,22 +19,14 @@ import contextlib
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run(code: Path, peers: int, steps: int, delay_ms: float, out: Path) -> list[dict[str, Any]]:
@@ -50,24 +42,21 @@ def run(code: Path, peers: int, steps: int, delay_ms: float, out: Path) -> list[
         return proc
 
     try:
-        coordinator = spawn(["-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--steps", str(steps),
-                             "--state-dir", str(out / "coordinator"), "--start-peers", str(peers)],
-                            "coordinator.log", code, stdout=subprocess.PIPE)
-        assert coordinator.stdout is not None
-        line = coordinator.stdout.readline()
-        if not line.startswith("listening on "):
-            raise SystemExit(f"the coordinator did not start: {(out / 'coordinator.log').read_text()[-2000:]}")
-        target = line.split()[-1]
-        port = _free_port()
-        spawn(["-m", "demonet.lab.netlab", "proxy", "--listen", f"127.0.0.1:{port}", "--target", target,
-               "--delay-ms", str(delay_ms)], "proxy.log", ROOT, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while True:  # the proxy listens
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the proxy did not start: {(out / 'proxy.log').read_text()[-2000:]}")
-            time.sleep(0.1)
+        def listening(argv: list[str], log: str, cwd: Path, prefix: str) -> str:
+            """Start a server on port 0; its first line says where it listens."""
+            proc = spawn(argv, log, cwd, stdout=subprocess.PIPE)
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if not line.startswith(prefix):
+                raise SystemExit(f"{argv[1]} did not start: {(out / log).read_text()[-2000:]}")
+            return line
+
+        target = listening(["-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--steps", str(steps),
+                            "--state-dir", str(out / "coordinator"), "--start-peers", str(peers)],
+                           "coordinator.log", code, "listening on ").split()[-1]
+        line = listening(["-m", "demonet.lab.netlab", "proxy", "--listen", "127.0.0.1:0", "--target", target,
+                          "--delay-ms", str(delay_ms)], "proxy.log", ROOT, "proxy listening on ")
+        port = line.split()[3].rsplit(":", 1)[1]  # "proxy listening on H:P -> H:P"
         workers = [spawn(["-m", "demonet", "peer", "--coordinator", f"127.0.0.1:{port}", "--peer-id", f"peer-{i}",
                           "--out", str(out), "--threads", "1", "--device", "cpu"], f"peer-{i}.log", code)
                    for i in range(peers)]

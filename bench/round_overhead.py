@@ -332,15 +332,13 @@ def main() -> None:
                 print(f"| {n} | {k} | {b['overhead_slowest']:.3f}x | {m['overhead_slowest']:.3f}x "
                       f"| {m['overhead_slowest'] - b['overhead_slowest']:+.3f} | {b['round_s']:.3f} "
                       f"| {m['round_s']:.3f} | {b['slowest_s']:.3f} | {m['slowest_s']:.3f} |")
-
-            def median(key: str, side: int, each: list[tuple[dict[str, Any], dict[str, Any]]] = each) -> float:
-                return statistics.median(pair[side][key] for pair in each)
-
-            print(f"| {n} | median of {len(each)} | {median('overhead_slowest', 0):.3f}x "
-                  f"| {median('overhead_slowest', 1):.3f}x "
+            med = {(key, side): statistics.median(pair[side][key] for pair in each)
+                   for key in ("overhead_slowest", "round_s", "slowest_s") for side in (0, 1)}
+            print(f"| {n} | median of {len(each)} | {med['overhead_slowest', 0]:.3f}x "
+                  f"| {med['overhead_slowest', 1]:.3f}x "
                   f"| {statistics.median(m['overhead_slowest'] - b['overhead_slowest'] for b, m in each):+.3f} "
-                  f"| {median('round_s', 0):.3f} | {median('round_s', 1):.3f} | {median('slowest_s', 0):.3f} "
-                  f"| {median('slowest_s', 1):.3f} |")
+                  f"| {med['round_s', 0]:.3f} | {med['round_s', 1]:.3f} | {med['slowest_s', 0]:.3f} "
+                  f"| {med['slowest_s', 1]:.3f} |")
     print()
     print("## goals")
     if GOAL_OVERHEAD_PEERS in results:
