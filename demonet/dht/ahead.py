@@ -19,7 +19,9 @@ from demonet._proto import demonet_pb2 as pb
 from demonet.optim import Payload
 
 from . import rules
-from .streams import DhtOptions, NoAnswer, Streams
+from .deadlines import NoAnswer
+from .options import DhtOptions
+from .streams import Streams
 
 __all__ = ["Ahead", "Call", "PartsAhead", "call_or_ahead", "encode_parts", "encode_parts_now"]
 

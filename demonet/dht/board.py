@@ -1,9 +1,9 @@
 """The round board of DHT mode: who is in each round, read from and written to the DHT's records.
 
-Net layer over demonet.dht.node: announcements and the freeze of a round's membership, the run's
-head round, joiners' registrations and admission, and each peer's published state (digest, address,
-the peers it expects next). The rules themselves are demonet.dht.rules. Must not import grpc,
-demonet.transport.grpc, or the exchange of payloads (demonet.dht.exchange).
+Net layer over demonet.dht.node: announcements and the freeze of a round's membership, with the
+joining side (the run's head round, joiners' registrations and admission, each peer's published
+state) in demonet.dht.joining. The rules themselves are demonet.dht.rules and freeze_rules. Must not
+import grpc, demonet.transport.grpc, or the exchange of payloads (demonet.dht.exchange).
 """
 
 from __future__ import annotations
@@ -13,33 +13,28 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from demonet.errors import PeerUnavailable
 from demonet.transport import NotMember
 
 from . import rules
+from .deadlines import now
+from .freeze_rules import Frozen, freeze, late_majority, majority_base, staying
+from .joining import _POLL_S, Joining
 from .node import DhtNode
-from .streams import DhtOptions, now
 
 __all__ = ["FrozeWithout", "RoundBoard"]
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.05
 _SEARCH_EVERY_S = 1.0  # and how often it searches the DHT all the same (a record stored before this node met its peer)
 _WAIT_POLL_S = 1.0  # how often a peer without a majority looks again for the others
 _RECONNECT_EVERY = 3  # and every this many looks, it pings the base's members from its DHT node
 _START_TIMEOUT_S = 600.0  # how long the first round waits for its start_peers
 _KEEP_ROUNDS = 8  # rounds whose own announcements and read registrations are kept
-
-
-def _expected(states: Mapping[str, Mapping[str, Any]]) -> tuple[str, ...] | None:
-    """The peers that most of `states` expect in the round after (None: no state says)."""
-    lists = [tuple(v["expected"]) for v in states.values() if isinstance(v.get("expected"), list)]
-    return max(set(lists), key=lists.count) if lists else None
 
 
 class FrozeWithout(NotMember):
@@ -59,7 +54,7 @@ class _Waiting:
     looks: int = 0
 
 
-class RoundBoard:
+class RoundBoard(Joining):
     """This peer's view of the run's rounds on the DHT.
 
     Timeouts (DHT time, the same clock on every peer): ``window_s``, from a round's first announcement
@@ -74,7 +69,7 @@ class RoundBoard:
         """Round -> the members of the round before (its joiners not included), or the base of the round
         before as well when too few of them contributed (`rules.next_base`): the base of its majority."""
         self.bases: dict[int, frozenset[str] | None] = {}
-        """Round -> the base its freeze counted the majority over (`rules.majority_base`; None: no base)."""
+        """Round -> the base its freeze counted the majority over (`majority_base`; None: no base)."""
         self.last_seen: dict[str, float] = {}
         """Peer -> the DHT time of its latest announcement read."""
         self.addresses: dict[str, str] = {}
@@ -103,120 +98,10 @@ class RoundBoard:
         self._entered = 0.0  # when the last `enter` started its store (perf_counter)
         self._steady = False  # the last freeze was complete, without a wait: its records all arrived here
 
-    @property
-    def _opts(self) -> DhtOptions:
-        return self._node.opts
-
-    # -- joining ---------------------------------------------------------------------------------------
-
-    async def head_round(self) -> int | None:
-        """The latest round any peer of the run has started, or None if the DHT knows no run yet."""
-        heads = [v.get("round") for v in (await self._node.get(self._node.key("head"))).values()]
-        rounds = [r for r in heads if isinstance(r, int)]
-        return max(rounds) if rounds else None
-
-    async def register(self, rounds: Iterable[int]) -> None:
-        """Ask to be admitted at these rounds (the members of the round before decide at its freeze).
-
-        A registration for round r is a ``join`` time in this peer's record among the announcements of
-        round r - 1, so that the members read it with their freeze. It keeps this peer's own announcement
-        of that round, if it made one (a peer that resyncs), which the record replaces.
-
-        The members decide from their own nodes' storage (`_freeze`), so the registration must reach every
-        member's node, and a store goes to the nodes this node knows. So it is stored at once, then this
-        node meets the members (the addresses it read in their announcements, or in the states of the
-        round before the first), and the same records are stored again, at the nodes it did not know.
-        """
-        rounds = sorted(rounds)
-        # At once: rounds of a small model last tens of milliseconds, less than a store takes.
-        t = now()
-        records = {self._node.key("members", r - 1): {**self._announcements.get(r - 1, {}), "join": t} for r in rounds}
-        await self._node.store_many(records)
-        addresses = set(self.addresses.values())
-        if not addresses and rounds:
-            addresses = {str(v.get("address", "")) for v in (await self.states(rounds[0] - 1)).values()}
-        if await self._node.reconnect(addresses - {self._node.address}):
-            await self._node.store_many(records)
-
-    async def leave(self, r: int) -> bool:
-        """Say that this peer leaves the run before round `r` (a graceful stop; `r` the round after the last
-        one it applied, or the open one it abandoned): a ``left`` time in its record among the announcements
-        of `r`, stored on every node it knows and on its members' and confirmed (up to exchange_timeout_s).
-        It keeps this peer's own announcement of `r`, if it made one, which the record replaces: a round it
-        announced keeps it as a member. The members then freeze `r` and the rounds after without waiting
-        for it, and leave it out of their majority's base. Returns whether every node confirmed it."""
-        record = {**self._announcements.get(r, {}), "left": now()}
-        peers = (self.expected.get(r) or set()) | self.previous.get(r, set())
-        try:
-            return await self._node.store_many({self._node.key("members", r): record},
-                                               also=[self.addresses[p] for p in peers if p in self.addresses
-                                                     and p != self._node.peer_id])
-        except Exception as e:  # noqa: BLE001 - on its way out: the members drop it by the round's deadline
-            logger.warning("[%s round=%d] could not say it leaves (%s: %s); the members freeze round %d without "
-                           "it at its deadline", self._node.peer_id, r, type(e).__name__, e, r)
-            return False
-
-    def state_records(self, round: int, digest: str) -> dict[str, dict[str, Any]]:
-        """This peer's state in `round` (its digest, its address, the peers it expects: what a joiner
-        reads to be admitted and to find donors) and the head round, stored with its announcement."""
-        expected = self.expected.get(round)
-        state = {"digest": digest, "address": self._node.address, "client": self._opts.client_mode,
-                 "expected": sorted(expected) if expected is not None else None}
-        return {self._node.key("state", round): state, self._node.key("head"): {"round": round}}
-
-    async def states(self, round: int) -> dict[str, dict[str, Any]]:
-        """The states the peers published for `round`, by peer."""
-        return await self._node.get(self._node.key("state", round))
-
-    async def member_states(self, round: int) -> dict[str, dict[str, Any]]:
-        """The states published for `round`, read again for up to ``settle_s`` until every peer that the
-        members expect (less this one) published one: a joiner reads them right after its admission, when
-        a member's state may still be on its way, and would find fewer donors than there are."""
-        deadline = time.monotonic() + self._opts.settle_s
-        while True:
-            states = await self.states(round)
-            wanted = set(_expected(states) or ()) - {self._node.peer_id}
-            if wanted <= set(states) or time.monotonic() >= deadline:
-                return states
-            await asyncio.sleep(_POLL_S)
-
-    async def _aborted_ahead(self, r: int, head: int) -> bool:
-        """Whether the peers at `head` aborted round `r` too and wait for this peer in the round after: `head`
-        is that round, and a state there holds this peer's digest of `r` (nobody applied `r`) and expects it.
-
-        Of two members that waited in `r` for each other (one was held in the exchange of the round before
-        to its deadline), the one that saw the late majority first is a round ahead when the other looks.
-        """
-        digest = self._announcements.get(r, {}).get("digest")
-        if head != r + 1 or digest is None:
-            return False
-        return any(v.get("digest") == digest and isinstance(v.get("expected"), list)
-                   and self._node.peer_id in v["expected"] for v in (await self.states(head)).values())
-
-    async def admitted(self, round: int, timeout_s: float) -> bool | None:
-        """Whether the members of `round` expect this peer (None: no member said so within `timeout_s`)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            expected = _expected(await self.states(round))
-            if expected is not None:
-                return self._node.peer_id in expected
-            await asyncio.sleep(4 * _POLL_S)
-        return None
-
-    def adopt_expected(self, round: int, states: Mapping[str, Mapping[str, Any]], donors: Iterable[str]) -> None:
-        """A joiner takes the peers that the donors of `round` expect, so that its state says the same."""
-        donors = set(donors)
-        lists = [v["expected"] for p, v in states.items() if p in donors and isinstance(v.get("expected"), list)]
-        if lists:
-            self.expected[round] = set(lists[0])
-            # Its base: the peers expected less this joiner (the donors' base less its other joiners is
-            # not published; counting them as well only makes a majority harder to reach, never easier).
-            self.previous[round] = set(lists[0]) - {self._node.peer_id}
-
     # -- one round -------------------------------------------------------------------------------------
 
     async def enter(self, r: int, digest: str, loss: float | None = None, *, stored: Callable[[], None] | None = None
-                    ) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
+                    ) -> tuple[Frozen, dict[str, rules.Announcement]]:
         """Announce this peer in round `r` (with its loss, for the dashboards; its state and the head
         round in the same DHT call) and read the round's announcements until its freeze is final.
         `stored` is called once the announcement's store is on its way, before the freeze's first look.
@@ -271,15 +156,6 @@ class RoundBoard:
         ``announce`` is the time so far. ``stores_pending``: this peer's stores not confirmed yet."""
         return {"announce": time.perf_counter() - self._entered, **self.timing, "stores_pending": len(self._storing)}
 
-    def joiners(self, r: int, freeze_deadline: float) -> set[str]:
-        """The peers admitted at round `r`: registered for it before the previous round's freeze, less
-        the store latency, as the last read of that round's records (its freeze's) found them.
-
-        Every member reads the same: the freeze's last read comes after its deadline, when every
-        registration made before the deadline less the store latency is visible.
-        """
-        return {p for p, t in self.joins.get(r - 1, {}).items() if t < freeze_deadline - self._opts.settle_s}
-
     async def _announced(self, r: int, *, local: bool = False, wait_for: Iterable[str] = (), wait_s: float = 0.0
                          ) -> dict[str, rules.Announcement]:
         """The announcements of round `r` read now (`local`: from this node's storage alone, no search, as
@@ -310,8 +186,8 @@ class RoundBoard:
                 self.addresses[p] = a.address
         return announced
 
-    async def _freeze(self, r: int) -> tuple[rules.Frozen, dict[str, rules.Announcement]]:
-        """Read the round's announcements until the freeze is final (see `rules.freeze`) and holds a majority.
+    async def _freeze(self, r: int) -> tuple[Frozen, dict[str, rules.Announcement]]:
+        """Read the round's announcements until the freeze is final (see `freeze`) and holds a majority.
 
         Without a majority (`rules.has_majority`) this peer is on a minority side: it applies no round and
         writes no record beyond its announcement. It waits until either a peer's head round is past `r`
@@ -329,7 +205,10 @@ class RoundBoard:
         waiting = _Waiting()
         for p in previous or ():  # a base member this peer never read (a joiner's donors' list) is heard from now
             self.last_seen.setdefault(p, now())
-        final = lambda f, at: f is not None and (f.settled or at >= f.deadline + opts.settle_s)  # noqa: E731
+
+        def final(f: Frozen | None, at: float) -> TypeGuard[Frozen]:
+            return f is not None and (f.settled or at >= f.deadline + opts.settle_s)
+
         searched, wait_s, absent = time.monotonic(), 0.0, set(expected or ())
         steady, self._steady = self._steady, False  # True again only when this freeze is complete at once
         while waiting.minority is not None or time.monotonic() < limit:
@@ -350,12 +229,12 @@ class RoundBoard:
                 searched = time.monotonic() if not local else searched
                 read_at = now()
                 announced = await self._announced(r, local=local, wait_for=absent, wait_s=wait_s)
-                here = rules.staying(expected, previous, announced, {p for p, at in self.left.items() if at <= r})
+                here = staying(expected, previous, announced, {p for p, at in self.left.items() if at <= r})
                 wait_s, absent = 0.0, set(here.expected or ()) - set(announced)
-                base = None if here.previous is None else rules.majority_base(
+                base = None if here.previous is None else majority_base(
                     here.previous, self.last_seen, now=read_at, leave_after_s=opts.leave_after_s)
-                frozen = rules.freeze(announced, expected=here.expected, start_peers=opts.start_peers,
-                                      window_s=opts.window_s, base=base)
+                frozen = freeze(announced, expected=here.expected, start_peers=opts.start_peers,
+                                window_s=opts.window_s, base=base)
                 if not final(frozen, read_at) or frozen.complete:
                     break
             if final(frozen, read_at):
@@ -394,9 +273,9 @@ class RoundBoard:
                 wait_s = 0.0
         raise PeerUnavailable(f"round {r}: could not read its membership from the DHT")
 
-    async def _wait_without_majority(self, r: int, frozen: rules.Frozen, base: frozenset[str],
+    async def _wait_without_majority(self, r: int, frozen: Frozen, base: frozenset[str],
                                      announced: dict[str, rules.Announcement], read_at: float, waiting: _Waiting
-                                     ) -> rules.Frozen | None:
+                                     ) -> Frozen | None:
         """One look of `_freeze` on a minority side: say so (once, then on change), reach the base again every
         few looks, and see whether the run went on without this peer or a majority is back, late.
 
@@ -421,7 +300,7 @@ class RoundBoard:
         waiting.looks += 1
         head = await self.head_round()
         following = self.joiners(r + 1, read_at)  # a side a round behind gave up its own
-        late = rules.late_majority(announced, base, following)
+        late = late_majority(announced, base, following)
         if head is not None and head > r and (late is None or not await self._aborted_ahead(r, head)):
             self.on_minority(r, False)
             raise NotMember(f"round {r}: no majority here, and the run went on to round {head}")
@@ -434,4 +313,4 @@ class RoundBoard:
         logger.warning("[%s round=%d] a majority again, late: %d of %d members%s; the round is aborted",
                        self._node.peer_id, r, len(base.intersection(late)) + len(joining), len(base),
                        f" ({', '.join(joining)} joining the next round)" if joining else "")
-        return rules.Frozen(deadline=read_at, members=late, complete=False, settled=True)
+        return Frozen(deadline=read_at, members=late, complete=False, settled=True)

@@ -4,8 +4,10 @@ Net layer over demonet.dht.node's streams: sends each owner its part of the payl
 slices this peer owns with the one merge rule (demonet.wire.merge), serves them, and fetches the
 others. A seeded fraction of the slices also goes to a second owner, its verifier: every peer checks
 the merged slice it fetched against the verifier's digest of the same merge, and drops a slice on
-which the two disagree (docs/dht.md#verified-slices). It does not decide who is in a round
-(demonet.dht.board does). Must not import grpc, demonet.transport.grpc, or the round board.
+which the two disagree (docs/dht.md#verified-slices). Its calls to the other peers are the mixin
+demonet.dht.exchange_calls, its handlers of theirs demonet.dht.exchange_serving. It does not decide
+who is in a round (demonet.dht.board does). Must not import grpc, demonet.transport.grpc, or the round
+board.
 """
 
 from __future__ import annotations
@@ -15,20 +17,21 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-from demonet import wire
 from demonet._proto import demonet_pb2 as pb
-from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.errors import InvalidPayload
 from demonet.optim import Payload
 from demonet.wire.merge import Merged, merge
 
 from . import rules
-from .ahead import Ahead, Call, PartsAhead, call_or_ahead, encode_parts_now
+from .ahead import Ahead, PartsAhead, encode_parts_now
+from .deadlines import now
+from .exchange_calls import SliceCalls
+from .exchange_serving import SliceServing
 from .node import DhtNode
 from .round_state import Exchanged, Outcome, RoundState, decode_part, merges_inline
-from .streams import NoAnswer, Reply, now, retry
 
 __all__ = ["Exchanged", "SliceExchange"]
 
@@ -37,7 +40,7 @@ logger = logging.getLogger(__name__)
 _KEEP_ROUNDS = 3  # rounds whose merged slices a late peer can still fetch
 
 
-class SliceExchange:
+class SliceExchange(SliceCalls, SliceServing):
     """Reduce-scatter and all-gather of the payloads' slices over the streams; serves parts and slices.
 
     Timeouts (DHT time): ``exchange_timeout_s`` after the freeze, parts must have reached their owners;
@@ -159,9 +162,9 @@ class SliceExchange:
         if st.other_lists:
             logger.warning("[%s round=%d] %s froze the round with another member list", self.peer_id, r,
                            ", ".join(sorted(st.other_lists)))
-        done = dict(dead_owners=dead_owners, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
-                    slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked, phases=dict(st.phases),
-                    other_lists=self.other_lists(r))
+        done: dict[str, Any] = dict(dead_owners=dead_owners, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
+                                    slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked,
+                                    phases=dict(st.phases), other_lists=self.other_lists(r))
         if not delivered:
             return Exchanged(None, None, contributors, **done)
         if dead_owners:
@@ -235,7 +238,10 @@ class SliceExchange:
         # ended): an owner that leaves at once, after the run's last round, would take its slice with it.
         mine = [s for s, owner in enumerate(st.owners) if owner == me and s in st.merged]
         checking = [s for s, v in st.verifiers.items() if v == me and st.owners[s] not in st.other_lists]
-        want = lambda: len(set(st.members) - st.other_lists - {me})  # noqa: E731 - not those of another list
+
+        def want() -> int:  # not those of another list
+            return len(set(st.members) - st.other_lists - {me})
+
         async with self._cond:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, st.ag_deadline - now())):
@@ -243,80 +249,6 @@ class SliceExchange:
                                               and all(len(st.asked.get(s, ())) >= want() for s in checking))
         st.phases["serve"] = time.perf_counter() - t2
         return [st.merged[s][2] if s in st.merged else None for s in range(plan.n)]
-
-    def _part_call(self, r: int, st: RoundState, s: int, data: bytes, address: str, ahead: Call | None
-                   ) -> Callable[[float], Awaitable[tuple[pb.DhtMessage, bytes]]]:
-        """`call(timeout_s)` sends this peer's part of slice `s` to `address`: the first time, it awaits the
-        call sent ahead (`ahead`, if any); then, and after a failure, it makes a new call."""
-        pending = [ahead] if ahead is not None else []
-
-        async def call(timeout_s: float) -> tuple[pb.DhtMessage, bytes]:
-            return await call_or_ahead(pending.pop() if pending else None, timeout_s, lambda: self._streams.call(
-                address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, timeout_s=timeout_s))
-
-        return call
-
-    async def _send_part(self, r: int, st: RoundState, s: int, data: bytes, address: str, ahead: Call | None = None
-                         ) -> None:
-        """Send this peer's rows of slice `s` (encoded) to the slice's verifier, which answers once it holds
-        every member's part (or at the reduce-scatter's deadline) with the senders and SHA-256 of their merge
-        (`RoundState.early`): the check of the slice then needs no call of its own when the owner merged the
-        same parts. `ahead`: that call, made already
-        (`send_ahead`); its failure is tried again as a new call."""
-        def answered(early: tuple[tuple[str, ...], bytes] | None) -> None:
-            if not st.early[s].done():  # the first answer counts; a failed try falls back to a check at once
-                st.early[s].set_result(early)
-
-        part = self._part_call(r, st, s, data, address, ahead)
-
-        async def send(timeout_s: float) -> None:
-            try:
-                reply, digest = await part(timeout_s)
-            except (PeerUnavailable, InvalidPayload) as e:
-                if isinstance(e, NoAnswer):  # before the check wakes up: it makes no call to a silent verifier
-                    st.silent.add(st.verifiers[s])
-                answered(None)
-                raise
-            if st.other_list(reply):
-                await self._froze_otherwise(st, st.verifiers[s], reply.contributors)
-            answered((tuple(reply.contributors), digest) if digest else None)
-
-        try:
-            error = await retry(send, st.ag_deadline)
-            if error:
-                logger.warning("[%s round=%d] slice %d: its verifier did not take the part: %s", self.peer_id, r, s,
-                               error)
-            else:
-                st.bytes_up += len(data)
-        finally:
-            answered(None)
-
-    async def _part_and_slice(self, r: int, st: RoundState, s: int, data: bytes, address: str, ahead: Call | None = None
-                              ) -> None:
-        """Send this peer's rows of slice `s` (encoded) to its owner, which answers with the merged slice
-        once it has merged it. An answer without the slice (a peer that does not own it in its view of
-        the round) is followed by a fetch. `ahead`: that call, made already (`send_ahead`)."""
-        taken = False
-        part = self._part_call(r, st, s, data, address, ahead)
-
-        async def attempt(timeout_s: float) -> None:
-            nonlocal taken
-            reply, merged = await part(timeout_s)
-            if not taken:  # a later attempt (the slice was bad) sends the part again; counted once
-                st.bytes_up += len(data)
-                taken = True
-            if st.other_list(reply):  # its owner froze another member list (named): no slice for this one
-                await self._froze_otherwise(st, st.owners[s], reply.contributors)
-            elif merged:
-                await self._keep_slice(r, st, s, reply, merged)
-            else:
-                await self._fetch(r, st, s, address, timeout_s=max(0.1, st.ag_deadline - now()))
-
-        error = await retry(attempt, st.ag_deadline)
-        if isinstance(error, NoAnswer):
-            st.silent.add(st.owners[s])
-        if error:
-            logger.warning("[%s round=%d] slice %d: not from its owner: %s", self.peer_id, r, s, error)
 
     async def _merged(self, r: int, st: RoundState, s: int, senders: Collection[str] | None = None
                       ) -> tuple[tuple[str, ...], Merged] | None:
@@ -327,7 +259,10 @@ class SliceExchange:
         (`RoundState.decode_early`) are decoded and merged in one trip to a worker thread; with none left, a
         small slice is merged on the event loop (`round_state.merges_inline`)."""
         # Every member but those that froze another member list: they send no part for this one.
-        want = lambda: set(st.members) - st.other_lists if senders is None else set(senders)  # noqa: E731
+
+        def want() -> set[str]:
+            return set(st.members) - st.other_lists if senders is None else set(senders)
+
         async with self._cond:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, st.rs_deadline - now())):
@@ -403,39 +338,6 @@ class SliceExchange:
             st.checks[key] = asyncio.create_task(digest())
         return await asyncio.shield(st.checks[key])
 
-    async def _check(self, r: int, st: RoundState, s: int, address: str) -> None:
-        """Compare the merged slice `s` this peer holds with its verifier's merge over the same senders.
-
-        Equal: kept. Different: the slice is dropped this round and both peers are reported. No answer
-        (the verifier is gone, or lacks a part of those senders): kept unverified."""
-        senders, data, _ = st.merged[s]
-        verifier = st.verifiers[s]
-        early = await st.early[s] if s in st.early else None
-        if verifier == self.peer_id:
-            own = await self._digest_over(r, st, s, senders)
-            theirs = None if own is None else own[1]
-        elif early is not None and early[0] == senders:  # the verifier's answer to this peer's part
-            theirs = early[1]
-        elif verifier in st.silent or verifier in st.other_lists:  # a check call would wait, or be refused
-            theirs = None
-            logger.info("[%s round=%d] slice %d: its verifier %s did not answer the part, or froze another member "
-                        "list; not checked", self.peer_id, r, s, verifier)
-        else:
-            try:
-                _, theirs = await self._streams.call(address, pb.DHT_KIND_CHECK, r, slice=s, contributors=list(senders),
-                                                     timeout_s=max(self.opts.exchange_timeout_s,
-                                                                   st.ag_deadline - now()))
-            except PeerUnavailable as e:
-                theirs = None
-                logger.info("[%s round=%d] slice %d: its verifier %s did not check it: %s", self.peer_id, r, s,
-                            verifier, e)
-        if theirs is None:
-            st.unverified.add(s)
-        elif theirs != hashlib.sha256(data).digest():
-            st.disagreed.add(s)
-            logger.warning("[%s round=%d] slice %d: its owner %s and its verifier %s disagree; dropped this round, "
-                           "both reported", self.peer_id, r, s, st.owners[s], verifier)
-
     async def _froze_otherwise(self, st: RoundState, peer: str, named: Collection[str] = ()) -> None:
         """`peer` froze the round with another member list (it sent a part cut for it, or answered with it
         and `named` its members): it fetches nothing from this peer."""
@@ -448,153 +350,3 @@ class SliceExchange:
         """`Exchanged.other_lists` of round `r` as known now: parts that came after its exchange ended too."""
         st = self._rounds.get(r)
         return frozenset((st.other_lists | st.named) - {self.peer_id}) if st is not None else frozenset()
-
-    async def _fetch_from_holders(self, r: int, st: RoundState, s: int, addresses: Mapping[str, str]) -> None:
-        await asyncio.sleep(max(0.0, st.ag_deadline - now()))  # holders answer for good only after it
-        for p in st.holders(s, self.peer_id):
-            with contextlib.suppress(PeerUnavailable, InvalidPayload):
-                await self._fetch(r, st, s, addresses[p], timeout_s=self.opts.exchange_timeout_s)
-                return
-
-    async def _fetch(self, r: int, st: RoundState, s: int, address: str, *, timeout_s: float) -> None:
-        reply, data = await self._streams.call(address, pb.DHT_KIND_FETCH, r, slice=s, timeout_s=timeout_s)
-        await self._keep_slice(r, st, s, reply, data)
-
-    async def _keep_slice(self, r: int, st: RoundState, s: int, reply: pb.DhtMessage, data: bytes) -> None:
-        """Check and keep merged slice `s` as `reply` and its `data` give it."""
-        assert st.plan is not None
-        if not set(reply.contributors) <= set(st.members):
-            raise InvalidPayload(f"merged slice names contributors who are not members: {list(reply.contributors)}")
-        if st.other_list(reply):
-            raise InvalidPayload("a slice merged for another member list")
-        specs = st.plan.slice_specs(s)
-        # A small slice is decoded here: a trip to a worker thread would cost more than the decode.
-        step, payload = (wire.decode(data, expected=specs) if len(data) <= wire.INLINE_DECODE_BYTES
-                         else await asyncio.to_thread(wire.decode, data, expected=specs))
-        if step != r:
-            raise InvalidPayload(f"merged slice says round {step}")
-        async with self._cond:
-            st.bytes_down += len(data)
-            st.merged.setdefault(s, (tuple(reply.contributors), data, payload))
-            self._cond.notify_all()
-
-    # -- serving ---------------------------------------------------------------------------------------
-
-    async def _take_part(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
-        """A member's part of a slice this peer owns or verifies: kept for `_merge` (or the check). The
-        owner answers with its merged slice once it has it (`_serve_slice`); a verifier, with nothing. A
-        part sent ahead (`SliceExchange.send_ahead`) for another member list than this peer froze is
-        answered with nothing: its sender cuts another once frozen, or (if it froze the list the part
-        was cut for) fetches the slice."""
-        r = head.round
-        if data is None:
-            return Reply(error="a part request without its payload")
-        if why := self._not_here(r):
-            return self._left_reply(r) if r in self._left else Reply(error=why)
-        st = self._round(r)
-        async with self._cond:
-            held = st.parts.setdefault(head.slice, {})
-            sent_ahead = st.ahead.setdefault(head.slice, set())
-            if head.ahead and head.sender in held and head.sender not in sent_ahead:
-                return Reply(error="a part sent ahead after the part sent once frozen")
-            held[head.sender] = (head.members_digest, data)
-            (sent_ahead.add if head.ahead else sent_ahead.discard)(head.sender)
-            st.bytes_down += len(data)
-            st.decode_early(r, head.slice, head.sender, head.members_digest, data, self.opts.rules)
-            self._cond.notify_all()
-            with contextlib.suppress(TimeoutError):  # the part can come before this peer froze the round
-                async with asyncio.timeout(self.opts.window_s + self.opts.exchange_timeout_s):
-                    await self._cond.wait_for(lambda: st.plan is not None or r in self._left)
-        if st.plan is None and r in self._left:
-            return self._left_reply(r)
-        if head.members_digest != st.mdigest:
-            if head.ahead or st.plan is None:  # its sender sends another part once frozen
-                return Reply()
-            await self._froze_otherwise(st, head.sender)  # nothing merged here is for its member list
-            return Reply(fields={"members_digest": st.mdigest, "contributors": st.members})
-        if head.slice < len(st.owners) and st.owners[head.slice] == self.peer_id:
-            return await self._serve_slice(head, None)
-        if st.verifiers.get(head.slice) == self.peer_id and head.sender in st.members:
-            return await self._answer_early(r, st, head.slice, head.sender)
-        return Reply()
-
-    def _left_reply(self, r: int) -> Reply:
-        """The answer to a part of round `r`, which froze without this peer (`left_out`): the list it read."""
-        return Reply(fields={"members_digest": rules.members_digest(self._left[r]), "contributors": self._left[r]})
-
-    async def _answer_early(self, r: int, st: RoundState, s: int, sender: str) -> Reply:
-        """As the verifier of slice `s`: the answer to `sender`'s part, the senders and SHA-256 of the merge
-        its owner makes (`RoundState.early`): over every member's part, once it holds them all (a peer of
-        another member list left out), or the reduce-scatter's deadline. Nothing if no part is valid."""
-        early = await self._digest_over(r, st, s, None)
-        if early is None:
-            return Reply()
-        senders, digest = early
-        return Reply(data=digest, fields={"contributors": list(senders)}, sent=self._answered(st, s, sender))
-
-    def _answered(self, st: RoundState, s: int, sender: str) -> Callable[[], Awaitable[None]]:
-        """What a verifier calls once `sender` got its digest of slice `s`: `sender` is answered
-        (`RoundState.asked`)."""
-        async def sent() -> None:
-            async with self._cond:
-                st.asked.setdefault(s, set()).add(sender)
-                self._cond.notify_all()
-
-        return sent
-
-    async def _serve_slice(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
-        """A merged slice, once this peer holds it (or, if not its owner, once the phase is over)."""
-        r, s, sender = head.round, head.slice, head.sender
-        if why := self._not_here(r):
-            return Reply(error=why)
-        st = self._round(r)
-        limit = self.opts.window_s + 3 * self.opts.exchange_timeout_s  # the round must freeze and merge by then
-
-        def answered() -> bool:
-            # The owner answers once merged; another member once it holds the slice or the phase is over.
-            return s in st.merged or (st.plan is not None and now() >= st.ag_deadline)
-
-        async with self._cond:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(limit):
-                    while not answered():
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(max(0.01, st.ag_deadline - now()) if st.plan else 1.0):
-                                await self._cond.wait()
-            held = st.merged.get(s)
-        if held is None:
-            return Reply(error=f"slice {s} of round {r} is not held here")
-        contributors, merged, _ = held
-
-        async def sent() -> None:
-            async with self._cond:
-                st.bytes_up += len(merged)
-                st.fetched.setdefault(s, set()).add(sender)
-                self._cond.notify_all()
-
-        return Reply(data=merged, fields={"slice": s, "contributors": list(contributors), "members_digest": st.mdigest},
-                     sent=sent)
-
-    async def _serve_check(self, head: pb.DhtMessage, data: bytes | None) -> Reply:
-        """As a verifier: the SHA-256 of this peer's merge of the slice over the asked senders."""
-        r, s, senders = head.round, head.slice, tuple(sorted(head.contributors))
-        if why := self._not_here(r):
-            return Reply(error=why)
-        st = self._round(r)
-        async with self._cond:  # the request can come before this peer froze the round
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.opts.window_s + self.opts.exchange_timeout_s):
-                    await self._cond.wait_for(lambda: st.plan is not None)
-        if st.verifiers.get(s) != self.peer_id:
-            return Reply(error=f"not the verifier of slice {s} of round {r}")
-        if not senders or not set(senders) <= set(st.members):
-            return Reply(error="a check of senders who are not members")
-        if head.sender not in st.members:
-            return Reply(error=f"{head.sender} is not a member of round {r}")
-        asked = st.check_lists.setdefault(s, {}).setdefault(head.sender, senders)
-        if asked != senders:  # one list per member: a member cannot make this peer merge without end
-            return Reply(error=f"slice {s} of round {r} was checked for {head.sender} over another list already")
-        digest = await self._digest_over(r, st, s, senders)
-        if digest is None:
-            return Reply(error=f"cannot check slice {s}: a part of those senders is missing here")
-        return Reply(data=digest[1], sent=self._answered(st, s, head.sender))

@@ -25,7 +25,8 @@ from .board import FrozeWithout, RoundBoard
 from .donor import ParamDonor
 from .exchange import SliceExchange
 from .node import DhtNode
-from .streams import DhtOptions, HmacValidator
+from .options import DhtOptions
+from .validators import HmacValidator
 from .view import DhtView
 
 __all__ = ["DhtGatherer", "DhtOptions", "HmacValidator"]

@@ -24,8 +24,11 @@ from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.wire.identity import Identity, fingerprint
 
 from . import keys
+from .deadlines import now
 from .hive import READY_MAX_S, READY_MIN_S, Hive, local_records, ping_and_refresh, serve_store, store_records
-from .streams import VOUCHED, DhtOptions, HmacValidator, KeyValidator, Reply, Streams, now
+from .options import DhtOptions
+from .streams import Reply, Streams
+from .validators import VOUCHED, HmacValidator, KeyValidator
 
 __all__ = ["DhtNode"]
 

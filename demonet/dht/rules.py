@@ -1,10 +1,11 @@
 """DHT mode without a coordinator: the pure logic every peer runs identically. No network, no asyncio.
 
-Membership freeze (who is in a round), the majority digest, the slice plan of the sparse
-reduce-scatter, which slices a second owner verifies and which owners sit out, the parameter ranges
-a joiner loads from several donors, and the HMAC of the run token. Imports the math layer's
-dataclasses and torch; must not import asyncio, grpc, hivemind or any other demonet.dht module.
-The transport's parts (demonet.dht.board, exchange, donor, streams) call these.
+Announcements and the majority rule (the freeze of a round's membership built on them is
+demonet.dht.freeze_rules), the majority digest, the slice plan of the sparse reduce-scatter, which
+slices a second owner verifies and which owners sit out, the parameter ranges a joiner loads from
+several donors, and the HMAC of the run token. Imports the math layer's dataclasses and torch; must not
+import asyncio, grpc, hivemind or any other demonet.dht module. The transport's parts
+(demonet.dht.board, exchange, donor, streams) call these.
 
 Shape legend: R = rows (chunks) of one tensor inside a slice, K = entries per row, U = merged entries per row.
 """
@@ -18,15 +19,16 @@ import random
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
 from demonet.optim import Compressed, Payload
 from demonet.optim.payload import num_chunks
 
-__all__ = ["MIN_SLICE_OWNERS", "Announcement", "Frozen", "SlicePlan", "excluded_owners", "freeze", "has_majority",
-           "late_majority", "majority_base", "majority_digest", "members_digest", "next_base", "owner_count",
-           "owner_order", "param_ranges", "sign", "stacks_slices", "verifiers", "verify"]
+__all__ = ["MIN_SLICE_OWNERS", "Announcement", "SlicePlan", "excluded_owners", "has_majority", "majority_digest",
+           "members_digest", "next_base", "owner_count", "owner_order", "param_ranges", "sign", "stacks_slices",
+           "verifiers", "verify"]
 
 Specs = Mapping[str, tuple[tuple[int, ...], tuple[int, int]]]
 """Parameter name -> (shape, chunk), in the optimizer's order (`DeMo.param_specs()`)."""
@@ -67,74 +69,15 @@ class Announcement:
     """Owners it saw serve a slice their verifier disagreed with -> the latest round it saw that in."""
 
 
-@dataclass(frozen=True)
-class Frozen:
-    """A round's frozen membership."""
-
-    deadline: float
-    """DHT time of the freeze: announcements at or before it are members."""
-    members: tuple[str, ...]
-    """Sorted peer ids."""
-    complete: bool
-    """Every expected peer announced before the timeout (False: some were dropped at the deadline)."""
-    settled: bool
-    """Final as soon as seen (every expected peer is in); otherwise final once read after deadline + latency."""
-    majority: bool = True
-    """Its members are more than half of the majority's base (`has_majority`): only then may the round
-    be applied. False: this peer is on a minority side (a partition) and waits."""
-
-
-@dataclass(frozen=True)
-class Staying:
-    """A round's expected peers and the base of its majority, less the peers that left (`staying`)."""
-
-    expected: frozenset[str] | None
-    previous: frozenset[str] | None
-
-
-def staying(expected: Iterable[str] | None, previous: Iterable[str] | None, announced: Collection[str],
-            left: Collection[str]) -> Staying:
-    """`expected` and `previous` (the base before `majority_base`) of a round, less the peers in `left` (they
-    said they leave the run before this round or one before it) that did not announce the round.
-
-    A peer that leaves says so itself, in a record only it can store, before the round it does not
-    announce: no partition can make it up. So it leaves the base at once, where a silent member leaves
-    only after `leave_after_s`: the last member of a run whose other members all left goes on alone. A
-    peer that read the record and one that did not yet freeze the same members (it announced nothing);
-    their bases may differ by it until the record arrives. None stays None (the first round; no base).
-    """
-    gone = set(left) - set(announced)
-    return Staying(None if expected is None else frozenset(expected) - gone,
-                   None if previous is None else frozenset(previous) - gone)
-
-
 def has_majority(members: Iterable[str], base: Collection[str] | None) -> bool:
     """Whether `members` hold more than half of `base` (None or empty: no base yet, e.g. the first round).
 
-    The base is the previous round's members (`majority_base`): two sides of a partition cannot both
-    hold more than half of it, so at most one side applies rounds.
+    The base is the previous round's members (`freeze_rules.majority_base`): two sides of a partition
+    cannot both hold more than half of it, so at most one side applies rounds.
     """
     if not base:
         return True
     return 2 * len(set(base).intersection(members)) > len(base)
-
-
-def majority_base(previous: Iterable[str], last_seen: Mapping[str, float], *, now: float,
-                  leave_after_s: float) -> frozenset[str]:
-    """The peers a round's majority is counted over: the previous round's members, less those not heard
-    from for `leave_after_s` (DHT time).
-
-    Joiners admitted to a round are not in its base: they count from the round after (they are then
-    its previous round's members). Dropping the silent ones lets a run that really lost most of its
-    peers go on; it also lets a minority that waits longer than `leave_after_s` go on alone.
-
-    Args:
-        previous: the members of the previous round.
-        last_seen: peer -> the DHT time of its latest announcement this peer read (absent: never).
-        now: the DHT time now.
-        leave_after_s: how long a silent member stays in the base.
-    """
-    return frozenset(p for p in previous if now - last_seen.get(p, -math.inf) <= leave_after_s)
 
 
 def next_base(base: Collection[str] | None, members: Iterable[str], contributors: Iterable[str]) -> frozenset[str]:
@@ -158,66 +101,6 @@ def next_base(base: Collection[str] | None, members: Iterable[str], contributors
     if not base or has_majority(contributors, base):
         return frozenset(members)
     return frozenset(base).union(members)
-
-
-def late_majority(announced: Mapping[str, Announcement], base: Collection[str],
-                  following: Collection[str] = ()) -> tuple[str, ...] | None:
-    """The members of a round that had no majority at its deadline, late announcements counted, if they
-    now hold a majority of `base` (None otherwise).
-
-    Peers that are all alive but announced more than a window apart (a heal, a slow store) would
-    otherwise wait on each other for ever. The round is too late for its exchange: the caller aborts it
-    and the next round goes on with these members.
-
-    `following`: peers registered to join the round after (`RoundBoard.joiners`). A member of the base
-    among them counts as here: it gave up its own rounds and loads the parameters from whoever admits
-    it. After a split healed, a side waiting a round behind the other (which applied the round the
-    split cut into and then waited too) sees the other's head past its own and registers; the side
-    ahead then holds a majority and admits it. The members returned are the announced ones only.
-    """
-    members = tuple(sorted(announced))
-    return members if has_majority(set(members).union(following), base) else None
-
-
-def freeze(announced: Mapping[str, Announcement], *, expected: Iterable[str] | None, start_peers: int,
-           window_s: float, base: Collection[str] | None = None) -> Frozen | None:
-    """The membership of a round from its announcements; the same on every peer that sees the same records.
-
-    With `expected` (the previous round's members plus the joiners admitted for this round), the
-    round is complete once all of them announced: its members are exactly them, decided as soon as
-    a peer sees their records. Without (the first round), it is complete once `start_peers` peers
-    announced, however long that takes (deadline inf until then). Otherwise it freezes `window_s`
-    after the first announcement with whoever announced by then. Every answer but an
-    expected-complete one is final only when read once the DHT time is past `deadline` plus the
-    store latency the caller allows (records stored before the deadline are visible by then):
-    `Frozen.settled` says which.
-
-    With `base` (`majority_base`), `Frozen.majority` says whether the members hold more than half of
-    it. A complete round without a majority is not decided early: it freezes at the deadline with
-    whoever announced by then (peers that announced without being expected count too).
-
-    Returns:
-        None when nobody has announced yet.
-    """
-    if not announced:
-        return None
-    times = sorted(a.t for a in announced.values())
-    timeout_at = times[0] + window_s
-    if expected is not None:
-        want = set(expected)
-        if want and want <= set(announced) and has_majority(want, base):
-            complete_at = max(announced[p].t for p in want)
-            if complete_at <= timeout_at:
-                return Frozen(deadline=complete_at, members=tuple(sorted(want)), complete=True, settled=True)
-    elif len(times) >= start_peers:
-        complete_at = times[start_peers - 1]
-        members = tuple(sorted(p for p, a in announced.items() if a.t <= complete_at))
-        return Frozen(deadline=complete_at, members=members, complete=True, settled=False)
-    else:  # the first round waits for its start_peers (the caller bounds the wait)
-        return Frozen(deadline=math.inf, members=(), complete=False, settled=False)
-    members = tuple(sorted(p for p, a in announced.items() if a.t <= timeout_at))
-    return Frozen(deadline=timeout_at, members=members, complete=False, settled=False,
-                  majority=has_majority(members, base))
 
 
 def majority_digest(digests: Mapping[str, str]) -> str:
@@ -387,7 +270,7 @@ class SlicePlan:
             shape = (sum(p.hi - p.lo for p in pieces) * h, w)
             idx = [c.idx[p.lo:p.hi] for p, c in zip(pieces, cs, strict=True)]  # (R, K) each
             val = [c.val[p.lo:p.hi] for p, c in zip(pieces, cs, strict=True)]
-            scale = scales[0] if len(cs) == 1 or scales[0] is None else torch.cat(scales)
+            scale = scales[0] if len(cs) == 1 or scales[0] is None else torch.cat(cast(list[torch.Tensor], scales))
             tensors[name] = Compressed(idx=idx[0] if len(idx) == 1 else torch.cat(idx),
                                        val=val[0] if len(val) == 1 else torch.cat(val),
                                        shape=shape, chunk=(h, w), scale=scale)

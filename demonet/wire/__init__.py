@@ -25,10 +25,10 @@ from .codec import (
     VALUE_CODINGS,
     VERSION,
     Expected,
-    decode,
     encode,
     encode_many,
 )
+from .inbound import decode
 from .parts import DEFAULT_PART_BYTES, MAX_PARTS, Reassembler, split
 from .report import index_bits_report, payload_bytes
 

@@ -28,7 +28,7 @@ async def _ahead() -> None:
     import torch
 
     from demonet._proto import demonet_pb2 as pb
-    from demonet.dht.streams import now
+    from demonet.dht.deadlines import now
     from demonet.optim import Payload
     from tests.payloads import random_payload
 

@@ -32,8 +32,8 @@ async def _intrude(maddr: str, victim: str, other: str, keys: dict[str, str], se
     import asyncio
 
     from demonet._proto import demonet_pb2 as pb
+    from demonet.dht.deadlines import now
     from demonet.dht.gatherer import DhtGatherer, DhtOptions
-    from demonet.dht.streams import now
     from demonet.errors import PeerUnavailable
 
     opts = DhtOptions(run="keys", token=TOKEN, initial_peers=(maddr,), host_maddrs=("/ip4/127.0.0.1/tcp/0",),

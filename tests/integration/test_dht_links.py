@@ -120,8 +120,10 @@ async def _hellos() -> None:
 
     from demonet._proto import demonet_pb2 as pb
     from demonet.dht import keys, links, rules
+    from demonet.dht.deadlines import now
     from demonet.dht.gatherer import DhtGatherer, DhtOptions
-    from demonet.dht.streams import HmacValidator, KeyValidator, Reply, now
+    from demonet.dht.streams import Reply
+    from demonet.dht.validators import HmacValidator, KeyValidator
     from demonet.errors import PeerUnavailable
     from demonet.wire.identity import Identity
 

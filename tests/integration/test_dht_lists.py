@@ -31,7 +31,7 @@ async def _lists() -> None:
 
     import torch
 
-    from demonet.dht.streams import now
+    from demonet.dht.deadlines import now
     from tests.payloads import random_payload
 
     specs = {"w": ((64, 64), (16, 16)), "b": ((64,), (1, 64))}

@@ -27,7 +27,7 @@ async def _owners() -> None:
 
     from demonet.dht import rules
     from demonet.dht.ahead import encode_parts
-    from demonet.dht.streams import now
+    from demonet.dht.deadlines import now
     from demonet.optim import Payload
     from demonet.wire.merge import decode_contribution, merge
     from tests.payloads import random_payload

@@ -50,7 +50,7 @@ def _count_finds() -> None:
 
 async def _three_nodes() -> dict[str, Any]:
     from demonet.dht.node import DhtNode
-    from demonet.dht.streams import DhtOptions
+    from demonet.dht.options import DhtOptions
 
     _count_finds()
 

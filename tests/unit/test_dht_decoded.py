@@ -17,9 +17,10 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.dht import exchange, round_state, rules
 from demonet.dht.ahead import encode_parts
+from demonet.dht.deadlines import now
 from demonet.dht.exchange import SliceExchange
+from demonet.dht.options import DhtOptions
 from demonet.dht.round_state import RoundState, decode_part
-from demonet.dht.streams import DhtOptions, now
 from demonet.errors import InvalidPayload
 from demonet.optim import Payload
 from demonet.wire import merge as merging

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from demonet.dht.exchange import SliceExchange
+from demonet.dht.options import DhtOptions
 from demonet.dht.round_state import RoundState
-from demonet.dht.streams import DhtOptions
 
 
 def _exchange() -> SliceExchange:
@@ -102,7 +102,7 @@ async def test_a_peer_that_let_a_call_time_out_is_not_asked_again_in_the_round()
     at once) still is asked."""
     import hashlib
 
-    from demonet.dht.streams import NoAnswer, now
+    from demonet.dht.deadlines import NoAnswer, now
     from demonet.errors import PeerUnavailable
 
     ex = _exchange()  # peer "a"
@@ -147,7 +147,7 @@ async def test_the_verifiers_early_answer_names_the_parts_it_merged(c_is: str) -
 
     from demonet import wire
     from demonet.dht import rules
-    from demonet.dht.streams import now
+    from demonet.dht.deadlines import now
     from tests.payloads import random_payload
 
     specs = {"w": ((32, 32), (8, 8)), "b": ((32,), (1, 32))}

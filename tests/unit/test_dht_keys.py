@@ -82,7 +82,7 @@ def test_the_record_validator_refuses_a_forged_or_altered_record() -> None:
     from hivemind.dht.validation import DHTRecord
     from hivemind.utils import MSGPackSerializer
 
-    from demonet.dht.streams import KeyValidator
+    from demonet.dht.validators import KeyValidator
 
     def record(peer: str, key: Identity, value: bytes = b"v") -> DHTRecord:
         return DHTRecord(b"k" * 20, MSGPackSerializer.dumps(subkey(peer, key.public)), value, 123.0)
@@ -107,7 +107,7 @@ def test_a_record_stored_by_its_own_peers_proven_call_is_taken_without_its_signa
     from hivemind.dht.validation import DHTRecord
     from hivemind.utils import MSGPackSerializer
 
-    from demonet.dht.streams import VOUCHED, KeyValidator
+    from demonet.dht.validators import VOUCHED, KeyValidator
 
     def record(peer: str, key: Identity) -> DHTRecord:  # signed by nobody: a wrong signature's bytes
         return DHTRecord(b"k" * 20, MSGPackSerializer.dumps(subkey(peer, key.public)), b"v" + bytes(64), 123.0)
@@ -128,7 +128,8 @@ def test_a_record_stored_by_its_own_peers_proven_call_is_taken_without_its_signa
 def test_a_stream_message_counts_only_under_its_senders_key() -> None:
     pytest.importorskip("hivemind")
     from demonet._proto import demonet_pb2 as pb
-    from demonet.dht.streams import DhtOptions, Streams
+    from demonet.dht.options import DhtOptions
+    from demonet.dht.streams import Streams
 
     opts = DhtOptions(run="r", token="t")
     book = KeyBook(("b", B.public))

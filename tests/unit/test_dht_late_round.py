@@ -17,7 +17,7 @@ import pytest
 from demonet.dht.board import FrozeWithout, RoundBoard
 from demonet.dht.exchange import Exchanged
 from demonet.dht.gatherer import DhtGatherer
-from demonet.dht.streams import DhtOptions
+from demonet.dht.options import DhtOptions
 from demonet.transport import NotMember
 from tests.unit.test_dht_majority import _FakeNode
 

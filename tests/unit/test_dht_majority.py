@@ -13,16 +13,9 @@ from typing import Any
 import pytest
 
 from demonet.dht.board import RoundBoard
-from demonet.dht.rules import (
-    Announcement,
-    freeze,
-    has_majority,
-    late_majority,
-    majority_base,
-    next_base,
-    staying,
-)
-from demonet.dht.streams import DhtOptions
+from demonet.dht.freeze_rules import freeze, late_majority, majority_base, staying
+from demonet.dht.options import DhtOptions
+from demonet.dht.rules import Announcement, has_majority, next_base
 from demonet.transport import NotMember
 
 
@@ -253,7 +246,7 @@ def test_base_members_registered_to_join_the_next_round_count_for_a_late_majorit
 
 
 def test_registrations_are_read_with_the_freeze_and_keep_a_resyncing_peers_announcement() -> None:
-    from demonet.dht.streams import now
+    from demonet.dht.deadlines import now
 
     records: dict[str, dict[str, dict[str, Any]]] = {}
     board, node = _board(records, 5)
@@ -279,7 +272,7 @@ def test_registrations_are_read_with_the_freeze_and_keep_a_resyncing_peers_annou
 
 
 def _announce(records: dict[str, dict[str, dict[str, Any]]], peer: str, r: int) -> None:
-    from demonet.dht.streams import now
+    from demonet.dht.deadlines import now
 
     records.setdefault(f"members/{r}", {})[peer] = {"t": now(), "digest": "d", "address": "addr-" + peer,
                                                      "client": False}

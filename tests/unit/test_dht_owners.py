@@ -11,7 +11,7 @@ import torch
 
 from demonet.config import load_config
 from demonet.dht import rules
-from demonet.dht.streams import DhtOptions
+from demonet.dht.options import DhtOptions
 from demonet.optim.payload import num_chunks
 from demonet.train.trainer import Trainer
 

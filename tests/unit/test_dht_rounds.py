@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from demonet import wire
+from demonet.dht.freeze_rules import freeze
 from demonet.dht.rules import (
     Announcement,
     SlicePlan,
-    freeze,
     majority_digest,
     members_digest,
     param_ranges,
