@@ -11,9 +11,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -128,14 +129,14 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
         logger.info("[coordinator] dashboard on %s (no token needed to view it)", web[1])
         if on_dashboard is not None:
             on_dashboard(web[1])
-    ticker = asyncio.create_task(servicer.tick_forever())
-    finished = asyncio.create_task(servicer.finished.wait())
+    ticker = asyncio.create_task(servicer.core.tick_forever())
+    finished = asyncio.create_task(servicer.core.finished.wait())
     stopped = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({finished, stopped, ticker}, return_when=asyncio.FIRST_COMPLETED)
         if ticker.done() and not ticker.cancelled() and (bug := ticker.exception()) is not None:
             raise bug  # the round loop failed (a bug, or a bug in the state writer): crash, do not hang
-        if servicer.finished.is_set() and not stop.is_set():
+        if servicer.core.finished.is_set() and not stop.is_set():
             logger.info("[coordinator] the run's %d rounds are done; serving the last aggregate for %.0f s",
                         opts.total_rounds, linger_s)
             await asyncio.wait({stopped}, timeout=linger_s)
@@ -144,15 +145,15 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         for task in (ticker, finished, stopped):
             task.cancel()
-        if servicer.advancing is not None:  # a published round's apply (shielded): its digest and its state
-            await asyncio.wait({servicer.advancing})
+        if servicer.core.advancing is not None:  # a published round's apply (shielded): its digest and its state
+            await asyncio.wait({servicer.core.advancing})
         if web is not None:
             web[0].close()
         await server.stop(grace=3.0)
-        if servicer.persister is not None:  # the newest round's state, before the process exits
-            await servicer.persist_last()
-            await servicer.persister.flush()
-        logger.info("[coordinator] stopped at round %d", servicer.rounds.round)
+        if servicer.core.persister is not None:  # the newest round's state, before the process exits
+            await servicer.core.persist_last()
+            await servicer.core.persister.flush()
+        logger.info("[coordinator] stopped at round %d", servicer.core.rounds.round)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -236,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
 
     coro = serve(cfg, opts, listen=args.listen, http=http, tls=tls, on_listening=announce,
                  on_dashboard=announce_dashboard)
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

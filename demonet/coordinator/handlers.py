@@ -1,35 +1,20 @@
-"""The coordinator's gRPC method table: request parsers that never raise, size caps checked before parsing,
-and the deadline of a Submit stream's parts.
+"""The coordinator's gRPC method table: request parsers that never raise, and size caps checked before parsing.
 
-Imports grpc and the generated messages; the servicer (demonet.coordinator.server) answers what they give it.
+Imports grpc, the generated messages and the leaf `demonet.coordinator.parts`; the servicer
+(demonet.coordinator.server) answers what they give it, and is passed in, never imported.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from demonet._proto import demonet_pb2 as pb
 
-if TYPE_CHECKING:
-    from .server import CoordinatorServicer
+from .parts import Malformed
 
-__all__ = ["Malformed", "StreamEnd", "add_to_server", "parts_until"]
-
-
-@dataclass(frozen=True)
-class Malformed:
-    """A request whose bytes are not the message its RPC takes; the RPC refuses it with INVALID_ARGUMENT."""
-
-    message: str
-    error: str
-
-    def __str__(self) -> str:
-        return f"the request is not a valid {self.message} message ({self.error})"
+__all__ = ["add_to_server"]
 
 
 _SMALL_REQUEST_BYTES = 4096
@@ -50,8 +35,9 @@ def _parser(cls: Any, max_bytes: int | None = _SMALL_REQUEST_BYTES) -> Any:
     return parse
 
 
-def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> None:
-    """Register the servicer as the generated code does, with request parsers that never raise."""
+def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
+    """Register the servicer (a `demonet.coordinator.server.CoordinatorServicer`) as the generated code does,
+    with request parsers that never raise."""
     handlers = {
         "Challenge": grpc.unary_unary_rpc_method_handler(
             servicer.Challenge, request_deserializer=_parser(pb.ChallengeRequest),
@@ -80,31 +66,3 @@ def add_to_server(servicer: CoordinatorServicer, server: grpc.aio.Server) -> Non
     }
     name = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-
-
-class StreamEnd:
-    """When one Submit stream ends at the latest (event-loop time); `end_now` when its round closes."""
-
-    def __init__(self, at: float) -> None:
-        self.at = at
-        self.waiting: asyncio.Timeout | None = None  # the wait for the stream's next part
-
-    def end_now(self) -> None:
-        self.at = asyncio.get_running_loop().time()
-        if self.waiting is not None:
-            self.waiting.reschedule(self.at)
-
-
-async def parts_until(parts: AsyncIterator[Any], ends: StreamEnd) -> AsyncIterator[Any]:
-    """The parts of a Submit stream until `ends`: then TimeoutError, and the stream (and its bytes) let go.
-    Each wait is bounded on its own, so that nothing but the wait for a part is ever interrupted."""
-    iterator = aiter(parts)
-    while True:
-        try:
-            async with asyncio.timeout_at(ends.at) as ends.waiting:
-                part = await anext(iterator)
-        except StopAsyncIteration:
-            return
-        finally:
-            ends.waiting = None
-        yield part

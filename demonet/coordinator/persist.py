@@ -20,7 +20,7 @@ from demonet.errors import DemonetError
 from .metrics import Metrics
 from .state import STATE_FILE, write_state
 
-__all__ = ["Persister", "Snapshot", "StateNotSaved"]
+__all__ = ["HandOff", "Persister", "Snapshot", "StateNotSaved"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,3 +167,32 @@ class Persister:
         self._bug = task.exception()
         logger.critical("[coordinator] the state writer failed; the next round close raises it",
                         exc_info=self._bug)
+
+
+class HandOff:
+    """What a coordinator gives its `Persister` after each applied round: the snapshot taken with the apply, or,
+    where none was due, the round to snapshot at the end of the run (`last`).
+
+    Args:
+        persister: the writer.
+    """
+
+    def __init__(self, persister: Persister) -> None:
+        self.persister = persister
+        self._unsaved: tuple[int, dict[str, Any]] | None = None
+        """The round the state would start after the last closed round, and the state file's extras as of its
+        close, where its state was not snapshotted (the writer was busy, or wrote less than `every_s` ago)."""
+
+    def applied(self, round: int, extra: dict[str, Any], body: dict[str, Any] | None) -> None:
+        """Round `round` - 1 is applied: `body` is the parameters' snapshot taken with it (None: none was due)."""
+        self._unsaved = None if body is not None else (round, extra)
+        if body is not None:
+            self.persister.submit(Snapshot(round, {**body, **extra}))
+
+    async def last(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        """Hand the writer the state of the last closed round where its apply did not (at the end of the run,
+        with no apply in flight: `snapshot()` is still that round's)."""
+        if self._unsaved is None:
+            return
+        (round, extra), self._unsaved = self._unsaved, None
+        self.persister.submit(Snapshot(round, {**await asyncio.to_thread(snapshot), **extra}))

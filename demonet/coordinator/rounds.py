@@ -6,11 +6,12 @@ call, so tests drive it with a fake clock. The coordinator wraps one `Rounds` in
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ClosedRound", "RoundConfig", "Rounds", "SubmitRejected"]
+__all__ = ["ClosedRound", "Refusal", "RoundConfig", "Rounds", "SubmitRejected"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +54,39 @@ class ClosedRound:
     aborted: bool
 
 
+class Refusal(enum.StrEnum):
+    """Why a coordinator did not take a call's payload or request: the one list both coordinators answer with
+    (the gRPC servicer as a `Refusal` of proto/demonet.proto, the in-process one as the peer's exception)."""
+
+    STALE = "stale"
+    """The round is closed: continue from the open one."""
+    FUTURE = "future"
+    """The round has not opened (a coordinator that lost its state): join again."""
+    NOT_MEMBER = "not_member"
+    """Not a member of the round: join again."""
+    DUPLICATE = "duplicate"
+    """This very payload is in already (a retry whose first try got in)."""
+    CONFLICT = "conflict"
+    """Another payload of the peer for the round is in."""
+    RESYNC = "resync"
+    """The peer's parameter digest differs from the canonical one: download the parameters."""
+    INVALID = "invalid"
+    """The payload failed validation."""
+    BUSY = "busy"
+    """Another stream of the peer for the round is open, or the bytes in flight are spent: try again soon."""
+
+
 class SubmitRejected(Exception):
-    """A submission that does not belong to the open round (not an error of the coordinator).
+    """A submission or request the coordinator does not take (not an error of the coordinator), and why."""
 
-    `kind` is one of "stale", "future", "not_member", "duplicate".
-    """
-
-    def __init__(self, reason: str, kind: str) -> None:
+    def __init__(self, reason: str, kind: Refusal) -> None:
         super().__init__(reason)
         self.reason = reason
         self.kind = kind
 
     @property
     def stale(self) -> bool:
-        return self.kind == "stale"
+        return self.kind == Refusal.STALE
 
 
 @dataclass
@@ -173,15 +193,15 @@ class Rounds:
         that has not opened: it joins again and does the open round over.
         """
         if round < self.round:
-            raise SubmitRejected(f"round {round} is closed; the open round is {self.round}", "stale")
+            raise SubmitRejected(f"round {round} is closed; the open round is {self.round}", Refusal.STALE)
         if peer_id not in self.members:
-            raise SubmitRejected(f"{peer_id} is not a member of round {self.round}", "not_member")
+            raise SubmitRejected(f"{peer_id} is not a member of round {self.round}", Refusal.NOT_MEMBER)
         if round > self.round + (early and peer_id in self.submitted):
             after = (f" (a payload for round {round} comes after {peer_id}'s payload for round {self.round}, "
                      "which is not in)" if early and round == self.round + 1 else "")
-            raise SubmitRejected(f"round {round} has not opened; the open round is {self.round}{after}", "future")
+            raise SubmitRejected(f"round {round} has not opened; the open round is {self.round}{after}", Refusal.FUTURE)
         if round == self.round and peer_id in self.submitted:
-            raise SubmitRejected(f"{peer_id} already submitted for round {round}", "duplicate")
+            raise SubmitRejected(f"{peer_id} already submitted for round {round}", Refusal.DUPLICATE)
 
     def due(self, now: float) -> bool:
         """Whether the open round should close now (after dropping the peers that went silent)."""

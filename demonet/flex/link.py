@@ -148,7 +148,7 @@ class NodeLink:
             specs = {name: (c.shape, c.chunk) for name, c in node_payload.tensors.items()}
             return result, specs
 
-        outcome = None
+        outcome: tuple[str, Any] | None = None
         if self.inner is not None:
             try:
                 result, specs = await submit(self.inner)

@@ -225,7 +225,7 @@ class Trainer(DeMoSteps):
         for _ in range(self.accumulate):
             with autocast(self.device, self.options.precision):
                 loss = self.loss(self.model, to_device(next(self.batches), self.device))
-            (loss / self.accumulate).backward()
+            (loss / self.accumulate).backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach())
         return total / self.accumulate
 

@@ -22,7 +22,8 @@ from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload
 
 __all__ = ["Digest", "EncodesAhead", "Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Parameters",
-           "Rejected", "Resync", "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive", "known"]
+           "Rejected", "Resync", "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive", "known",
+           "refusal_error"]
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 """A model's parameters as name -> (shape, dtype), in order: what a parameter download must fit."""
@@ -218,6 +219,29 @@ class StaleRound(Rejected):
     def __init__(self, message: str, *, open_round: int) -> None:
         super().__init__(message)
         self.open_round = open_round
+
+
+def refusal_error(kind: str, reason: str, *, round: int, open_round: int) -> Rejected | None:
+    """What a coordinator's refusal of this peer's payload for `round` means for the peer: the one mapping of
+    every coordinator client (gRPC and in-process). `kind` is the refusal's name, as proto/demonet.proto's
+    `Refusal` has it without its prefix, lower case ("stale", "future", ...).
+
+    Returns:
+        None where the payload is in after all ("duplicate": a retry whose first try got in); else the error
+        that sends the peer to get back in step.
+
+    Raises:
+        RuntimeError: "invalid" or "conflict": this peer sent what no correct peer sends (a bug: crash).
+    """
+    if kind == "duplicate":
+        return None
+    if kind == "resync":
+        return Resync(f"round {round}: {reason or 'parameter digest differs from the canonical one'}")
+    if kind in ("not_member", "future"):  # future: a coordinator that lost its state
+        return NotMember(f"round {round}: {reason}")
+    if kind in ("stale", "busy"):  # busy past the retries: past the round's deadline by now
+        return StaleRound(f"round {round}: {reason}", open_round=open_round)
+    raise RuntimeError(f"the coordinator refused this peer's payload for round {round} ({kind}): {reason}")
 
 
 CATCH_UP_MIN_S = 30.0

@@ -11,7 +11,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -34,7 +33,15 @@ from demonet.wire.signed import (
     submit_parts,
 )
 
-from . import Digest, JoinInfo, NotMember, Rejected, Resync, RoundResult, StaleRound, grpc_retry
+from . import Digest, JoinInfo, NotMember, Rejected, RoundResult, StaleRound, grpc_retry, refusal_error
+from .grpc_replies import (
+    CoordinatorStatus,
+    StreamedAggregate,
+    coordinator_status,
+    drop_early,
+    join_info,
+    read_aggregate,
+)
 
 __all__ = ["CoordinatorStatus", "GrpcClient"]
 
@@ -54,58 +61,6 @@ coordinator) fails at once and is tried again after the short backoff all the sa
 _MAX_MESSAGE_BYTES = 64 << 20  # parts are 2 MiB; room for a coordinator that cuts larger ones
 _BUSY_FIRST_S = 0.1
 """The first wait before a Submit refused BUSY is sent again; each next one doubles, up to 1 s."""
-
-
-@dataclass(frozen=True)
-class _Aggregate:
-    """A GetAggregate stream up to its decoded aggregate, with `time.perf_counter()` at each step; the
-    trailer (the canonical digest) is still being read by `trailer`."""
-
-    header: Any  # pb.AggregateHeader
-    data: bytes  # the serialized aggregate (empty when aborted)
-    aggregate: Payload | None  # `data` decoded (None when aborted)
-    header_at: float
-    parts_at: float  # the last part came (the header's time when aborted)
-    decoded_at: float
-    trailer: asyncio.Task[str]
-
-
-@dataclass(frozen=True)
-class CoordinatorStatus:
-    """The coordinator's StatusReply, as plain values."""
-
-    round: int
-    phase: str
-    members: tuple[str, ...]
-    submitted: int
-    seconds_left: float
-    param_digest: str
-    bytes_up: int
-    bytes_down: int
-    last_loss: float
-    rounds_closed: int
-    rounds_aborted: int
-    rejected: int
-    resyncs: int
-    """Members that downloaded the whole parameters again because their digest differed."""
-
-
-def _retrieved(task: asyncio.Task[Any]) -> None:
-    """A trailer task nobody awaited (the round was abandoned): its error is not worth a warning."""
-    if not task.cancelled():
-        task.exception()
-
-
-def _drop_early(early: asyncio.Task[_Aggregate]) -> None:
-    """Call off a GetAggregate sent beside a Submit that failed: the call, or the trailer of an aggregate it
-    had already received (a round that closed without this payload)."""
-    early.cancel()
-
-    def drop(task: asyncio.Task[_Aggregate]) -> None:
-        if not task.cancelled() and task.exception() is None:
-            task.result().trailer.cancel()
-
-    early.add_done_callback(drop)
 
 
 class GrpcClient:
@@ -220,22 +175,8 @@ class GrpcClient:
         reply = await self._call("Join", attempt)
         if not probe:
             self._session = reply.session
-        try:
-            run_config = json.loads(reply.run_config)
-        except json.JSONDecodeError as e:
-            raise InvalidPayload(f"Join: run_config is not JSON: {e}") from None
-        if not isinstance(run_config, dict):
-            raise InvalidPayload("Join: run_config should be a JSON object")
-        try:
-            listed = json.loads(reply.param_specs) if reply.param_specs else None
-            specs = tuple((str(n), tuple(int(d) for d in s), str(t)) for n, s, t in listed) if listed else None
-        except (ValueError, TypeError) as e:
-            raise InvalidPayload(f"Join: param_specs is not a list of [name, shape, dtype]: {e}") from None
         self.round_timeout_s = reply.round_timeout_s
-        return JoinInfo(peer_id=reply.peer_id or self.peer_id, round=int(reply.round), run_config=run_config,
-                        data_seed=int(reply.data_seed), round_timeout_s=float(reply.round_timeout_s),
-                        heartbeat_interval_s=float(reply.heartbeat_interval_s), total_rounds=int(reply.total_rounds),
-                        param_specs=specs)
+        return join_info(reply, self.peer_id)
 
     async def heartbeat(self, round: int) -> tuple[int, bool]:
         """Tell the coordinator this peer works on `round`.
@@ -267,12 +208,7 @@ class GrpcClient:
         """The coordinator's open round, members and counters."""
         reply = await self._call("Status", lambda: self._stub.Status(pb.StatusRequest(), metadata=self._metadata,
                                                                      timeout=self.call_timeout_s))
-        return CoordinatorStatus(
-            round=int(reply.round), phase=reply.phase, members=tuple(reply.members), submitted=int(reply.submitted),
-            seconds_left=float(reply.seconds_left), param_digest=reply.param_digest, bytes_up=int(reply.bytes_up),
-            bytes_down=int(reply.bytes_down), last_loss=float(reply.last_loss),
-            rounds_closed=int(reply.rounds_closed), rounds_aborted=int(reply.rounds_aborted),
-            rejected=int(reply.rejected), resyncs=int(reply.resyncs))
+        return coordinator_status(reply)
 
     async def status_document(self) -> dict[str, Any]:
         """The coordinator's dashboard document (docs/dashboard.md): the run, recent rounds, members, refusals.
@@ -351,8 +287,10 @@ class GrpcClient:
         expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
         beside = isinstance(param_digest, str)
 
-        def aggregate() -> Awaitable[_Aggregate]:  # a retry once the Submit has ended is a plain call again
-            return self._aggregate(round, expected, submitting=beside and not ended.is_set())
+        def aggregate() -> Awaitable[StreamedAggregate]:  # a retry once the Submit has ended is a plain call again
+            return read_aggregate(self._stub.GetAggregate(pb.AggregateRequest(
+                peer_id=self.peer_id, round=round, submitting=beside and not ended.is_set()),
+                metadata=self._metadata, timeout=self.wait_timeout_s), round, expected)
 
         early = asyncio.create_task(self._call(f"GetAggregate({round})", aggregate)) if beside else None
         try:
@@ -361,7 +299,7 @@ class GrpcClient:
             param_digest = await self._submit(round, data, loss=loss, param_digest=param_digest)
         except BaseException:
             if early is not None:
-                _drop_early(early)
+                drop_early(early)
             raise
         finally:
             ended.set()
@@ -418,7 +356,7 @@ class GrpcClient:
             for part in parts:
                 yield part
             # The digest once the peer has it: the stream waits for it.
-            waiting = asyncio.ensure_future(replied.wait())
+            waiting: asyncio.Future[Any] = asyncio.ensure_future(replied.wait())
             try:
                 await asyncio.wait({digest, waiting}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -446,77 +384,13 @@ class GrpcClient:
             logger.info("[%s] Submit(%d): %s; trying again in %.1f s", self.peer_id, round, reply.reason, busy_s)
             await asyncio.sleep(busy_s)
             busy_s = min(2 * busy_s, 1.0)
-        if reply.refusal == pb.REFUSAL_BUSY:  # past the round's deadline by now: the round is over for it
-            raise StaleRound(f"round {round}: {reply.reason}", open_round=int(reply.open_round))
-        if reply.accepted or reply.refusal == pb.REFUSAL_DUPLICATE:  # duplicate: a retry whose first try got in
+        if reply.accepted:
             return param_digest if isinstance(param_digest, str) else param_digest.result()
-        if reply.refusal == pb.REFUSAL_RESYNC or reply.resync:
-            raise Resync(f"round {round}: {reply.reason or 'parameter digest differs from the canonical one'}")
-        if reply.refusal in (pb.REFUSAL_NOT_MEMBER, pb.REFUSAL_FUTURE):  # future: a coordinator that lost its state
-            raise NotMember(f"round {round}: {reply.reason}")
-        if reply.refusal == pb.REFUSAL_STALE:
-            raise StaleRound(f"round {round}: {reply.reason}", open_round=int(reply.open_round))
-        raise RuntimeError(f"the coordinator refused this peer's payload for round {round}: {reply.reason}")
-
-    async def _aggregate(self, round: int, expected: Mapping[str, tuple[tuple[int, ...], tuple[int, int]]], *,
-                         submitting: bool = False) -> _Aggregate:
-        """One GetAggregate stream: the header and the parts of the aggregate (none if aborted), decoded; a
-        task goes on reading its trailer (`_trailer`), which comes once the coordinator applied the round.
-        `submitting`: this peer's Submit of the round is on its way beside the call."""
-        header, data, header_at, parts_at = None, b"", 0.0, 0.0
-        parts = wire.Reassembler()
-        call = self._stub.GetAggregate(pb.AggregateRequest(peer_id=self.peer_id, round=round, submitting=submitting),
-                                       metadata=self._metadata, timeout=self.wait_timeout_s)
-        stream = aiter(call)
-        while header is None or not (header.aborted or data):
-            chunk = await anext(stream, None)
-            kind = None if chunk is None else chunk.WhichOneof("kind")
-            if kind == "header" and header is None:
-                header, header_at = chunk.header, time.perf_counter()
-                if header.round != round:
-                    raise InvalidPayload(f"GetAggregate({round}): the header is for round {header.round}")
-                parts_at = header_at
-            elif kind == "part" and header is not None and not header.aborted:
-                whole = parts.add(chunk.part)
-                if whole is not None:
-                    data, parts_at = whole, time.perf_counter()
-            elif chunk is None:
-                raise InvalidPayload(f"GetAggregate({round}): the stream ended before the aggregate was whole")
-            else:
-                raise InvalidPayload(f"GetAggregate({round}): unexpected {kind} in the stream")
-        trailer = asyncio.create_task(self._trailer(round, stream))
-        trailer.add_done_callback(_retrieved)
-        try:
-            aggregate = None
-            if not header.aborted:
-                # A small aggregate is decoded here: a trip to a worker thread would cost more than the decode.
-                step, aggregate = (wire.decode(data, expected=expected) if len(data) <= wire.INLINE_DECODE_BYTES
-                                   else await asyncio.to_thread(wire.decode, data, expected=expected))
-                if step != round:
-                    raise InvalidPayload(f"GetAggregate({round}): the aggregate is for round {step}")
-        except BaseException:
-            trailer.cancel()
-            raise
-        return _Aggregate(header, data, aggregate, header_at, parts_at, time.perf_counter(), trailer)
-
-    async def _trailer(self, round: int, stream: AsyncIterator[Any]) -> str:
-        """The rest of a GetAggregate stream: the trailer's canonical digest, then the stream's end.
-
-        Raises:
-            InvalidPayload: the stream broke off or was malformed; the caller cannot tell whether it is on
-                the canonical parameters (a coordinator that restarted between its publish and its apply).
-        """
-        try:
-            chunk = await anext(stream, None)
-            if chunk is None or chunk.WhichOneof("kind") != "trailer" or not chunk.trailer.param_digest:
-                raise InvalidPayload(f"GetAggregate({round}): no canonical digest after the aggregate")
-            async for extra in stream:
-                raise InvalidPayload(f"GetAggregate({round}): unexpected {extra.WhichOneof('kind')} after the "
-                                     "trailer")
-        except grpc.aio.AioRpcError as e:
-            raise InvalidPayload(f"GetAggregate({round}): the stream broke off before the canonical digest "
-                                 f"({e.code().name}: {e.details()})") from None
-        return str(chunk.trailer.param_digest)
+        kind = "resync" if reply.resync else pb.Refusal.Name(reply.refusal).removeprefix("REFUSAL_").lower()
+        error = refusal_error(kind, reply.reason, round=round, open_round=int(reply.open_round))
+        if error is not None:
+            raise error
+        return param_digest if isinstance(param_digest, str) else param_digest.result()
 
     async def close(self) -> None:
         """Close the channel; calls still open are cancelled."""

@@ -19,6 +19,8 @@ import demonet
 ROOT = Path(demonet.__file__).parent
 MATH = {"torch", "math", "dataclasses", "typing", "collections", "__future__", "functools", "decimal"}
 NETWORK = ("grpc", "grpc_health", "hivemind", "demonet._proto.demonet_pb2_grpc")
+GRPC_TRANSPORT = ("demonet.transport.grpc", "demonet.transport.grpc_retry", "demonet.transport.grpc_replies")
+"""The gRPC client's modules: the only transport modules that import grpc."""
 SERVICES = ("demonet.peer", "demonet.coordinator", "demonet.dht", "demonet.flex", "demonet.cli", "demonet.lab",
             "demonet.train.local", "demonet.joined")
 
@@ -60,7 +62,7 @@ def _violations(modules: tuple[str, ...], forbidden: tuple[str, ...], allowed: t
         if not _within(module, modules) or _within(module, allowed):
             continue
         bad += [f"{module} imports {name}" for name in sorted(_imports(path))
-                if _within(name, forbidden) and not _within(name, (module,))]
+                if _within(name, forbidden) and not _within(name, (module, *modules))]
     return bad
 
 
@@ -80,16 +82,15 @@ def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
     # The wire layer knows the math, the errors and its own messages: no network, no training, no service.
     (("demonet.wire",), NETWORK + ("asyncio", "demonet.transport", "demonet.train") + SERVICES, ()),
     # The training side (replica, loop, data, model) drives transports only through their protocols.
-    (("demonet.train",), NETWORK + ("demonet.transport.grpc", "demonet.transport.grpc_retry") + SERVICES,
+    (("demonet.train",), NETWORK + GRPC_TRANSPORT + SERVICES,
      ("demonet.train.local",)),
     # Built-in tasks are training code too: a peer that builds one pulls in no service.
     (("demonet.tasks",), NETWORK + ("demonet.transport",) + SERVICES, ()),
     # Transports import no service, and the protocols no network library.
     (("demonet.transport",), SERVICES + ("demonet.train", "hivemind"), ()),
-    (("demonet.transport",), NETWORK, ("demonet.transport.grpc", "demonet.transport.grpc_retry")),
+    (("demonet.transport",), NETWORK, GRPC_TRANSPORT),
     # DHT mode does not go through the gRPC transport; the coordinator knows nothing of the DHT.
-    (("demonet.dht",), ("grpc", "demonet.transport.grpc", "demonet.transport.grpc_retry", "demonet.coordinator",
-                        "demonet.peer"), ()),
+    (("demonet.dht",), ("grpc", *GRPC_TRANSPORT, "demonet.coordinator", "demonet.peer"), ()),
     (("demonet.coordinator",), ("hivemind", "demonet.dht", "demonet.peer", "demonet.flex"), ()),
     # Services do not import each other sideways.
     (("demonet.peer",), ("demonet.dht", "demonet.flex", "demonet.coordinator"), ()),
@@ -100,7 +101,7 @@ def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
     # What it and a DHT peer record is pure bookkeeping: no I/O loop, no network.
     (("demonet.dashboard.record", "demonet.dht.view"), NETWORK + ("asyncio",), ()),
     # The pure rules: no asyncio, no network, no torch.distributed.
-    (("demonet.coordinator.rounds", "demonet.dht.rules", "demonet.dht.keys"),
+    (("demonet.coordinator.rounds", "demonet.dht.rules", "demonet.dht.freeze_rules", "demonet.dht.keys"),
      NETWORK + ("asyncio", "torch.distributed") + SERVICES, ()),
 ])
 def test_imports_go_one_way(layer: tuple[str, ...], forbidden: tuple[str, ...], allowed: tuple[str, ...]) -> None:
@@ -120,3 +121,83 @@ def test_math_and_training_pull_in_no_network_code_at_run_time() -> None:
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "", f"pulled in {out.stdout.strip()}"
+
+
+
+def _demonet_imports(path: Path, module: str) -> set[str]:
+    """The demonet modules `module` imports by name, lazy and type-checking imports too: `from P import x` is P.x
+    where that is a module, else P (the parent packages Python imports first are not edges of their own)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in SOURCES)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                                + ([node.module] if node.module else []))
+            for a in node.names:
+                if f"{base}.{a.name}" in SOURCES:
+                    found.add(f"{base}.{a.name}")
+                elif base in SOURCES:
+                    found.add(base)
+    found.discard(module)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_package_has_an_import_cycle() -> None:
+    graph = {module: _demonet_imports(path, module) for module, path in SOURCES.items()}
+    assert not _cycles(graph)
+
+
+def test_the_cycle_check_sees_a_type_checking_import_and_finds_cycles(tmp_path: Path) -> None:
+    """The check above can fail: an import made only for type checking is an edge, and a cycle is found."""
+    path = tmp_path / "submit.py"
+    path.write_text("from typing import TYPE_CHECKING\n"
+                    "if TYPE_CHECKING:\n    from .server import CoordinatorServicer\n")
+    assert _demonet_imports(path, "demonet.coordinator.submit") == {"demonet.coordinator.server"}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set(), "c": {"c"}}) == []

@@ -95,9 +95,9 @@ class _Run:
 
         async def counted(*, probe: bool = False) -> Any:
             info = await join(probe=probe)
-            async with self.hub.cond:
+            async with self.hub.core.cond:
                 self.joins += not probe
-                self.hub.cond.notify_all()
+                self.hub.core.cond.notify_all()
             return info
 
         client.join = counted
@@ -107,7 +107,7 @@ class _Run:
         rejoining peer no matter how slowly the machine runs it (p0 alone would close rounds at once).
         A dropped peer's second join is what counts: with overlap p0 sends round `round` ahead while the
         faulty peer, not yet refused, is still a member of the round before."""
-        hub, gather = self.hub, client.gather
+        hub, gather = self.hub.core, client.gather
 
         async def held(r: int, payload: Payload, **kwargs: Any) -> Any:
             if r == round:
@@ -247,7 +247,7 @@ async def test_a_canonical_digest_that_comes_after_the_aggregate_is_checked_befo
                 await asyncio.sleep(0.05)
                 if later == "lost":
                     raise InvalidPayload("GetAggregate(2): the stream broke off before the canonical digest")
-                return "0" * 32 if later == "differs" else str(result.param_digest)
+                return "0" * 32 if later == "differs" else await result.canonical_digest()
             return dataclasses.replace(result, param_digest="", digest_later=asyncio.create_task(digest()))
 
         client.gather = later_digest

@@ -210,7 +210,7 @@ def _demonet(encoding: str, overlap: int = 0, lookahead: bool = True) -> Launche
 def _demonet_dht(encoding: str, verify: float | None = None) -> Launcher:
     def launch(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
         """demonet DHT mode: one host per peer and no coordinator; peer 0 starts the DHT, the others join it."""
-        from hivemind.p2p import P2P, PeerID
+        from hivemind.p2p import P2P, PeerID  # type: ignore[import-untyped]
 
         hosts = [lab.add_host(f"dn{r}", mbit=mbit) for r in range(setup.peers)]
         (out / "run.toml").write_text("\n".join([

@@ -1,0 +1,56 @@
+"""The terms the round core and its adapters speak in: the core's options, a submission handed to it, and an
+aggregate that cannot be had.
+
+Imports the math layer's `Payload` only; the core (`demonet.coordinator.core`) and both adapters import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from demonet.optim import Payload
+
+__all__ = ["KEEP_AGGREGATES", "AggregateGone", "CoreOptions", "Submission"]
+
+KEEP_AGGREGATES = 8
+"""Closed rounds whose aggregate a slow peer can still download."""
+
+
+class AggregateGone(Exception):
+    """A round's aggregate cannot be had (`resubmit`: the coordinator lost this member's payload for the open
+    round, which it still holds; else the round has not opened, or is too old: download the parameters)."""
+
+    def __init__(self, reason: str, *, resubmit: bool = False) -> None:
+        super().__init__(reason)
+        self.reason, self.resubmit = reason, resubmit
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoreOptions:
+    """What the core needs besides the run (the adapters' own options stay with them)."""
+
+    total_rounds: int = 0
+    """The run ends after this many rounds (0: no end)."""
+    state_dir: Path | None = None
+    """Where the state is persisted in the background once each round is published; None: in memory only."""
+    state_every_s: float = 0.0
+    """The least time between the starts of two state writes (0: after every round the writer is free for)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Submission:
+    """One member's payload for a round, read and decoded by an adapter, to be counted by `RoundCore.submit`."""
+
+    peer_id: str
+    round: int
+    payload: Payload
+    payload_digest: bytes
+    """The digest of the payload's bytes: a retry of the same payload is a duplicate, another one a conflict."""
+    param_digest: str
+    """The parameters the peer computed it from, checked against the canonical ones."""
+    loss: float
+    size: int
+    """Bytes of the serialized payload."""
+    stream_s: float = 0.0
+    """How long its bytes took to arrive (the sender's link speed, for the dashboard)."""
