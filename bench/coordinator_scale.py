@@ -1,9 +1,11 @@
 """Benchmark: one coordinator against 8 to 64 payload-only clients of the 10.8M-parameter model.
 
-Each client submits a real DeMo payload every round (no model compute) over gRPC on loopback. Per
-client count it prints the time from the last submission to the aggregate (merge + apply +
-persist), the whole round, bytes up/down per client, and the coordinator's resident memory.
-Run from the repo root: `python bench/coordinator_scale.py`. Prints a table; not a test.
+Each client submits a real DeMo payload every round (no model compute) over gRPC on loopback, as a peer does
+(`demonet.transport.grpc.GrpcClient`: its own key, the GetAggregate call beside the Submit, the aggregate
+downloaded and decoded). Per client count it prints the time from the last Submit's reply to the first
+aggregate header a client reads (the close: the merge), the whole round, bytes up/down per client, and the
+coordinator's resident memory. Run from the repo root: `python bench/coordinator_scale.py`. Prints a table;
+not a test. `--smoke`: 2 and 4 clients, 2 rounds, a check that the script runs.
 
 `--dashboard`: the dashboard's cost, side by side in one run. The coordinator serves its dashboard;
 a viewer (another process, as a browser is) loads the page, then polls the whole /status.json every
@@ -27,24 +29,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demonet import wire  # noqa: E402
-from demonet._proto import demonet_pb2 as pb  # noqa: E402
-from demonet._proto import demonet_pb2_grpc as pbg  # noqa: E402
 from demonet.coordinator.metrics import Metrics  # noqa: E402
 from demonet.coordinator.rounds import RoundConfig, Rounds  # noqa: E402
 from demonet.coordinator.status import status_document  # noqa: E402
 from demonet.optim import DeMo, Payload  # noqa: E402
 from demonet.train.model import BENCH_MODEL, GPT  # noqa: E402
+from demonet.transport import Digest  # noqa: E402
+from demonet.transport.grpc import GrpcClient  # noqa: E402
 from demonet.wire.identity import Identity, submit_statement, verify  # noqa: E402
-from demonet.wire.signed import join_request, submit_parts  # noqa: E402
 
 TOKEN = "bench"
-MD = (("authorization", f"Bearer {TOKEN}"),)
 CONFIG = f"""
 [model]
 vocab_size = {BENCH_MODEL.vocab_size}
@@ -80,44 +78,33 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
-KEYS: dict[str, Identity] = {}
-SESSIONS: dict[str, bytes] = {}
+async def _join(address: str, name: str) -> tuple[GrpcClient, int]:
+    """A client joined as `name` with a key of its own; its first round."""
+    client = GrpcClient(address, token=TOKEN, peer_id=name, call_timeout_s=60.0)
+    return client, (await client.join()).round
 
 
-async def _join(stub: pbg.CoordinatorStub, name: str) -> int:
-    """Join as `name` with a key of its own (a challenge, then the signed join); returns its first round."""
-    key = KEYS.setdefault(name, Identity.generate())
-    challenge = await stub.Challenge(pb.ChallengeRequest(peer_id=name, public_key=key.public), metadata=MD)
-    reply = await stub.Join(join_request(key, name, challenge.nonce), metadata=MD)
-    SESSIONS[name] = reply.session
-    return int(reply.round)
-
-
-async def _client(stub: pbg.CoordinatorStub, name: str, payload: Payload, rounds: int, first: int,
-                  start: asyncio.Barrier, log: dict[int, list[float]], flag: Path | None = None) -> tuple[int, int]:
-    """One client's rounds; with `flag`, the file exists during odd rounds (the viewer polls then)."""
+async def _client(client: GrpcClient, payload: Payload, rounds: int, first: int, start: asyncio.Barrier,
+                  log: dict[int, list[float]], flag: Path | None = None, timed: bool = True) -> tuple[int, int]:
+    """One client's rounds; with `flag`, the file exists during odd rounds (the viewer polls then). Logs, per
+    round r, when its Submit's reply came (under r) and when the aggregate's header did (under -r - 1).
+    `timed`: a round that the coordinator aborted is an error (not for a round before the timed ones)."""
     up = down = 0
-    digest = (await stub.Status(pb.StatusRequest(), metadata=MD)).param_digest
+    digest = (await client.status()).param_digest
     for r in range(first, first + rounds):
-        data = wire.encode(payload, step=r)
         if flag is not None and r % 2:
             flag.touch()
         elif flag is not None:
             flag.unlink(missing_ok=True)
-
-        parts = submit_parts(KEYS[name], SESSIONS[name], name, r, data, param_digest=digest, loss=1.0)
         await start.wait()
-        reply = await stub.Submit(iter(parts), metadata=MD, timeout=300)
-        assert reply.accepted, reply.reason
-        log.setdefault(r, []).append(time.perf_counter())
-        up += len(data)
-        async for chunk in stub.GetAggregate(pb.AggregateRequest(peer_id=name, round=r), metadata=MD, timeout=300):
-            if chunk.HasField("header"):
-                log.setdefault(-r - 1, []).append(time.perf_counter())
-            elif chunk.HasField("trailer"):  # the canonical digest, once the coordinator has applied the round
-                digest = chunk.trailer.param_digest
-            else:
-                down += len(chunk.part.data)
+        t0 = time.perf_counter()
+        got = await client.gather(r, payload, loss=1.0, param_digest=Digest(digest))
+        assert not (timed and got.aborted), f"round {r} aborted"
+        replied = t0 + got.phases["encode"] + got.phases["submit"]
+        log.setdefault(r, []).append(replied)
+        log.setdefault(-r - 1, []).append(replied + got.phases["wait"])
+        up, down = up + got.bytes_up, down + got.bytes_down
+        digest = await got.canonical_digest()  # once the coordinator has applied the round
     return up, down
 
 
@@ -160,25 +147,25 @@ async def _run(clients: int, rounds: int, payloads: list[Payload], workdir: Path
             url = proc.stdout.readline().split()[-1]  # "dashboard on URL"
             viewer = subprocess.Popen([sys.executable, "-c", VIEWER, url, str(poll_s), str(flag or "")],
                                       stdout=subprocess.PIPE, text=True)
-        async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 2**25)]) as ch:
-            stub = pbg.CoordinatorStub(ch)  # type: ignore[no-untyped-call]
-            firsts = [await _join(stub, f"c{i}") for i in range(clients)]
+        joined = [await _join(address, f"c{i}") for i in range(clients)]
+        cs = [c for c, _ in joined]
+        try:
+            firsts = [f for _, f in joined]
             assert len(set(firsts[1:])) <= 1
             first = max(firsts)
             if first > 0:  # the first client opened round 0 alone: let it close that round by itself
-                await _client(stub, "c0", payloads[0], 1, 0, asyncio.Barrier(1), {})
+                await _client(cs[0], payloads[0], 1, 0, asyncio.Barrier(1), {}, timed=False)
             log: dict[int, list[float]] = {}
             barrier = asyncio.Barrier(clients)
             rss_before = _rss_mb(proc.pid)
             t0 = time.perf_counter()
             sizes = await asyncio.gather(*(
-                _client(stub, f"c{i}", payloads[i % len(payloads)], rounds, first, barrier, log,
-                        flag if i == 0 else None) for i in range(clients)))
+                _client(c, payloads[i % len(payloads)], rounds, first, barrier, log, flag if i == 0 else None)
+                for i, c in enumerate(cs)))
             wall = time.perf_counter() - t0
             close_s = [min(log[-r - 1]) - max(log[r]) for r in range(first, first + rounds)]
             # The coordinator's own close times (merge, apply, persist), from its status document.
-            detail = (await stub.Status(pb.StatusRequest(detail=True), metadata=MD)).detail_json
-            timed = [r for r in json.loads(detail)["rounds"] if first <= r["round"] < first + rounds]
+            timed = [r for r in (await cs[0].status_document())["rounds"] if first <= r["round"] < first + rounds]
             inside = [r["close_s"] for r in timed]
             polls: list[int] = []
             if viewer is not None:
@@ -193,6 +180,9 @@ async def _run(clients: int, rounds: int, payloads: list[Payload], workdir: Path
                 "down_kb": sum(s[1] for s in sizes) / clients / rounds / 1e3,
                 "rss_mb": _rss_mb(proc.pid), "rss_before_mb": rss_before,
             }
+        finally:
+            for c in cs:
+                await c.close()
     finally:
         if viewer is not None:
             viewer.kill()
@@ -326,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", action="store_true",
                         help="with --dashboard: also pairs of runs with the dashboard off and polled, alternating")
     parser.add_argument("--poll-s", type=float, default=1.0, help="with --dashboard: seconds between polls")
+    parser.add_argument("--smoke", action="store_true", help="2 and 4 clients, 2 rounds: checks that it runs")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.clients, args.rounds, args.repeat = "2,4", 4 if args.dashboard else 2, 1  # a polled round between two
     counts = [int(c) for c in args.clients.split(",")]
     payloads = _payloads(8)
     if args.dashboard:

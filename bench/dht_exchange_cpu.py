@@ -7,7 +7,7 @@ indices, as parts travel, in one `wire.encode_many`), decoding the N parts of th
 them (the coordinator's merge rules: top-k, median-norm clipping), and decoding the N-1 merged slices it
 fetches. Medians over --reps, in milliseconds, one torch thread. What a DHT round costs beyond these is waiting (see
 `bench/dht_round.py` and its phases). Run from the repo root: `python bench/dht_exchange_cpu.py`.
-Prints a table; not a test.
+Prints a table; not a test. `--smoke`: 4 peers, 2 reps: checks that it runs.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def measure(peers: int, reps: int, config: str | None) -> dict[str, float]:
 
     from demonet import wire
     from demonet.config import load_config
+    from demonet.dht.options import DhtOptions
     from demonet.dht.rules import SlicePlan
-    from demonet.dht.streams import DhtOptions
     from demonet.train.trainer import Trainer
     from demonet.wire.merge import decode_contribution, merge
 
@@ -69,7 +69,10 @@ def main() -> None:
     parser.add_argument("--peers-list", default="4,8", help="peer counts, comma-separated (4,8)")
     parser.add_argument("--reps", type=int, default=40, help="timings per figure; the median is printed (40)")
     parser.add_argument("--config", help="TOML run config (default: the embedded default model)")
+    parser.add_argument("--smoke", action="store_true", help="4 peers, 2 reps: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.peers_list, args.reps = "4", 2
     print("| peers | encode N parts ms | decode N parts of its slice ms | merge ms | decode N-1 merged slices ms "
           "| total ms | part B | merged slice B |")
     print("|---|---|---|---|---|---|---|---|")

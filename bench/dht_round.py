@@ -13,7 +13,8 @@ tree. With --own-cores each process runs on a CPU of its own (peer-i and its p2p
 coordinator on the next), as on a machine each; a mode whose processes outnumber the CPUs is not run. Goals:
 - DHT mode: per-peer download at most 2x upload at 8 peers;
 - DHT mode's round overhead comparable to coordinator mode's (the ratio of the two is printed).
-Run from the repo root: `python bench/dht_round.py`. Prints a table; not a test.
+Run from the repo root: `python bench/dht_round.py`. Prints a table; not a test. `--smoke`: 2 peers, 3 rounds,
+a check that the script runs (it exits 1 when a run fails).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def main() -> None:
     parser.add_argument("--own-cores", action="store_true", help="each process on a CPU of its own (peer-i and "
                         "its p2pd on the i-th CPU, the coordinator on the next; Linux): as on a machine each; a mode "
                         "with more processes than CPUs is not run")
+    parser.add_argument("--smoke", action="store_true", help="2 peers, 3 rounds: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.peers_list, args.steps = "2", 3
     counts = [int(n) for n in args.peers_list.split(",") if n.strip()]
     fractions = [float(f) for f in args.verify.split(",") if f.strip()]
     modes = [("coordinator", None)] + [(f"dht verify={f:g}", f) for f in fractions]
@@ -62,6 +66,7 @@ def main() -> None:
           "| down B/peer/round | down / up | digests agree | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     results: dict[tuple[str, int], dict[str, Any]] = {}
+    failed = False
     with tempfile.TemporaryDirectory(prefix="dht_round-") as tmp:
         for n in counts:
             for (base_mode, fraction), (tag, tree) in ((m, c) for m in modes for c in codes):
@@ -76,6 +81,7 @@ def main() -> None:
                 metrics = out / "metrics.jsonl"
                 rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
                 if code != 0 or not rows:
+                    failed = True
                     print(f"| {mode} | {n} | exited with {code}, {len(rows)} rows | | | | | | | {wall:.0f} |")
                     print(err, file=sys.stderr)
                     continue
@@ -117,6 +123,8 @@ def main() -> None:
                       f"bytes up+down DHT / coordinator {(d['up'] + d['down']) / (c['up'] + c['down']):.2f}x)")
     if not all(m["agree"] for m in results.values()):
         print("digests: some round's peers disagreed (see the table)")
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ to a coordinator; AdamW: the all-reduced gradient bytes), and per-rank parameter
 bytes against unsharded DeMo. Each learning rate given is run, and the best of each optimizer kept.
 
     PYTHONPATH=. python bench/flexdemo.py --steps 200 --demo-lr 1e-3 3e-3 --adamw-lr 1e-3 3e-3
+
+`--smoke`: 3 steps at one lr each, a check that the script runs.
 """
 
 from __future__ import annotations
@@ -161,7 +163,10 @@ def main() -> int:
     parser.add_argument("--demo-lr", type=float, nargs="+", default=[1e-3, 3e-3])
     parser.add_argument("--adamw-lr", type=float, nargs="+", default=[1e-3, 3e-3])
     parser.add_argument("--json", help="also write all results here")
+    parser.add_argument("--smoke", action="store_true", help="3 steps at one lr each: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.demo_lr, args.adamw_lr = 3, [1e-3], [1e-3]
     print(f"2 nodes x 2 ranks (gloo, CPU), TINY_MODEL, {args.steps} steps, batch {args.batch_size} x "
           f"{args.seq_len} per rank, DeMo {args.demo_base} base topk {args.topk} chunk 64", flush=True)
     with tempfile.TemporaryDirectory() as tmp:

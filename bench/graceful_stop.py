@@ -8,7 +8,8 @@ Once c has made 5 rounds it gets SIGTERM: it ends its open round and stops. Prin
 from the SIGTERM to a's first round after c's last one was over, and a's longest and median round from
 then on. With `--baseline DIR` (a checkout of another commit, e.g. `git worktree add /tmp/base REV`) each
 run is made on DIR's code too, alternating, on the same machine.
-Run from the repo root: `python bench/graceful_stop.py`. Prints a table; not a test.
+Run from the repo root: `python bench/graceful_stop.py`. Prints a table; not a test. `--smoke`: one run of this
+tree, a check that the script runs.
 """
 
 from __future__ import annotations
@@ -116,7 +117,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="runs per code (2)")
     parser.add_argument("--baseline", type=Path, help="a checkout of another commit: run it too, alternating")
     parser.add_argument("--dht", action="store_true", help="DHT mode: three `demonet peer --dht`, no coordinator")
+    parser.add_argument("--smoke", action="store_true", help="one run of this tree: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.runs, args.baseline = 1, None
     here = Path(__file__).resolve().parent.parent
     codes = [("baseline", args.baseline.resolve()), ("this tree", here)] if args.baseline else [("this tree", here)]
     print("| code | run | SIGTERM to a's next round s | a's longest round after s | a's median round after s |")

@@ -7,7 +7,8 @@ token and heartbeats each every second, never submitting. Settings: no fakes; th
 members existed); the fakes with the default `max_idle_rounds`. It prints the median of the
 coordinator's round times (from a round's opening to its aggregate) over `--rounds` rounds that start
 `max_idle_rounds` rounds after the fakes became members. Run from the repo root:
-`python bench/idle_members.py`. Prints a table; not a test.
+`python bench/idle_members.py`. Prints a table; not a test. `--smoke`: 20 fakes, a round deadline of 1 s, 2
+timed rounds, a check that the script runs.
 
 `--fakes-only HOST:PORT`: only the fakes, against a running coordinator (DEMONET_TOKEN holds the
 token); it prints "joined N, member from round R" once all are in, then "not member: K" whenever K of
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -28,16 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from demonet._proto import demonet_pb2 as pb  # noqa: E402
-from demonet._proto import demonet_pb2_grpc as pbg  # noqa: E402
 from demonet.config import NetConfig  # noqa: E402
 from demonet.lab.tiny import TINY_MODEL  # noqa: E402
-from demonet.wire.identity import Identity  # noqa: E402
-from demonet.wire.signed import heartbeat_request, join_request  # noqa: E402
+from demonet.transport.grpc import GrpcClient  # noqa: E402
 
 TOKEN = "bench"
 CONFIG = TINY_MODEL + """[net]
@@ -51,38 +46,19 @@ max_idle_rounds = {max_idle}
 
 async def fakes(address: str, token: str, count: int, interval_s: float = 1.0) -> None:
     """Join `count` ids and heartbeat each every `interval_s`, forever; never submit."""
-    md = (("authorization", f"Bearer {token}"),)
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = pbg.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-        ids = [f"fake-{i:03d}" for i in range(count)]
-        keys = {p: Identity.generate() for p in ids}  # each fake a key of its own, as the token admits
-
-        async def join(p: str) -> pb.JoinReply:
-            challenge = await stub.Challenge(pb.ChallengeRequest(peer_id=p, public_key=keys[p].public), metadata=md,
-                                             timeout=30)
-            return await stub.Join(join_request(keys[p], p, challenge.nonce), metadata=md, timeout=30)
-
-        firsts, sessions = [], {}
-        for start in range(0, count, 50):
-            replies = await asyncio.gather(*(join(p) for p in ids[start:start + 50]))
-            firsts += [int(r.round) for r in replies]
-            sessions.update({p: r.session for p, r in zip(ids[start:start + 50], replies, strict=True)})
-        print(f"joined {count}, member from round {max(firsts)}", flush=True)
-        while True:
-            t0 = time.monotonic()
-            replies = await asyncio.gather(*(stub.Heartbeat(heartbeat_request(keys[p], sessions[p], p, max(firsts)),
-                                                            metadata=md, timeout=30) for p in ids))
-            refused = sum(not r.member for r in replies)
-            if refused:
-                print(f"not member: {refused}", flush=True)
-            await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - t0)))
-
-
-async def _document(stub: pbg.CoordinatorStub) -> dict[str, Any]:
-    md = (("authorization", f"Bearer {TOKEN}"),)
-    reply = await stub.Status(pb.StatusRequest(detail=True), metadata=md, timeout=30)
-    doc: dict[str, Any] = json.loads(reply.detail_json)
-    return doc
+    # Each fake a client and a key of its own, as the token admits.
+    clients = [GrpcClient(address, token=token, peer_id=f"fake-{i:03d}", call_timeout_s=30.0) for i in range(count)]
+    firsts = []
+    for start in range(0, count, 50):
+        firsts += [info.round for info in await asyncio.gather(*(c.join() for c in clients[start:start + 50]))]
+    print(f"joined {count}, member from round {max(firsts)}", flush=True)
+    while True:
+        t0 = time.monotonic()
+        replies = await asyncio.gather(*(c.heartbeat(max(firsts)) for c in clients))
+        refused = sum(not member for _, member in replies)
+        if refused:
+            print(f"not member: {refused}", flush=True)
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - t0)))
 
 
 async def _setting(workdir: Path, *, count: int, max_idle: int, timeout_s: float, rounds: int) -> dict[str, Any]:
@@ -106,24 +82,26 @@ async def _setting(workdir: Path, *, count: int, max_idle: int, timeout_s: float
         for name in ("h0", "h1"):
             start(["-m", "demonet", "peer", "--coordinator", address, "--peer-id", name, "--out",
                    str(run / "out"), "--threads", "1"], name)
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = pbg.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
-            while (await _document(stub))["run"]["round"] < 2:
+        status = GrpcClient(address, token=TOKEN, call_timeout_s=30.0)
+        try:
+            while (await status.status_document())["run"]["round"] < 2:
                 await asyncio.sleep(0.05)
-            first = (await _document(stub))["run"]["round"] + 1  # without fakes: the same rounds
+            first = (await status.status_document())["run"]["round"] + 1  # without fakes: the same rounds
             if count:
                 out = start([__file__, "--fakes-only", address, "--fakes", str(count)], "fakes").stdout
                 assert out is not None
                 first = int((await asyncio.to_thread(out.readline)).split()[-1])
             begin = first + NetConfig().max_idle_rounds
             while True:
-                doc = await _document(stub)
+                doc = await status.status_document()
                 timed = [r for r in doc["rounds"] if begin <= r["round"] < begin + rounds]
                 if len(timed) == rounds:
                     break
                 await asyncio.sleep(0.2)
             return {"round_s": statistics.median(r["round_s"] for r in timed), "members": doc["run"]["members"],
                     "idle": doc["run"]["idle"], "contributors": max(r["contributors"] for r in timed)}
+        finally:
+            await status.close()
     finally:
         for proc in procs:
             proc.kill()
@@ -136,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per setting (8)")
     parser.add_argument("--round-timeout-s", type=float, default=3.0, help="the rounds' deadline (3.0)")
     parser.add_argument("--fakes-only", metavar="HOST:PORT", help="only run the fakes against this coordinator")
+    parser.add_argument("--smoke", action="store_true", help="20 fakes, a deadline of 1 s, 2 timed rounds: checks "
+                        "that it runs")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.fakes, args.round_timeout_s, args.rounds = 20, 1.0, 2
     if args.fakes_only:
         asyncio.run(fakes(args.fakes_only, os.environ["DEMONET_TOKEN"], args.fakes))
         return 0

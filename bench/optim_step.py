@@ -2,6 +2,7 @@
 
 Prints a table; not a test. Run from the repo root: `python bench/optim_step.py`. Every timed call
 runs round-robin with the others, so a noisy machine slows all of them alike; medians are reported.
+`--smoke`: 2 timed reps of a batch of 1 on one thread, a check that the script runs, not a measurement.
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the slow oracle")
     parser.add_argument("--bloc97", metavar="DEMO_PY", help="also time bloc97/DeMo's demo.py from this path")
-    return parser.parse_args(argv)
+    parser.add_argument("--smoke", action="store_true", help="2 reps of a batch of 1, one thread: checks that it runs")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.reps, args.warmup, args.batch, args.threads = 2, 1, 1, 1
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ validation loss of the canonical parameters after the last round, and each again
 
 A 200-round run of this model is chaotic: a change of 1e-7 in the initial parameters moves its
 final loss by several percent. One seed says little; compare the means, and the spread between seeds
-of the plain runs themselves. Run from the repo root; not a test.
+of the plain runs themselves. Run from the repo root; not a test. `--smoke`: one seed, 2 peers, 4 rounds: a
+check that the script runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 from demonet.config import load_config
-from demonet.train.local import run_local
+from demonet.loop.local import run_local
 
 MODES = {"plain": (0, True), "overlap": (1, True), "delay": (1, False)}
 
@@ -42,7 +43,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--window", type=int, default=20, help="rounds at the end whose training loss is averaged")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's choice)")
+    parser.add_argument("--smoke", action="store_true", help="one seed, 2 peers, 4 rounds: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.seeds, args.peers, args.steps, args.window = [0], 2, 4, 2
     if args.threads:
         import torch
 

@@ -3,7 +3,7 @@
 For 2, 4 and 8 peers' payloads of BENCH_MODEL, times `aggregate(payloads, topk=k)` with and without
 `clip=True`, round-robin in alternating order (so a noisy machine slows both alike), and prints the medians and their
 ratio. Goal: clipping costs under 5 % of the merge. Run from the repo root:
-`python bench/robust_aggregate.py`.
+`python bench/robust_aggregate.py`. `--smoke`: 2 and 4 peers, 2 reps: checks that it runs.
 """
 
 from __future__ import annotations
@@ -43,10 +43,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--topk", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="2 and 4 peers, 2 reps: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.reps = 2
     torch.set_num_threads(1)
     print(f"{'peers':>5} {'merge ms':>9} {'clip+merge ms':>14} {'ratio':>6}  goal <= {GOAL_RATIO}")
-    for num_peers in (2, 4, 8):
+    for num_peers in (2, 4) if args.smoke else (2, 4, 8):
         payloads = _payloads(num_peers, args.topk)
         times: dict[bool, list[float]] = {False: [], True: []}
         for i in range(args.reps + 2):

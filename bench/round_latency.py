@@ -9,7 +9,9 @@ order (`--pairs`), and it prints per run the median round time (a peer's round_t
 compute (compute_s), their difference, and the pairs' medians side by side. The proxy, the launcher and
 the measure are this tree's for both; only the coordinator and the peers run the compared code.
 
-Run from the repo root: `python bench/round_latency.py --baseline /tmp/base`. Prints a table; not a test.
+Without --baseline only this tree runs. Run from the repo root: `python bench/round_latency.py --baseline
+/tmp/base`. Prints a table; not a test. `--smoke`: this tree, 2 peers, 3 rounds behind a 25 ms delay, a check
+that the script runs.
 """
 
 from __future__ import annotations
@@ -84,18 +86,22 @@ def measure(rows: list[dict[str, Any]]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", type=Path, required=True, help="a checkout of another commit")
+    parser.add_argument("--baseline", type=Path, help="a checkout of another commit (none: this tree only)")
     parser.add_argument("--delays-ms", default="0,25,50", help="one-way delays to add, comma-separated (0,25,50)")
     parser.add_argument("--peers", type=int, default=4, help="peer processes (4)")
     parser.add_argument("--steps", type=int, default=30, help="rounds per run (30)")
     parser.add_argument("--pairs", type=int, default=1, help="pairs of runs per delay, in alternating order (1)")
+    parser.add_argument("--smoke", action="store_true", help="this tree, 2 peers, 3 rounds, 25 ms: checks that it "
+                        "runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.baseline, args.delays_ms, args.peers, args.steps, args.pairs = None, "25", 2, 3, 1
     delays = [float(d) for d in args.delays_ms.split(",") if d.strip()]
     if args.pairs < 1 or args.peers < 1 or args.steps < 2 or any(d < 0 for d in delays):
         parser.error("--pairs and --peers should be >= 1, --steps >= 2 and the delays >= 0")
-    trees = {"baseline": args.baseline.resolve(), "this tree": ROOT}
+    trees = {"baseline": args.baseline.resolve(), "this tree": ROOT} if args.baseline else {"this tree": ROOT}
     print(f"# coordinator-mode rounds behind a user-space delay proxy: {args.peers} peers, {args.steps} rounds, "
-          f"the embedded default model, one torch thread per peer; baseline {trees['baseline']}")
+          f"the embedded default model, one torch thread per peer; baseline {trees.get('baseline', 'none')}")
     print()
     print("| one-way delay ms | pair | code | round s (median) | compute s (median) | round - compute s |")
     print("|---|---|---|---|---|---|")
@@ -109,6 +115,8 @@ def main() -> None:
                     got.setdefault((delay, name), []).append(round_s)
                     print(f"| {delay:g} | {k + 1} | {name} | {round_s:.3f} | {compute_s:.3f} | "
                           f"{round_s - compute_s:.3f} |", flush=True)
+    if args.baseline is None:
+        return
     print()
     print("| one-way delay ms | round s, baseline (median of pairs) | this tree | this / baseline |")
     print("|---|---|---|---|")

@@ -5,7 +5,7 @@ part and a heartbeat), with the statement built as the client and the coordinato
 the coordinator's share per round for N clients (N verifies of a Submit; heartbeats every
 `heartbeat_interval_s` come on top and cost the same each). Verification runs when a Submit's first part
 arrives, while the round is open, not in the round's close. Run from the repo root:
-`python bench/signatures.py [--clients 64]`. Prints a table; not a test.
+`python bench/signatures.py [--clients 64]`. Prints a table; not a test. `--smoke`: 100 repeats.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3000)
+    parser.add_argument("--smoke", action="store_true", help="100 repeats: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeat = 100
     key = Identity.generate()
     session, digest = b"s" * 16, hashlib.sha256(b"payload").digest()
     message = submit_statement(session, "peer-0", 1234, digest, "0" * 32, 2.5)

@@ -9,7 +9,8 @@
 Each system runs `--steps` steps, or with `--minutes M` as many steps as fit in M minutes of wall time
 (`demonet up` is stopped with SIGTERM then); the losses are compared at the steps both reached.
 Prints the table, the losses at equal steps, the bytes per peer per round against the dense fp32
-gradient, and writes a plot of both loss curves (`--plot`). Run from the repo root; not a test.
+gradient, and writes a plot of both loss curves (`--plot`). Run from the repo root; not a test. `--smoke`: a
+1-layer, 32-wide model for 3 steps, a check that the script runs.
 """
 
 from __future__ import annotations
@@ -148,7 +149,11 @@ def main() -> None:
     parser.add_argument("--encoding", default="fp32", help="DeMo's payload values: fp32, bf16, ... (fp32)")
     parser.add_argument("--split-reps", type=int, default=5, help="timed steps for the step split (5)")
     parser.add_argument("--plot", type=Path, help="write the loss curves to this PNG")
+    parser.add_argument("--smoke", action="store_true", help="a 1-layer, 32-wide model, 3 steps: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.minutes, args.split_reps = 3, 0.0, 1
+        args.hidden, args.intermediate, args.layers, args.heads, args.seq_len, args.batch_size = 32, 64, 1, 2, 32, 2
 
     from demonet.config import load_config
     from demonet.train.data import load_corpus

@@ -5,6 +5,7 @@ with DeMo in 4 replicas (seeds 0-3, each its own data stream), then for fp32 and
 side by side in one run: the bytes of one peer's payload and of the coordinator's merged aggregate (bf16,
 the top 32 per chunk, from the 4 payloads) with each value coding, their ratio, and the median time to
 encode and to decode each. Not a test. Run from the repo root: `python bench/value_coding.py`.
+`--smoke`: 2 steps and 2 reps, a check that the script runs.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="training steps before the payloads are taken")
     parser.add_argument("--reps", type=int, default=15, help="timed encodes and decodes (median)")
     parser.add_argument("--config", help="a run config TOML (default: the evidence model)")
+    parser.add_argument("--smoke", action="store_true", help="2 steps, 2 reps: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.reps = 2, 2
     torch.set_num_threads(1)
     cfg = load_config(Path(args.config), {}, {}) if args.config else Config.from_dict(EVIDENCE)
     print(f"{sum(p.numel() for p in GPT(cfg.model).parameters()) / 1e6:.2f}M parameters, {args.steps} steps, "

@@ -3,7 +3,7 @@
 Prints a table; not a test. Run from the repo root: `python bench/wire_bytes.py [--reps 15] [--threads 1]`.
 Payloads are synthetic (random top-k index sets per chunk, normal values ~1e-6 through `quantize`), plus,
 for the 11M model, a real one: `DeMo.compress()` of `GPT(BENCH_MODEL)`, whose `DeMo.step()` is timed in
-the same run as the yardstick of the time goal.
+the same run as the yardstick of the time goal. `--smoke`: the 11M model only, one rep: checks that it runs.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def bench_model(title: str, shapes: Shapes, reps: int, step: tuple[float, Payloa
     if step is not None:
         real = step[1]
         print(
-            f"DeMo step on GPT(BENCH_MODEL), 8x256 batch: {step_ms:.1f} ms (median of 15 after 3 warm-ups); "
+            f"DeMo step on GPT(BENCH_MODEL), 8x256 batch: {step_ms:.1f} ms (median after warm-ups); "
             f"real payload = its DeMo.compress(): {len(real.tensors)} tensors, {real.numel():,} entries"
         )
         print(f"goal: encode+decode <= {GOAL_STEP_SHARE:.0%} of the DeMo step (<= {GOAL_STEP_SHARE * step[0]:.1f} ms)")
@@ -201,13 +201,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--reps", type=int, default=15, help="timed encode+decode rounds (median)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--smoke", action="store_true", help="the 11M model only, one rep: checks that it runs")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.reps = 1
     print(f"# demonet wire bytes per step (torch {torch.__version__}, {torch.get_num_threads()} threads)")
-    step = demo_step()
+    step = demo_step(reps=1, warmup=1) if args.smoke else demo_step()
     verdicts = []
     for title, shapes in MODELS.items():
+        if args.smoke and title != SMALL:
+            continue
         verdicts += bench_model(title, shapes, args.reps, step if title == SMALL else None)
     print("\n## goals")
     for line in verdicts:
