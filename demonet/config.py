@@ -1,6 +1,7 @@
 """Run configuration: frozen sections loaded from TOML, then DEMONET_* env vars, then CLI flags.
 
-Imports the model config only; library classes take explicit arguments, entry points read this.
+Imports the math layer's option checks only (no layer above it); library classes take explicit arguments,
+entry points read this.
 Precedence: CLI > env > TOML > defaults. Env names are DEMONET_<SECTION>_<FIELD>, e.g.
 DEMONET_OPTIM_LR=0.001 or DEMONET_TRAIN_PEERS=8.
 """
@@ -15,9 +16,41 @@ from pathlib import Path
 from typing import Any
 
 from demonet.optim import BASES, CHUNK_POLICIES, ENCODINGS, check_lr, check_schedule
-from demonet.train.model import ModelConfig
 
-__all__ = ["PRECISIONS", "TOKEN_ENV", "Config", "NetConfig", "OptimConfig", "TrainConfig", "load_config", "load_token"]
+__all__ = ["PRECISIONS", "TOKEN_ENV", "Config", "ModelConfig", "NetConfig", "OptimConfig", "TrainConfig", "load_config",
+           "load_token"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of a `GPT`."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for the byte-level corpus."""
+    seq_len: int = 128
+    """Longest sequence the position embedding covers."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block; must divide d_model."""
+    mlp_ratio: int = 4
+    """Hidden width of the MLP as a multiple of d_model."""
+    tie_weights: bool = True
+    """Share the token embedding with the output head (GPT-2 / OLMo weight tying)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} should be a positive int, got {value!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model should be a multiple of n_heads, got d_model={self.d_model} n_heads={self.n_heads}"
+            )
+        if not isinstance(self.tie_weights, bool):
+            raise ValueError(f"tie_weights should be a bool, got {self.tie_weights!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,7 @@
 """A user's own training loop as a peer of a run: `join` and the optimizer it hands out.
 
 Service layer. The user's thread trains; a background thread runs an asyncio event loop with the one
-`demonet.train.loop.RoundLoop` over the run's transport (the gRPC coordinator, or the DHT: each
+`demonet.loop.RoundLoop` over the run's transport (the gRPC coordinator, or the DHT: each
 imported only when used). The loop's replica is the user's model, and its `train_step` is a handoff:
 it tells the user's thread that the loop waits for the round, and blocks until `opt.step()` hands
 the round back. Joining, heartbeats, catch-up, resyncs, restores, metrics rows and checkpoints are
@@ -27,10 +27,10 @@ import torch
 
 from demonet.config import Config, load_config, load_token
 from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.loop import RoundLog, RoundLoop
+from demonet.loop.lifecycle import warm_up
 from demonet.optim import DeMo, Payload
 from demonet.train.data import data_seed
-from demonet.train.lifecycle import warm_up
-from demonet.train.loop import RoundLog, RoundLoop
 from demonet.train.trainer import Trainer
 from demonet.transport import Gatherer, JoinInfo, Membership, keep_alive
 

@@ -1,7 +1,7 @@
 """A peer in coordinator mode: join, download the parameters, then train round after round.
 
 Service layer: builds the replica from the run config the coordinator hands out and runs the one
-`demonet.train.loop.RoundLoop` over `demonet.transport.grpc.GrpcClient`; never imports grpc or protobuf.
+`demonet.loop.RoundLoop` over `demonet.transport.grpc.GrpcClient`; never imports grpc or protobuf.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 from demonet.config import load_config, load_token
 from demonet.errors import PeerUnavailable
 from demonet.log import setup_logging
-from demonet.train.lifecycle import stop_on_signals, warm_up
-from demonet.train.loop import RoundLoop
+from demonet.loop import RoundLoop
+from demonet.loop.lifecycle import stop_on_signals, warm_up
 from demonet.train.task import first_difference, param_specs
 from demonet.train.trainer import Trainer
 from demonet.transport.coordinated import CoordinatorMembership

@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from demonet.train.local import run_local
+    from demonet.loop.local import run_local
 
     try:
         cfg = load_config(args.config, os.environ, {

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from demonet.config import TOKEN_ENV
 from demonet.errors import DemonetError
-from demonet.train.runfolder import merge_metrics, plot_loss, plot_pipeline, summarize_run, to_json
+from demonet.loop.runfolder import merge_metrics, plot_loss, plot_pipeline, summarize_run, to_json
 from demonet.transport.grpc import GrpcClient
 
 __all__ = ["run"]
@@ -211,7 +211,7 @@ def _up_dht(args: argparse.Namespace, out: Path, env: dict[str, str]) -> int:
     # peer-0 starts the DHT at a multiaddr known in advance (its identity and port chosen here); the others
     # start once it listens, so that their first start of the DHT finds it (a start that found no initial
     # peer is retried, which costs its start's time bound).
-    from hivemind.p2p import P2P, PeerID  # type: ignore[import-untyped]
+    from hivemind.p2p import P2P, PeerID
 
     identity = out / "peer-0.identity"
     if not identity.exists():

@@ -31,7 +31,6 @@ from demonet.transport import (
     Resync,
     RoundResult,
     StaleRound,
-    known,
     refusal_error,
 )
 from demonet.wire import params as wire_params
@@ -152,13 +151,13 @@ class LocalClient:
         ahead (its digest to come) is encoded and decoded at once, and counted once its digest is known."""
         core = self.core
         if (self.peer_id, round) in self.hub.faults:  # played from the round's start: once its digest is known
-            await known(param_digest)
+            await param_digest.known()
             await self._fail(round, self.hub.faults.pop((self.peer_id, round)))
         data = await asyncio.to_thread(wire.encode, payload, step=round)
         _, decoded = await asyncio.to_thread(decode_contribution, data, expected=core.state.specs,
                                              rules=core.state.rules)
         submission = Submission(peer_id=self.peer_id, round=round, payload=decoded,
-                                payload_digest=hashlib.sha256(data).digest(), param_digest=await known(param_digest),
+                                payload_digest=hashlib.sha256(data).digest(), param_digest=await param_digest.known(),
                                 loss=loss, size=len(data))
         try:
             await core.submit(submission)

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from hivemind.utils import get_dht_time  # type: ignore[import-untyped]
+from hivemind.utils import get_dht_time
 
 from demonet.errors import InvalidPayload, PeerUnavailable
 

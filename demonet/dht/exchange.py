@@ -277,6 +277,7 @@ class SliceExchange(SliceCalls, SliceServing):
                 del parts[sender]
         outcomes: dict[str, Outcome] = {}
         for sender in parts if st.decoded is not None else ():
+            assert st.decoded is not None  # set for the round before its parts are merged, never unset
             outcome = await st.decoded.take(s, sender, parts[sender][1], specs)
             if outcome is not None:
                 outcomes[sender] = outcome

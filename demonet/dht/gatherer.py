@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from demonet.optim import Payload
-from demonet.transport import Digest, NotMember, Resync, RoundResult, known
+from demonet.transport import Digest, NotMember, Resync, RoundResult
 from demonet.wire.identity import Identity
 
 from . import rules
@@ -197,10 +197,11 @@ class DhtGatherer:
             NotMember: this peer announced after the round froze.
             Resync: this peer's parameters are not the majority's.
         """
-        param_digest = await known(param_digest)  # a round is announced with it
+        digest = await param_digest.known()  # a round is announced with it
         r, board = round, self._board
-        if board.expected.get(r) is not None:  # parts cut for another member list that came after the exchange
-            board.expected[r] |= self._exchange.other_lists(r - 1)
+        expected = board.expected.get(r)
+        if expected is not None:  # parts cut for another member list that came after the exchange
+            expected |= self._exchange.other_lists(r - 1)  # in place: the board holds this very set
         if self.view is not None:
             self.view.entered(r)
         # The round before was whole, and its members are all this round waits for: send the parts ahead,
@@ -216,7 +217,7 @@ class DhtGatherer:
                                           encoded=(encoded[1], encoded[3]) if encoded is not None
                                           and encoded[0] == r and encoded[2] is payload else None)
         try:
-            return await self._gather(r, payload, param_digest, loss, ahead)
+            return await self._gather(r, payload, digest, loss, ahead)
         finally:
             self._exchange.drop_ahead(r)  # not taken up by the exchange: the round ended before it, or froze otherwise
 

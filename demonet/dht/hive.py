@@ -100,8 +100,9 @@ async def store_records(node: Any, records: list[tuple[str, str, str, float]], a
     async def store_at(address: str, peer: Any) -> list[bool] | None:
         if links is not None and address in linked:
             return await links.store_over_link(address, request)
-        return await protocol.call_store(peer, keys=key_ids, values=values, expiration_time=expirations,
-                                         subkeys=subkeys)
+        stored: list[bool] | None = await protocol.call_store(peer, keys=key_ids, values=values,
+                                                               expiration_time=expirations, subkeys=subkeys)
+        return stored
 
     answers = await asyncio.gather(*(store_at(address, peer) for address, peer in peers.items()))
     return all(here or any(a and a[i] for a in answers) for i, here in enumerate(stored)), True
@@ -138,7 +139,8 @@ async def serve_store(node: Any, request: bytes) -> bytes:
                              "in number")
     msg.ClearField("peer")  # the sender's node info: hivemind's store call would ping it back
     response = await node.protocol.rpc_store(msg, None)
-    return response.SerializeToString()
+    serialized: bytes = response.SerializeToString()
+    return serialized
 
 
 def _arrivals(storage: Any) -> set[asyncio.Future[None]]:
@@ -303,7 +305,7 @@ def _daemon_in_own_session() -> Iterator[None]:
             kwargs.setdefault("start_new_session", True)
         return await spawn(program, *args, **kwargs)
 
-    aio_subprocess.create_subprocess_exec = spawn_daemon  # type: ignore[assignment]
+    aio_subprocess.create_subprocess_exec = spawn_daemon
     try:
         yield
     finally:

@@ -1,6 +1,6 @@
 """Membership in a DHT run: where the run is, admission to a round, parameters from several donors.
 
-Service-side glue between `demonet.train.loop.RoundLoop` and `demonet.dht.gatherer.DhtGatherer`; the
+Service-side glue between `demonet.loop.RoundLoop` and `demonet.dht.gatherer.DhtGatherer`; the
 DHT itself (records, freeze, exchange) lives there. Imports no grpc.
 """
 

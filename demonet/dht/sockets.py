@@ -71,7 +71,7 @@ def use_own_sockets() -> None:
         P2P._UNIX_SOCKET_PREFIX = f"/unix{_sockets[1]}/hivemind-"  # read by P2P.create and P2P.replicate
         # At exit, after multiprocessing's finalizers that unlink its sockets (as it removes its own folder).
         multiprocessing.util.Finalize(None, remove_sockets, exitpriority=-100)
-        config = multiprocessing.current_process()._config
+        config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
         if config.get("tempdir") is None:  # multiprocessing's own sockets (its listeners) go there too
             config["tempdir"] = _sockets[1]
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hivemind.p2p import P2PContext, PeerID  # type: ignore[import-untyped]
+from hivemind.p2p import P2PContext, PeerID
 
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb

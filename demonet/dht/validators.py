@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextvars
 
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase  # type: ignore[import-untyped]
-from hivemind.utils import MSGPackSerializer  # type: ignore[import-untyped]
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
 
 from demonet.wire import identity as ids
 

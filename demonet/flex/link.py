@@ -2,7 +2,7 @@
 
 `NodeLink` is the `Membership` and the `Gatherer` of every rank of a node. Local rank 0 holds the
 coordinator membership; each call runs there and its outcome is broadcast over the node's group, so
-every rank takes the same branch of `demonet.train.loop.RoundLoop` and the collectives always match.
+every rank takes the same branch of `demonet.loop.RoundLoop` and the collectives always match.
 A round's shard payloads are gathered to rank 0, which submits their row-wise concatenation (the
 payload an unsharded peer would send); the aggregate goes back to the ranks as its validated wire
 bytes. Imports torch.distributed and the transport protocols; no grpc.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from demonet import errors, transport, wire
 from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload
-from demonet.transport import Digest, Expected, JoinInfo, Parameters, RoundResult, known
+from demonet.transport import Digest, Expected, JoinInfo, Parameters, RoundResult
 from demonet.transport.coordinated import CoordinatorMembership
 
 from .shard import join_shards
@@ -136,7 +136,7 @@ class NodeLink:
         Every rank gets the outcome: the aggregate as rank 0 received and validated it, decoded from
         the same bytes, or the same error.
         """
-        param_digest = await known(param_digest)  # every rank joins the gather below at the same round
+        digest = await param_digest.known()  # every rank joins the gather below at the same round
         gathered: list[Any] | None = [None] * dist.get_world_size(self.exchange) if self.rank == 0 else None
         await asyncio.to_thread(dist.gather_object, (payload, loss), gathered, dst=self.src, group=self.exchange)
 
@@ -144,7 +144,7 @@ class NodeLink:
             assert gathered is not None
             node_payload = join_shards([g[0] for g in gathered], self.full_shapes)
             result = await m.client.gather(round, node_payload, loss=sum(g[1] for g in gathered) / len(gathered),
-                                           param_digest=param_digest)
+                                           param_digest=Digest(digest))
             specs = {name: (c.shape, c.chunk) for name, c in node_payload.tensors.items()}
             return result, specs
 

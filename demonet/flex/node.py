@@ -1,6 +1,6 @@
 """A multi-rank FlexDeMo node as one member of a coordinator run.
 
-Service layer: every rank of the node runs `run_node` (torchrun), the same `demonet.train.loop.RoundLoop`
+Service layer: every rank of the node runs `run_node` (torchrun), the same `demonet.loop.RoundLoop`
 as a single-process peer, over a `demonet.flex.link.NodeLink`: local rank 0 alone talks to the
 coordinator (`demonet.transport.grpc.GrpcClient`), and every rank applies its rows of the aggregate.
 """
@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from demonet.config import load_config
 from demonet.errors import PeerUnavailable
-from demonet.train.lifecycle import stop_on_signals
-from demonet.train.loop import RoundLoop
+from demonet.loop import RoundLoop
+from demonet.loop.lifecycle import stop_on_signals
 from demonet.transport.coordinated import CoordinatorMembership
 from demonet.transport.grpc import GrpcClient
 from demonet.wire.identity import Identity

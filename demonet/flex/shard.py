@@ -34,9 +34,9 @@ from demonet.optim.payload import num_chunks
 from demonet.train.data import Batches, load_corpus, split
 from demonet.train.data import data_seed as seed_for
 from demonet.train.model import GPT
+from demonet.train.replica import Settled
 from demonet.train.task import build_task
 from demonet.train.trainer import DeMoSteps, StepOptions, autocast, settle, to_device
-from demonet.transport import RoundResult
 from demonet.wire.digest import param_digest
 
 __all__ = ["FlexTrainer", "chunk_plan", "join_shards", "local_rows", "state_bytes"]
@@ -330,7 +330,7 @@ class FlexTrainer(DeMoSteps):
     def restore(self, payload: Payload) -> None:
         self.opt.restore(payload)
 
-    def settle(self, payload: Payload, result: RoundResult, contributed: bool) -> None:
+    def settle(self, payload: Payload, result: Settled, contributed: bool) -> None:
         """`demonet.train.trainer.settle` on this rank's rows of the aggregate."""
         settle(self.opt, payload, result, contributed, local=self.local_aggregate,
                lr=self.options.lr_at(result.round))

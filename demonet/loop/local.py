@@ -1,6 +1,6 @@
 """A local cluster: N peers and their coordinator in one process, each peer with its own replica, data and DeMo.
 
-Every peer runs the same `demonet.train.loop.RoundLoop` as a networked one, over the in-process
+Every peer runs the same `demonet.loop.RoundLoop` as a networked one, over the in-process
 coordinator (`demonet.coordinator.local`): payloads, aggregates and parameters go through the real
 wire format, and the coordinator merges and applies exactly as the gRPC one does. No sockets.
 """
@@ -22,14 +22,14 @@ from tqdm import tqdm
 from demonet.config import Config
 from demonet.coordinator.local import LocalCoordinator
 from demonet.coordinator.state import ClosedAggregate
+from demonet.train.data import Batches, load_corpus, split
+from demonet.train.model import GPT
+from demonet.train.tokens import TokenBatches, TokenFile
+from demonet.train.trainer import Trainer
 from demonet.transport.coordinated import CoordinatorMembership
 
-from .data import Batches, load_corpus, split
-from .loop import RoundLoop
-from .model import GPT
+from .round_loop import RoundLoop
 from .runfolder import merge_metrics, plot_loss, plot_pipeline, summarize_run
-from .tokens import TokenBatches, TokenFile
-from .trainer import Trainer
 
 __all__ = ["run_local"]
 

@@ -2,18 +2,17 @@
 
 `RoundLoop` drives a replica (`demonet.train.replica.Replica`: a `demonet.train.trainer.Trainer` or a FlexDeMo
 rank) through a `demonet.transport.Membership` and a `demonet.transport.Gatherer`: the gRPC coordinator, the
-in-process coordinator of `demonet train`, the DHT and a FlexDeMo node's rank 0 are all the same loop. Imports
-the transport protocols; no grpc, no hivemind, no service module.
+in-process coordinator of `demonet train`, the DHT and a FlexDeMo node's rank 0 are all the same loop. The
+plain pipeline is here; the overlapped one is `demonet.loop.overlapped`; both land and check their rounds
+through the loop's `land` and `check`. Imports the transport protocols; no grpc, no hivemind, no coordinator.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -22,6 +21,7 @@ import torch
 
 from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload, to_host
+from demonet.train.replica import Replica
 from demonet.transport import (
     Digest,
     EncodesAhead,
@@ -35,54 +35,14 @@ from demonet.transport import (
     keep_alive,
 )
 
-from .replica import Overlapping, Replica
+from .overlapped import overlapped_rounds
+from .plain import plain_round
+from .rows import MetricsRow
+from .state import STOP_GRACE_S, InFlight, RoundLog, RoundOutcome, Unchecked, check_beats
 
-__all__ = ["STOP_GRACE_S", "RoundLog", "RoundLoop"]
+__all__ = ["RoundLoop"]
 
 logger = logging.getLogger(__name__)
-
-STOP_GRACE_S = 5.0
-"""After SIGTERM, how long a peer still waits for the open round's aggregate before abandoning it."""
-
-
-@dataclass
-class _InFlight:
-    """A round whose payload is submitted and whose outcome is not settled yet."""
-
-    round: int
-    payload: Payload
-    loss: float
-    gather: asyncio.Task[RoundResult]
-    started: float
-    """`time.perf_counter()` when the round's training began."""
-    compute_s: float
-    """Blocking torch work of the round so far (forward, backward, compress, lookahead)."""
-    digest: asyncio.Future[str] | None = None
-    """The digest the round starts from, when its payload left before it was known (set once the round
-    before is settled; cancelled if the peer will not start this round from it)."""
-    checked_s: float = 0.0
-    """How long the round waited, after its forward and backward, for the round before's canonical digest."""
-    encode_s: float = 0.0
-    """How long the gatherer's encode ahead took in the training's thread (`EncodesAhead`): not compute."""
-
-
-@dataclass
-class _Unchecked:
-    """A settled round whose canonical digest is still on its way: its metrics row waits for it."""
-
-    result: RoundResult
-    row: dict[str, Any]
-
-
-class RoundLog(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """Prefixes every line with ``[peer round=N]``."""
-
-    def __init__(self, peer_id: str, round_of: Any) -> None:
-        super().__init__(logger, {})
-        self.peer_id, self.round_of = peer_id, round_of
-
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
-        return f"[{self.peer_id} round={self.round_of()}] {msg}", kwargs
 
 
 @dataclass(eq=False)
@@ -125,14 +85,15 @@ class RoundLoop:
     unreachable: PeerUnavailable | None = None
     """Why `run` returned 1: the run could not be reached (None otherwise)."""
     log: RoundLog = field(init=False)
-    _unchecked: _Unchecked | None = field(default=None, init=False)
+    unchecked: Unchecked | None = field(default=None, init=False)
     """A plain round whose canonical digest had not come when it was settled: checked after the next
     round's forward and backward, before its compress (`_check_before_compress`)."""
-    _ahead: EncodesAhead | None = field(default=None, init=False)  # the gatherer, where it encodes ahead
+    encoder: EncodesAhead | None = field(default=None, init=False)
+    """The gatherer, where it encodes a payload ahead in the training's thread."""
 
     def __post_init__(self) -> None:
-        self.log = RoundLog(self.peer_id, lambda: self.round)
-        self._ahead = self.gatherer if isinstance(self.gatherer, EncodesAhead) else None
+        self.log = RoundLog(self.peer_id, lambda: self.round, logger)
+        self.encoder = self.gatherer if isinstance(self.gatherer, EncodesAhead) else None
 
     async def run(self, info: JoinInfo) -> int:
         """Download the parameters to start from, resume the checkpoint, then run rounds.
@@ -178,21 +139,21 @@ class RoundLoop:
             self.metrics.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics, "a") if self.metrics is not None else contextlib.nullcontext(None) as metrics:
             if self.overlap:
-                await self._overlapped(metrics, beats)
+                await overlapped_rounds(self, metrics, beats)
             else:
                 try:
-                    while await self.membership.agree(self._go(self.round)):
+                    while await self.membership.agree(self.go(self.round)):
                         if not await self.run_round(metrics):
                             break
-                        _check_beats(beats)
-                    if self._unchecked is not None:  # the last round's digest
-                        await self._check(self._unchecked, metrics)
+                        check_beats(beats)
+                    if self.unchecked is not None:  # the last round's digest
+                        await self.check(self.unchecked, metrics)
                 finally:
                     self._write_unchecked(metrics)
         self.log.info("stopping" if self.stop.is_set() else "the run is over")
         return 0
 
-    def _go(self, next_round: int) -> bool:
+    def go(self, next_round: int) -> bool:
         """Whether to train `next_round`: no stop asked, and the run has it."""
         return not self.stop.is_set() and (not self.total_rounds or next_round < self.total_rounds)
 
@@ -246,22 +207,22 @@ class RoundLoop:
             return None
         return gather.result()
 
-    def _submit(self, payload: Payload, staged: tuple[Payload, torch.cuda.Event | None], loss: float, *,
-                started: float, compute_s: float, ahead: bool = False) -> _InFlight:
+    def submit(self, payload: Payload, staged: tuple[Payload, torch.cuda.Event | None], loss: float, *,
+               started: float, compute_s: float, ahead: bool = False) -> InFlight:
         """Start the exchange of the open round's payload (a task: training may go on meanwhile).
 
         `staged`: the payload's host copy and the event that says it is there (`to_host`): the exchange
         sends that copy, and `payload` stays on the device for the settle or the restore. `ahead`: the
         payload of the round after the open one, sent before the open round is settled, its digest to
-        follow (`_InFlight.digest`; the gatherer must have `digest_follows`)."""
+        follow (`InFlight.digest`; the gatherer must have `digest_follows`)."""
         sent, ready = staged
-        round, digest = self.round + ahead, asyncio.get_running_loop().create_future() if ahead else None
+        round, digest = self.round + ahead, Digest.to_follow() if ahead else None
         gather = asyncio.create_task(self._gather(round, sent, ready, loss=loss,
-                                                  param_digest=self.digest if digest is None else digest))
-        return _InFlight(round, payload, loss, gather, started, compute_s, digest)
+                                                  param_digest=Digest(self.digest) if digest is None else digest))
+        return InFlight(round, payload, loss, gather, started, compute_s, digest)
 
     @staticmethod
-    async def _drop(flight: _InFlight) -> None:
+    async def drop(flight: InFlight) -> None:
         """Cancel a round's exchange (the caller restores its payload, or undoes its compress). The exchange
         first, then a digest still to come: a stream sent ahead is cancelled, never ended without its
         digest (which the coordinator would count as an invalid submission)."""
@@ -283,142 +244,18 @@ class RoundLoop:
         return self.replica.digest()
 
     async def run_round(self, metrics: TextIO | None) -> bool:
-        """Train, gather and settle one round; False when the peer should stop (SIGTERM).
-
-        When the round before's canonical digest had not come by its settle (`_unchecked`), it is checked
-        after this round's forward and backward, before the compress: on the canonical parameters the
-        round goes on; off them, its gradients are dropped (its compress never ran, so the momentum is as
-        the check at the settle would have left it), the run's parameters are loaded, and the round is
-        trained again from them."""
-        await self.membership.begin_round(self.round, self.digest, self.replica.named_parameters)
-        t0 = time.perf_counter()
-        encode_s = 0.0
-        if self._unchecked is None:
-            encode = self._ahead.encode_ahead(self.round) if self._ahead is not None else None
-            loss, payload, staged, encode_s = await asyncio.to_thread(self._train_step, encode)
-            compute_s, checked_s = time.perf_counter() - t0 - encode_s, 0.0
-        else:
-            loss = await asyncio.to_thread(self.replica.forward_backward)
-            compute_s = time.perf_counter() - t0
-            on_canonical, checked_s = await self._check_before_compress(metrics)
-            if not on_canonical:
-                return True
-            t1 = time.perf_counter()
-            payload, staged = await asyncio.to_thread(self._compress, self.replica, False)
-            compute_s += time.perf_counter() - t1
-        flight = self._submit(payload, staged, loss, started=t0, compute_s=compute_s)
-        flight.checked_s, flight.encode_s = checked_s, encode_s
-        return await self._land(flight, metrics, defer=True) != "stopped"
-
-    async def _check_before_compress(self, metrics: TextIO | None) -> tuple[bool, float]:
-        """The deferred check of the round before (`run_round`); returns (on the canonical parameters, the
-        seconds this round waited for the digest)."""
-        unchecked, t0 = self._unchecked, time.perf_counter()
-        assert unchecked is not None
-        if await self._check(unchecked, metrics) == "applied":
-            return True, time.perf_counter() - t0
-        await asyncio.to_thread(self.replica.drop_gradients)
-        return False, 0.0
-
-    async def _overlapped(self, metrics: TextIO | None, beats: asyncio.Task[None] | None) -> None:
-        """Rounds with `overlap` = 1: round r+1's forward and backward run while round r's payload travels.
-
-        Round r+1's gradient is compressed as soon as its backward ends, undoably (`DeMo.compress`), so
-        that only round r's settle and digest stand between round r's outcome and round r+1's payload.
-        Where the gatherer takes a digest that follows (`digest_follows`: coordinator mode), the payload
-        leaves at once, while round r is still merged and downloaded, and its digest follows once round
-        r is settled; elsewhere it leaves then, with its digest. Either way it is round r+1's payload from
-        round r+1's canonical parameters, checked against their digest, as in a plain round. What round r's
-        aggregate dropped (all of the payload, if round r was aborted) goes back into the momentum after
-        that compress, so it leaves a round later than in a plain round, once all the same. The
-        lookahead is applied once the payload is on its way. When the peer must load other parameters
-        (a refusal, a catch-up, a resync) or stops, the compress of r+1 is undone to the bit, as if its
-        gradient had been dropped before it, a payload sent ahead is called off, and the pipeline starts
-        again from the loaded round with nothing in flight.
-        """
-        replica: Overlapping = self.replica  # type: ignore[assignment]
-        flight: _InFlight | None = None
-        ahead: _InFlight | None = None  # the next round's payload, on its way before `flight` is settled
-        pending = False  # an undoable compress of the next round waits for `flight`'s outcome
-        try:
-            while await self.membership.agree(self._go(self.round + (flight is not None))):
-                t0 = time.perf_counter()
-                loss = await asyncio.to_thread(replica.forward_backward)  # the exchange of `flight` runs meanwhile
-                payload, staged = await asyncio.to_thread(self._compress, replica, flight is not None)
-                pending = flight is not None
-                compute_s = time.perf_counter() - t0
-                if flight is not None:
-                    if self.gatherer.digest_follows:  # it leaves now; its digest once `flight` is settled
-                        ahead = self._submit(payload, staged, loss, started=t0, compute_s=compute_s, ahead=True)
-                    landing, flight = flight, None  # `_land` gives its payload back on every error path
-                    landed = await self._land(landing, metrics)
-                    if landed == "applied" and not await self.membership.agree(self._go(self.round)):
-                        landed = "stopped"  # a stop came meanwhile
-                    pending = False
-                    if landed != "applied":
-                        if ahead is not None:
-                            dropped, ahead = ahead, None
-                            await self._drop(dropped)
-                        await asyncio.to_thread(replica.undo_compress)  # its gradient is from other parameters
-                        if landed == "stopped":
-                            break
-                        continue
-                    replica.commit_compress()
-                t1 = time.perf_counter()
-                if self.lookahead:  # the canonical parameters, which a DHT peer serves while the lookahead runs
-                    await asyncio.to_thread(replica.hold)
-                await self.membership.begin_round(self.round, self.digest, replica.canonical_parameters)
-                compute_s += time.perf_counter() - t1
-                if ahead is not None:  # its digest follows it now
-                    flight, ahead = ahead, None
-                    assert flight.round == self.round and flight.digest is not None
-                    flight.compute_s = compute_s
-                    flight.digest.set_result(self.digest)
-                else:
-                    flight = self._submit(payload, staged, loss, started=t0, compute_s=compute_s)
-                if self.lookahead:  # while the payload travels: the next round trains from here
-                    t2 = time.perf_counter()
-                    await asyncio.to_thread(replica.lookahead, payload, self.round)
-                    flight.compute_s += time.perf_counter() - t2
-                _check_beats(beats)
-            if flight is not None:  # the last round, or the one open at a stop
-                landing, flight = flight, None
-                await self._land(landing, metrics)
-        finally:
-            if ahead is not None:  # an error while the round before was landing: the compress is undone below
-                await self._drop(ahead)
-            if pending:  # an error while the outcome of the round before was awaited
-                replica.undo_compress()
-            if flight is not None:  # an error while training left a round in flight: its payload goes back
-                await self._drop(flight)
-                await asyncio.to_thread(replica.restore, flight.payload)
-
-    def _train_step(self, encode: Callable[[Payload], None] | None = None
-                    ) -> tuple[float, Payload, tuple[Payload, torch.cuda.Event | None], float]:
-        """A plain round's training: its loss, its payload, the payload's host copy (`to_host`: the exchange
-        always gets a host payload, on a GPU too), and the seconds `encode` took on that copy
-        (`EncodesAhead.encode_ahead`), which are not the round's compute."""
-        loss, payload = self.replica.train_step()
-        staged = to_host(payload)
-        if encode is None:
-            return loss, payload, staged, 0.0
-        t0 = time.perf_counter()
-        if staged[1] is not None:
-            staged[1].synchronize()
-        try:
-            encode(staged[0])
-        except Exception as e:  # noqa: BLE001 - only a head start: `gather` encodes again, and handles what fails there
-            self.log.warning("encoding the payload ahead failed (%s: %s); the exchange encodes it", type(e).__name__, e)
-        return loss, payload, staged, time.perf_counter() - t0
+        """Train, gather and settle one plain round (`demonet.loop.plain.plain_round`); False when the peer
+        should stop (SIGTERM)."""
+        return await plain_round(self, metrics)
 
     @staticmethod
-    def _compress(replica: Replica, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
+    def compress(replica: Replica, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
         """The round's payload and its host copy on its way (`to_host`: on a GPU the exchange must not wait
         for the next round's kernels)."""
         payload = replica.compress(undoable=undoable)
         return payload, to_host(payload)
 
-    async def _land(self, flight: _InFlight, metrics: TextIO | None, *, defer: bool = False) -> str:
+    async def land(self, flight: InFlight, metrics: TextIO | None, *, defer: bool = False) -> RoundOutcome:
         """Wait for an in-flight round's outcome and settle it; check its digest and write its metrics row.
 
         `defer` (plain rounds): a canonical digest that has not come by the settle (coordinator mode: the
@@ -428,9 +265,7 @@ class RoundLoop:
         agree at the same points.
 
         Returns:
-            "applied" (the peer is at the next round), "caught_up" (the payload missed the run, or the
-            digest differed, and the run's parameters were loaded), or "stopped" (SIGTERM, round abandoned; or
-            the run's last round closed without this peer: nothing left to catch up to).
+            how the round ended for this peer (`RoundOutcome`).
         """
         t_wait = time.perf_counter()
         try:
@@ -445,50 +280,49 @@ class RoundLoop:
                 # Nothing left to catch up to: the coordinator serves the last parameters only while it lingers.
                 self.log.warning("%s: %s; the run's %d rounds are done: this peer ends at round %d", type(e).__name__,
                                  e, self.total_rounds, self.round)
-                return "stopped"
+                return RoundOutcome.STOPPED
             self.log.warning("%s: %s; catching up", type(e).__name__, e)
             await self._load(await self.membership.catch_up(e, self.round, self.replica.expected()))
-            return "caught_up"
+            return RoundOutcome.CAUGHT_UP
         wait_s = time.perf_counter() - t_wait
         if result is None:
             await asyncio.to_thread(self.replica.restore, flight.payload)
             self.log.info("abandoned the round")
-            return "stopped"
+            return RoundOutcome.STOPPED
         t1 = time.perf_counter()
         self.digest = await asyncio.to_thread(self._settle, flight.payload, result)
         settled = time.perf_counter()
-        row: dict[str, Any] = {
-            "round": self.round, "peer": self.peer_id, "loss": flight.loss, "bytes_up": result.bytes_up,
-            "bytes_down": result.bytes_down, "param_digest": self.digest, "round_time_s": settled - flight.started,
-            "compute_s": flight.compute_s + settled - t1, "wait_s": wait_s + flight.checked_s,
-            "contributors": len(result.contributors), "aborted": result.aborted, "canonical_digest": "",
-            "overlap": self.overlap, "time": time.time(), **self.row_extra}
-        if result.phases:
-            row["phases"] = dict(result.phases)
+        row = MetricsRow(
+            round=self.round, peer=self.peer_id, loss=flight.loss, bytes_up=result.bytes_up,
+            bytes_down=result.bytes_down, param_digest=self.digest, round_time_s=settled - flight.started,
+            compute_s=flight.compute_s + settled - t1, wait_s=wait_s + flight.checked_s,
+            contributors=len(result.contributors), aborted=result.aborted, overlap=self.overlap, time=time.time(),
+            phases=dict(result.phases), extra=dict(self.row_extra))
         if flight.checked_s:  # the wait, after this round's backward, for the round before's canonical digest
-            row.setdefault("phases", {})["check"] = flight.checked_s
+            row.phases["check"] = flight.checked_s
         if flight.encode_s:  # the gatherer's encode ahead, in the training's thread (`EncodesAhead`)
-            row.setdefault("phases", {})["encode"] = flight.encode_s
+            row.phases["encode"] = flight.encode_s
         self.log.info("loss %.4f, up %d B, down %d B, %d contributors%s", flight.loss, result.bytes_up,
                       result.bytes_down, len(result.contributors), " (aborted)" if result.aborted else "")
         self.round += 1
         later = result.digest_later
         if (defer and self.gatherer.digest_follows and later is not None and not later.done()
                 and not self._checkpoint_due()):
-            self._unchecked = _Unchecked(result, row)
-            return "applied"
-        return await self._check(_Unchecked(result, row), metrics, deferred=False)
+            self.unchecked = Unchecked(result, row)
+            return RoundOutcome.APPLIED
+        return await self.check(Unchecked(result, row), metrics, deferred=False)
 
     def _checkpoint_due(self) -> bool:
         return bool(self.checkpoint_every) and self.round % self.checkpoint_every == 0
 
-    async def _check(self, unchecked: _Unchecked, metrics: TextIO | None, *, deferred: bool = True) -> str:
+    async def check(self, unchecked: Unchecked, metrics: TextIO | None, *, deferred: bool = True) -> RoundOutcome:
         """Compare a settled round's digest with the canonical one (waiting for it if it comes later), load
         the run's parameters if they differ, write the round's row, and save a checkpoint when one is due.
         Not `deferred` (right after the settle): the wait counts in the round's time.
 
-        Returns "applied" (on the canonical parameters) or "caught_up" (the run's were loaded)."""
-        self._unchecked = None
+        The one place a peer's digest is compared with the run's. Returns APPLIED (on the canonical parameters)
+        or CAUGHT_UP (the run's were loaded)."""
+        self.unchecked = None
         result, row = unchecked.result, unchecked.row
         t0 = time.perf_counter()
         try:  # the coordinator applies the round while this peer does: its digest may come only now
@@ -496,46 +330,42 @@ class RoundLoop:
         except DemonetError as e:  # a coordinator that died after its publish: the next Submit's check stands in
             self.log.warning("%s; the coordinator checks the digest again at the next submit", e)
             canonical = ""
-        row["canonical_digest"] = canonical
+        row.canonical_digest = canonical
         if result.digest_later is not None and not deferred:  # the wait after this peer's settle
             waited = time.perf_counter() - t0
-            row.setdefault("phases", {})["digest"] = waited
-            row["round_time_s"] += waited
-            row["wait_s"] += waited
-            row["time"] = time.time()
-        landed = "applied"
+            row.phases["digest"] = waited
+            row.round_time_s += waited
+            row.wait_s += waited
+            row.time = time.time()
+        landed = RoundOutcome.APPLIED
         if await self.membership.agree(bool(canonical) and self.digest != canonical):
             self.log.warning("digest %s after applying round %d, the run has %s: downloading parameters",
-                             self.digest[:12], row["round"], canonical[:12])
+                             self.digest[:12], row.round, canonical[:12])
             await self._load(await self.membership.parameters(self.round, self.replica.expected(), resync=True))
             self.resyncs += 1
-            row["param_digest"], row["resynced"] = self.digest, True
-            landed = "caught_up"
+            row.param_digest, row.resynced = self.digest, True
+            landed = RoundOutcome.CAUGHT_UP
         self._write_row(row, metrics)
         if self._checkpoint_due():
             await asyncio.to_thread(self._save)
         return landed
 
-    def _write_row(self, row: dict[str, Any], metrics: TextIO | None) -> None:
-        row["resyncs"] = self.resyncs
+    def _write_row(self, row: MetricsRow, metrics: TextIO | None) -> None:
+        row.resyncs = self.resyncs
         if metrics is not None:
-            metrics.write(json.dumps(row) + "\n")
+            metrics.write(row.to_json() + "\n")
             metrics.flush()
 
     def _write_unchecked(self, metrics: TextIO | None) -> None:
         """The row of a round whose check an error or a stop cut short: with its digest if it came."""
-        unchecked, self._unchecked = self._unchecked, None
+        unchecked, self.unchecked = self.unchecked, None
         if unchecked is None:
             return
         later = unchecked.result.digest_later
         assert later is not None
         if later.done() and not later.cancelled() and later.exception() is None:
-            unchecked.row["canonical_digest"] = later.result()
+            unchecked.row.canonical_digest = later.result()
         else:
             later.cancel()
         self._write_row(unchecked.row, metrics)
 
-
-def _check_beats(beats: asyncio.Task[None] | None) -> None:
-    if beats is not None and beats.done():
-        beats.result()  # a bug in the heartbeat task: raise it here

@@ -1,6 +1,7 @@
 """A run folder: the peers' metrics merged into one file, a summary, the loss plot and the compute/wait plot.
 
-What `demonet up` and `demonet train` leave behind (`metrics.jsonl`, `summary.json`, `loss.png`).
+What `demonet up` and `demonet train` leave behind (`metrics.jsonl`, `summary.json`, `loss.png`). Reads the
+peers' rows as `demonet.loop.rows.MetricsRow`, the class the round loop writes them with.
 """
 
 from __future__ import annotations
@@ -8,9 +9,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from .rows import MetricsRow
+
+_Row = TypeVar("_Row")
 
 __all__ = ["final_rows", "merge_metrics", "plot_loss", "plot_pipeline", "summarize_run", "to_json"]
 
@@ -30,31 +35,33 @@ def to_json(obj: Any) -> str:
     return json.dumps(finite(obj), indent=2, allow_nan=False)
 
 
-def final_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def final_rows(rows: Sequence[_Row], round_of: Callable[[_Row], int] = lambda r: int(r["round"])  # type: ignore[index]
+               ) -> list[_Row]:
     """One peer's metrics rows without the rounds it did again: a row for round r replaces the peer's
     earlier rows from r on. A peer does rounds again after a coordinator restarted from a state written
-    before those rounds were published (the state is written after the publish); the last rows stand."""
-    kept: list[dict[str, Any]] = []
+    before those rounds were published (the state is written after the publish); the last rows stand.
+    `round_of`: a row's round (default: rows as JSON objects)."""
+    kept: list[_Row] = []
     for row in rows:
-        while kept and kept[-1]["round"] >= row["round"]:
+        while kept and round_of(kept[-1]) >= round_of(row):
             kept.pop()
         kept.append(row)
     return kept
 
 
-def merge_metrics(out: Path) -> list[dict[str, Any]]:
+def merge_metrics(out: Path) -> list[MetricsRow]:
     """Merge the peers' ``metrics-<peer>.jsonl`` files into ``<out>/metrics.jsonl``, sorted by (round, peer),
     each peer's `final_rows`.
 
     Returns:
         the merged rows.
     """
-    rows = []
+    rows: list[MetricsRow] = []
     for path in sorted(out.glob("metrics-*.jsonl")):
-        rows += final_rows([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
-    rows.sort(key=lambda r: (r["round"], str(r["peer"])))
+        rows += final_rows(MetricsRow.read(path), lambda r: r.round)
+    rows.sort(key=lambda r: (r.round, r.peer))
     with open(out / "metrics.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(r.to_json() + "\n" for r in rows)
     return rows
 
 
@@ -66,15 +73,15 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _pace(rows: Sequence[dict[str, Any]]) -> float:
+def _pace(rows: Sequence[MetricsRow]) -> float:
     """Wall-clock seconds per round between a peer's first and last rows (NaN with fewer than 2 timed rows)."""
-    timed = sorted((int(r["round"]), float(r["time"])) for r in rows if "time" in r)
+    timed = sorted((r.round, r.time) for r in rows if r.time)
     if len(timed) < 2 or timed[-1][0] == timed[0][0]:
         return float("nan")
     return (timed[-1][1] - timed[0][1]) / (timed[-1][0] - timed[0][0])
 
 
-def summarize_run(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def summarize_run(rows: Sequence[MetricsRow]) -> dict[str, Any]:
     """What a run folder's metrics say: losses, bytes, and whether the peers' digests agreed.
 
     Returns:
@@ -86,26 +93,26 @@ def summarize_run(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         next round's forward and backward: this is its pace); digests_agree (every round's peers reported
         one digest) and the rounds where not.
     """
-    by_round: dict[int, list[dict[str, Any]]] = {}
-    by_peer: dict[str, list[dict[str, Any]]] = {}
+    by_round: dict[int, list[MetricsRow]] = {}
+    by_peer: dict[str, list[MetricsRow]] = {}
     for r in rows:
-        by_round.setdefault(int(r["round"]), []).append(r)
-        by_peer.setdefault(str(r["peer"]), []).append(r)
+        by_round.setdefault(r.round, []).append(r)
+        by_peer.setdefault(r.peer, []).append(r)
     rounds = sorted(by_round)
-    history = [_mean([float(r["loss"]) for r in by_round[n]]) for n in rounds]
+    history = [_mean([r.loss for r in by_round[n]]) for n in rounds]
     window = max(1, min(10, len(history) // 4))
-    disagree = [n for n in rounds if len({r["param_digest"] for r in by_round[n]}) > 1]
+    disagree = [n for n in rounds if len({r.param_digest for r in by_round[n]}) > 1]
     return {
         "rounds": len(rounds),
         "peers": len(by_peer),
         "first_loss": _mean(history[:window]),
         "last_loss": _mean(history[-window:]),
-        "bytes_up_per_round": _mean([r["bytes_up"] for r in rows]),
-        "bytes_down_per_round": _mean([r["bytes_down"] for r in rows]),
-        "per_peer": {peer_id: {"rounds": len(rs), "bytes_up_per_round": _mean([r["bytes_up"] for r in rs]),
-                               "bytes_down_per_round": _mean([r["bytes_down"] for r in rs]),
-                               "compute_s": _mean([r["compute_s"] for r in rs if "compute_s" in r]),
-                               "wait_s": _mean([r["wait_s"] for r in rs if "wait_s" in r]),
+        "bytes_up_per_round": _mean([r.bytes_up for r in rows]),
+        "bytes_down_per_round": _mean([r.bytes_down for r in rows]),
+        "per_peer": {peer_id: {"rounds": len(rs), "bytes_up_per_round": _mean([r.bytes_up for r in rs]),
+                               "bytes_down_per_round": _mean([r.bytes_down for r in rs]),
+                               "compute_s": _mean([r.compute_s for r in rs]),
+                               "wait_s": _mean([r.wait_s for r in rs]),
                                "s_per_round": _pace(rs)}
                      for peer_id, rs in sorted(by_peer.items())},
         "s_per_round": _median([x for x in map(_pace, by_peer.values()) if not math.isnan(x)]),
@@ -114,7 +121,7 @@ def summarize_run(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def plot_loss(rows: Sequence[dict[str, Any]], path: Path) -> None:
+def plot_loss(rows: Sequence[MetricsRow], path: Path) -> None:
     """Write a PNG of each peer's training loss by round, and their mean."""
     import matplotlib
 
@@ -125,13 +132,13 @@ def plot_loss(rows: Sequence[dict[str, Any]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     by_peer: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        by_peer.setdefault(str(r["peer"]), []).append((int(r["round"]), float(r["loss"])))
+        by_peer.setdefault(r.peer, []).append((r.round, r.loss))
     for peer_id, points in sorted(by_peer.items()):
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], linewidth=0.8, alpha=0.5, label=peer_id)
     by_round: dict[int, list[float]] = {}
     for r in rows:
-        by_round.setdefault(int(r["round"]), []).append(float(r["loss"]))
+        by_round.setdefault(r.round, []).append(r.loss)
     rounds = sorted(by_round)
     ax.plot(rounds, [_mean(by_round[n]) for n in rounds], color="black", linewidth=1.6, label="mean")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -145,8 +152,7 @@ def plot_loss(rows: Sequence[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-
-def plot_pipeline(rows: Sequence[dict[str, Any]], path: Path) -> None:
+def plot_pipeline(rows: Sequence[MetricsRow], path: Path) -> None:
     """Write a PNG of the seconds per round each peer spent computing and waiting for the network (the
     mean over the peers, stacked: their sum is the round's length for a peer that never idles otherwise)."""
     import matplotlib
@@ -155,14 +161,13 @@ def plot_pipeline(rows: Sequence[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    by_round: dict[int, list[dict[str, Any]]] = {}
+    by_round: dict[int, list[MetricsRow]] = {}
     for r in rows:
-        if "compute_s" in r and "wait_s" in r:
-            by_round.setdefault(int(r["round"]), []).append(r)
+        by_round.setdefault(r.round, []).append(r)
     rounds = sorted(by_round)
-    compute = [_mean([float(r["compute_s"]) for r in by_round[n]]) for n in rounds]
-    wait = [_mean([float(r["wait_s"]) for r in by_round[n]]) for n in rounds]
-    overlap = {r.get("overlap", 0) for r in rows}
+    compute = [_mean([r.compute_s for r in by_round[n]]) for n in rounds]
+    wait = [_mean([r.wait_s for r in by_round[n]]) for n in rounds]
+    overlap = {r.overlap for r in rows}
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.stackplot(rounds, compute, wait, labels=["compute", "wait for the network"], colors=["#4c72b0", "#dd8452"],
                  alpha=0.8)

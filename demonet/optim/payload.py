@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ENCODINGS", "Compressed", "Payload", "matrix_shape", "num_chunks", "quantize", "to_host"]
+__all__ = ["ENCODINGS", "Compressed", "Expected", "Payload", "matrix_shape", "num_chunks", "quantize", "to_host"]
+
+Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+"""A model's parameters as name -> (shape, dtype), in order: what a parameter download must fit."""
 
 ENCODINGS = ("fp32", "bf16", "fp16", "int8", "sign")
 """Value encodings. Each one is applied by the sender before error feedback, so what the sender
@@ -121,7 +124,7 @@ def to_host(payload: Payload) -> tuple[Payload, torch.cuda.Event | None]:
             flat = torch.cat([t.reshape(-1).to(device) for t in group])  # made on the side stream, freed there
             buffer = torch.empty(flat.numel(), dtype=dtype, device="cpu", pin_memory=True)
             buffer.copy_(flat, non_blocking=True)
-            for t, view in zip(group, buffer.split([t.numel() for t in group]), strict=True):
+            for t, view in zip(group, buffer.split([t.numel() for t in group]), strict=True):  # type: ignore[no-untyped-call]
                 views[id(t)] = view.view(t.shape)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         ready.record(stream)

@@ -1,6 +1,6 @@
 """A small decoder-only transformer (nanoGPT style) for demos, tests and benchmarks.
 
-Imports torch only: no optimizer, wire or network code.
+Imports torch and its config (`demonet.config.ModelConfig`) only: no optimizer, wire or network code.
 
 Shape legend: B = batch, T = time (tokens), C = d_model, H = heads, D = head size, V = vocab.
 """
@@ -8,45 +8,14 @@ Shape legend: B = batch, T = time (tokens), C = d_model, H = heads, D = head siz
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from demonet.config import ModelConfig
+
 __all__ = ["BENCH_MODEL", "GPT", "TINY_MODEL", "ModelConfig", "portable_normal_"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape of a `GPT`."""
-
-    vocab_size: int = 256
-    """Number of token ids; 256 for the byte-level corpus."""
-    seq_len: int = 128
-    """Longest sequence the position embedding covers."""
-    d_model: int = 128
-    """Width of the residual stream."""
-    n_layers: int = 4
-    """Number of transformer blocks."""
-    n_heads: int = 4
-    """Attention heads per block; must divide d_model."""
-    mlp_ratio: int = 4
-    """Hidden width of the MLP as a multiple of d_model."""
-    tie_weights: bool = True
-    """Share the token embedding with the output head (GPT-2 / OLMo weight tying)."""
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} should be a positive int, got {value!r}")
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"d_model should be a multiple of n_heads, got d_model={self.d_model} n_heads={self.n_heads}"
-            )
-        if not isinstance(self.tie_weights, bool):
-            raise ValueError(f"tie_weights should be a bool, got {self.tie_weights!r}")
 
 
 BENCH_MODEL = ModelConfig(vocab_size=256, seq_len=256, d_model=384, n_layers=6, n_heads=6)

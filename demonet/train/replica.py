@@ -1,7 +1,8 @@
 """What the round loop needs of a peer's torch side: `Replica`, and `Overlapping` for overlapped rounds.
 
-A `demonet.train.trainer.Trainer` and a FlexDeMo rank (`demonet.flex.shard`) are both; `demonet.train.loop.RoundLoop`
-drives either. Protocols only: imports torch, the math layer's payload and the transport's round result.
+A `demonet.train.trainer.Trainer` and a FlexDeMo rank (`demonet.flex.shard`) are both; `demonet.loop.RoundLoop`
+drives either. Protocols only: imports torch and the math layer's payload (a transport's round result is a
+`Settled` by its shape, not by an import).
 """
 
 from __future__ import annotations
@@ -10,10 +11,22 @@ from typing import Any, Protocol
 
 import torch
 
-from demonet.optim import Payload
-from demonet.transport import Expected, RoundResult
+from demonet.optim import Expected, Payload
 
-__all__ = ["Overlapping", "Replica"]
+__all__ = ["Expected", "Overlapping", "Replica", "Settled"]
+
+
+class Settled(Protocol):
+    """What a replica applies of a round's outcome (`demonet.transport.RoundResult` is one)."""
+
+    @property
+    def round(self) -> int: ...
+    @property
+    def aggregate(self) -> Payload | None:
+        """What every member applies; None when the round was aborted."""
+    @property
+    def kept(self) -> Payload | None:
+        """What of this peer's payload the aggregate holds, when that is not simply the aggregate."""
 
 
 class Replica(Protocol):
@@ -28,7 +41,7 @@ class Replica(Protocol):
     def compress(self, undoable: bool = False) -> Payload: ...
     def drop_gradients(self) -> None: ...
     def restore(self, payload: Payload) -> None: ...
-    def settle(self, payload: Payload, result: RoundResult, contributed: bool) -> None: ...
+    def settle(self, payload: Payload, result: Settled, contributed: bool) -> None: ...
     def save(self, meta: dict[str, Any]) -> None: ...
     def saved(self) -> dict[str, Any] | None: ...
     def resume(self, *, momentum: bool) -> None: ...

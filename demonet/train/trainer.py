@@ -1,6 +1,6 @@
 """One peer's replica: its model, DeMo, data stream and loss; one training step, a round's outcome, checkpoints.
 
-Torch work only, called from `demonet.train.loop.RoundLoop` in a worker thread. Imports the math layer,
+Torch work only, called from `demonet.loop.RoundLoop` in a worker thread. Imports the math layer,
 the wire digest and the transport's dataclasses; no network code.
 """
 
@@ -17,9 +17,9 @@ import torch
 
 from demonet.config import PRECISIONS, Config
 from demonet.optim import DeMo, LrSchedule, Payload, aggregate
-from demonet.transport import Expected, RoundResult
 from demonet.wire.digest import param_digest
 
+from .replica import Expected, Settled
 from .task import build_task
 
 __all__ = ["DeMoSteps", "StepOptions", "Trainer", "autocast", "clip_grads", "settle", "to_device"]
@@ -89,7 +89,7 @@ def clip_grads(params: Iterable[torch.Tensor], max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
-def settle(opt: DeMo, payload: Payload, result: RoundResult, contributed: bool,
+def settle(opt: DeMo, payload: Payload, result: Settled, contributed: bool,
            local: Callable[[Payload], Payload] = lambda p: p, lr: float | None = None) -> None:
     """Apply a round's outcome to an optimizer.
 
@@ -233,7 +233,7 @@ class Trainer(DeMoSteps):
         """The payload reached no aggregate: give it back to the momentum (and undo a held lookahead)."""
         self.opt.restore(payload)
 
-    def settle(self, payload: Payload, result: RoundResult, contributed: bool) -> None:
+    def settle(self, payload: Payload, result: Settled, contributed: bool) -> None:
         settle(self.opt, payload, result, contributed, lr=self.options.lr_at(result.round))
 
     # -- checkpoints ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Transports: how a peer gets into a run and how its payload for a round becomes the round's aggregate.
 
 A transport is a `Membership` (join, parameters, heartbeat, catch up) and a `Gatherer` (submit a payload,
-get the round's outcome); `demonet.train.loop.RoundLoop` drives any pair of them. Imports torch, the math
+get the round's outcome); `demonet.loop.RoundLoop` drives any pair of them. Imports torch, the math
 layer's dataclasses and demonet.errors only: no grpc, no hivemind, no service module. The
 implementations (`demonet.transport.grpc`, `demonet.coordinator.local`, `demonet.dht.membership`,
 `demonet.flex.link`) are imported by name, never from here.
@@ -19,23 +19,78 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from demonet.errors import DemonetError, PeerUnavailable
-from demonet.optim import Payload
+from demonet.optim import Expected, Payload
 
 __all__ = ["Digest", "EncodesAhead", "Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Parameters",
-           "Rejected", "Resync", "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive", "known",
+           "Rejected", "Resync", "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive",
            "refusal_error"]
 
-Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-"""A model's parameters as name -> (shape, dtype), in order: what a parameter download must fit."""
+class Digest:
+    """A peer's parameter digest at the start of a round: known when the payload leaves, or to follow it (an
+    overlapped peer has its payload for round r+1 before it has applied round r: `Gatherer.digest_follows`).
 
-Digest = str | asyncio.Future[str]
-"""A peer's parameter digest at the start of a round, or the future of it: an overlapped peer has its payload
-for round r+1 before it has applied round r (`Gatherer.digest_follows`)."""
+    `Digest(value)` is known; `Digest.to_follow()` is not yet (`follows`): `set` gives it once the peer is on
+    the round's parameters, `cancel` calls it off (the peer will not start the round from them).
+    """
 
+    __slots__ = ("_future", "_value", "follows")
 
-async def known(digest: Digest) -> str:
-    """The digest, once it is known (a transport that sends it with the payload's first part waits for it)."""
-    return digest if isinstance(digest, str) else await asyncio.shield(digest)
+    def __init__(self, value: str) -> None:
+        self.follows = False
+        """Whether the digest was still to come when the payload was handed over."""
+        self._future: asyncio.Future[str] | None = None
+        self._value = value
+
+    @classmethod
+    def to_follow(cls) -> Digest:
+        """A digest still to come (made in the running event loop)."""
+        digest = cls("")
+        digest.follows, digest._future = True, asyncio.get_running_loop().create_future()
+        return digest
+
+    @property
+    def is_known(self) -> bool:
+        return self._future is None or (self._future.done() and not self._future.cancelled()
+                                        and self._future.exception() is None)
+
+    @property
+    def value(self) -> str:
+        """The digest, once known.
+
+        Raises:
+            RuntimeError: not known (yet, or ever: called off).
+        """
+        if self._future is None:
+            return self._value
+        if not self.is_known:
+            raise RuntimeError("the parameter digest is not known")
+        return self._future.result()
+
+    async def known(self) -> str:
+        """The digest, once it is known (a transport that sends it with the payload's first part waits for it).
+
+        Raises:
+            asyncio.CancelledError: it was called off.
+        """
+        return self._value if self._future is None else await asyncio.shield(self._future)
+
+    def waiter(self) -> asyncio.Future[str]:
+        """What to wait on beside other things (a digest still to come); a done future for a known one."""
+        if self._future is None:
+            done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            done.set_result(self._value)
+            return done
+        return self._future
+
+    def set(self, value: str) -> None:
+        """The digest has come."""
+        assert self._future is not None and not self._future.done(), "a known digest is not set again"
+        self._future.set_result(value)
+
+    def cancel(self) -> None:
+        """Call it off: the peer will not start the round from the round before (the gather is cancelled too)."""
+        if self._future is not None:
+            self._future.cancel()
 
 
 @dataclass(frozen=True)
@@ -125,8 +180,8 @@ class Gatherer(Protocol):
             round: the round the payload belongs to.
             payload: what `DeMo.compress()` returned for this round.
             loss: this peer's training loss on its batch for the round.
-            param_digest: this peer's parameter digest at the start of the round; a future of it only
-                where `digest_follows` (cancelled if the peer will not start the round from the round
+            param_digest: this peer's parameter digest at the start of the round; one still to follow only
+                where `digest_follows` (called off if the peer will not start the round from the round
                 before: the call is then cancelled too).
 
         Raises:

@@ -285,7 +285,7 @@ class GrpcClient:
             del self._submitted[old]
         ended = self._submitted[round] = asyncio.Event()
         expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
-        beside = isinstance(param_digest, str)
+        beside = not param_digest.follows
 
         def aggregate() -> Awaitable[StreamedAggregate]:  # a retry once the Submit has ended is a plain call again
             return read_aggregate(self._stub.GetAggregate(pb.AggregateRequest(
@@ -339,7 +339,7 @@ class GrpcClient:
             return NotMember(f"round {round}: {reason}")
         return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
 
-    async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: Digest) -> str:
+    async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: Digest) -> Digest:
         """One payload's Submit, tried again while BUSY; returns the digest it went with.
 
         Raises:
@@ -347,8 +347,8 @@ class GrpcClient:
         """
         timeout_s, digest = self.submit_timeout_s, param_digest
         parts = submit_parts(self.identity, self._session, self.peer_id, round, data,
-                             param_digest=digest if isinstance(digest, str) else "", loss=loss,
-                             digest_follows=not isinstance(digest, str))
+                             param_digest="" if digest.follows else digest.value, loss=loss,
+                             digest_follows=digest.follows)
 
         replied = asyncio.Event()  # a reply (a refusal) before the digest: the stream has nothing more to send
 
@@ -367,12 +367,12 @@ class GrpcClient:
         async def submit() -> Any:
             replied.clear()
             try:
-                return await self._stub.Submit(iter(parts) if isinstance(digest, str) else follow(digest),
+                return await self._stub.Submit(follow(digest.waiter()) if digest.follows else iter(parts),
                                                metadata=self._metadata, timeout=timeout_s)
             finally:
                 replied.set()
 
-        if not isinstance(digest, str):
+        if digest.follows:
             timeout_s += self.round_timeout_s
         give_up_at, busy_s = time.monotonic() + timeout_s, _BUSY_FIRST_S
         while True:
@@ -385,12 +385,12 @@ class GrpcClient:
             await asyncio.sleep(busy_s)
             busy_s = min(2 * busy_s, 1.0)
         if reply.accepted:
-            return param_digest if isinstance(param_digest, str) else param_digest.result()
+            return Digest(digest.value)
         kind = "resync" if reply.resync else pb.Refusal.Name(reply.refusal).removeprefix("REFUSAL_").lower()
         error = refusal_error(kind, reply.reason, round=round, open_round=int(reply.open_round))
         if error is not None:
             raise error
-        return param_digest if isinstance(param_digest, str) else param_digest.result()
+        return Digest(digest.value)
 
     async def close(self) -> None:
         """Close the channel; calls still open are cancelled."""

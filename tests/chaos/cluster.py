@@ -24,7 +24,7 @@ from typing import IO, Any
 import pytest
 
 from demonet.lab import netlab
-from demonet.train.runfolder import final_rows
+from demonet.loop.runfolder import final_rows
 from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round
 from tests.procs import Reaper
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import time
 
-from demonet.train.runfolder import final_rows
+from demonet.loop.runfolder import final_rows
 from tests.chaos.cluster import CoordinatorCluster, loss_fell, report, run_config
 
 SEED = 1234  # the random kill points; printed with the figures

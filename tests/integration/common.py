@@ -56,7 +56,7 @@ async def coordinator_in_process(tmp: Path, *, token: str, steps: int, state_dir
 GATE = """
 import sys
 from demonet.cli import main
-from demonet.train.lifecycle import warm_up as _warm_up
+from demonet.loop.lifecycle import warm_up as _warm_up
 _warm_up()
 print("gate: ready", file=sys.stderr, flush=True)
 sys.stdin.readline()

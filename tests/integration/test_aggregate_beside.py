@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from demonet.coordinator.server import CoordinatorServicer
+from demonet.transport import Digest
 from demonet.transport.grpc import GrpcClient
 from tests.integration.common import coordinator_in_process
 from tests.integration.test_coordinator import TOKEN, Peer
@@ -46,7 +47,7 @@ async def test_gather_asks_for_the_aggregate_beside_its_submit(tmp_path: Path,
                 x, y = next(peer.batches)
                 peer.model(x, y)[1].backward()  # type: ignore[union-attr]
                 payload = peer.opt.compress()
-                result = await client.gather(round_, payload, loss=1.0, param_digest=peer.digest())
+                result = await client.gather(round_, payload, loss=1.0, param_digest=Digest(peer.digest()))
                 assert result.contributors == ("a",) and not result.aborted and result.aggregate is not None
                 peer.opt.restore(payload, kept=result.aggregate)
                 peer.opt.apply(result.aggregate, lr=peer.lr(round_))

@@ -43,7 +43,7 @@ WAIT_S = 90.0
 GATE = """
 import sys
 from demonet.cli import main
-from demonet.train.lifecycle import warm_up as _warm_up
+from demonet.loop.lifecycle import warm_up as _warm_up
 import demonet.dht.gatherer
 _warm_up()
 print("gate: ready", flush=True)

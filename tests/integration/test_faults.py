@@ -31,7 +31,7 @@ import pytest
 
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pbg
-from demonet.train.runfolder import final_rows
+from demonet.loop.runfolder import final_rows
 from demonet.wire.identity import Identity
 from demonet.wire.signed import leave_request
 from tests.integration.common import GATE, listening_line, metrics_rows, rows_by_round, tiny_config

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from demonet.coordinator.state import STATE_FILE
-from demonet.train.runfolder import final_rows
+from demonet.loop.runfolder import final_rows
 from demonet.wire.digest import param_digest
 from tests.integration.common import listening_line, metrics_rows, tiny_config
 from tests.procs import Reaper, free_port

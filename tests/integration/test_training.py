@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from demonet.config import load_config
-from demonet.train.local import run_local
+from demonet.loop.local import run_local
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from demonet.lab.evidence.report import curve
 def _row(round: int, time: float, loss: float, round_time_s: float = 1.0) -> dict[str, Any]:
     """A coordinator-mode peer's metrics row, with the fields the bench does not read too."""
     return {"round": round, "peer": "p", "loss": loss, "bytes_up": 10, "bytes_down": 12, "param_digest": "d",
-            "round_time_s": round_time_s, "compute_s": 0.1, "time": time, "contributors": 2, "aborted": False,
-            "resyncs": 0}
+            "round_time_s": round_time_s, "compute_s": 0.1, "wait_s": 0.0, "time": time, "contributors": 2,
+            "aborted": False, "resyncs": 0}
 
 
 def _write(path: Path, rows: list[dict[str, Any]], tail: str = "") -> None:

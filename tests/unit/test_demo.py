@@ -339,7 +339,7 @@ import torch
 from demonet.config import load_config
 from demonet.coordinator.state import CanonicalState
 from demonet.optim import aggregate
-from demonet.train.lifecycle import warm_up
+from demonet.loop.lifecycle import warm_up
 from demonet.train.trainer import Trainer
 
 tmp = Path(tempfile.mkdtemp())

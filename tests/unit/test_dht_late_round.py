@@ -18,7 +18,7 @@ from demonet.dht.board import FrozeWithout, RoundBoard
 from demonet.dht.exchange import Exchanged
 from demonet.dht.gatherer import DhtGatherer
 from demonet.dht.options import DhtOptions
-from demonet.transport import NotMember
+from demonet.transport import Digest, NotMember
 from tests.unit.test_dht_majority import _FakeNode
 
 
@@ -124,7 +124,7 @@ def test_a_round_applies_only_with_the_payloads_of_a_majority_of_the_base(got: t
                            dict.fromkeys(everyone, set(everyone)), set(everyone))
 
     async def run() -> list[Any]:
-        return await asyncio.gather(*(g.gather(6, f"payload-{p}", loss=1.0, param_digest="d")
+        return await asyncio.gather(*(g.gather(6, f"payload-{p}", loss=1.0, param_digest=Digest("d"))
                                       for p, g in gatherers.items()))
 
     a, b, c = asyncio.run(run())
@@ -230,7 +230,7 @@ def test_members_that_froze_a_round_with_two_lists_expect_each_other_in_the_next
     gatherers = _gatherers(exchanges, {"a": {"a", "b"}, "b": {"a", "b", "c"}, "c": {"a", "b", "c"}}, {"a", "b"})
 
     async def run(r: int) -> list[Any]:
-        return await asyncio.gather(*(g.gather(r, f"payload-{p}", loss=1.0, param_digest="d")
+        return await asyncio.gather(*(g.gather(r, f"payload-{p}", loss=1.0, param_digest=Digest("d"))
                                       for p, g in gatherers.items()))
 
     assert all(x.aborted for x in asyncio.run(run(6)))
@@ -269,7 +269,7 @@ def test_a_peer_that_read_a_freeze_without_itself_tells_its_exchange_the_members
     gatherers = _gatherers(exchanges, {"a": set(everyone), "b": set(everyone), "c": {"a", "b"}}, {"a", "b"})
 
     async def run() -> list[Any]:
-        return await asyncio.gather(*(g.gather(6, f"payload-{p}", loss=1.0, param_digest="d")
+        return await asyncio.gather(*(g.gather(6, f"payload-{p}", loss=1.0, param_digest=Digest("d"))
                                       for p, g in gatherers.items()), return_exceptions=True)
 
     a, b, c = asyncio.run(run())

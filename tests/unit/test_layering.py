@@ -22,7 +22,7 @@ NETWORK = ("grpc", "grpc_health", "hivemind", "demonet._proto.demonet_pb2_grpc")
 GRPC_TRANSPORT = ("demonet.transport.grpc", "demonet.transport.grpc_retry", "demonet.transport.grpc_replies")
 """The gRPC client's modules: the only transport modules that import grpc."""
 SERVICES = ("demonet.peer", "demonet.coordinator", "demonet.dht", "demonet.flex", "demonet.cli", "demonet.lab",
-            "demonet.train.local", "demonet.joined")
+            "demonet.loop", "demonet.joined")
 
 
 def _module(path: Path) -> str:
@@ -67,7 +67,7 @@ def _violations(modules: tuple[str, ...], forbidden: tuple[str, ...], allowed: t
 
 
 def test_the_layer_table_covers_every_module() -> None:
-    assert {"demonet.optim.demo", "demonet.wire", "demonet.train.loop", "demonet.transport.grpc",
+    assert {"demonet.optim.demo", "demonet.wire", "demonet.loop.round_loop", "demonet.transport.grpc",
             "demonet.coordinator.rounds", "demonet.dht.rules", "demonet.flex.link", "demonet.dashboard.record",
             "demonet.dashboard.server"} <= set(SOURCES)
 
@@ -82,8 +82,11 @@ def test_optim_sources_import_only_torch_and_stdlib_math() -> None:
     # The wire layer knows the math, the errors and its own messages: no network, no training, no service.
     (("demonet.wire",), NETWORK + ("asyncio", "demonet.transport", "demonet.train") + SERVICES, ()),
     # The training side (replica, loop, data, model) drives transports only through their protocols.
-    (("demonet.train",), NETWORK + GRPC_TRANSPORT + SERVICES,
-     ("demonet.train.local",)),
+    (("demonet.train",), NETWORK + ("demonet.transport",) + SERVICES, ()),
+    # The round loop drives transports through their protocols; only the local cluster knows the coordinator.
+    (("demonet.loop",), NETWORK + GRPC_TRANSPORT + ("demonet.coordinator", "demonet.dht", "demonet.flex",
+                                                    "demonet.peer", "demonet.cli", "demonet.joined"),
+     ("demonet.loop.local",)),
     # Built-in tasks are training code too: a peer that builds one pulls in no service.
     (("demonet.tasks",), NETWORK + ("demonet.transport",) + SERVICES, ()),
     # Transports import no service, and the protocols no network library.
@@ -108,6 +111,19 @@ def test_imports_go_one_way(layer: tuple[str, ...], forbidden: tuple[str, ...], 
     assert not _violations(layer, forbidden, allowed)
 
 
+TRAINING_MAY_IMPORT = ("demonet.optim", "demonet.errors", "demonet.config", "demonet.train", "demonet.wire.digest")
+"""The training side's demonet imports: the math layer, the errors, the run's config and the parameter digest (a
+leaf of the wire layer); nothing that moves bytes or runs rounds."""
+
+
+def test_training_and_config_import_only_the_layers_below() -> None:
+    bad = [f"{m} imports {n}" for m, p in SOURCES.items() if _within(m, ("demonet.train", "demonet.tasks"))
+           for n in _imports(p) if n.startswith("demonet.") and not _within(n, TRAINING_MAY_IMPORT)]
+    bad += [f"demonet.config imports {n}" for n in _imports(SOURCES["demonet.config"])
+            if n.startswith("demonet.") and not _within(n, ("demonet.optim", "demonet.errors"))]
+    assert not bad
+
+
 def test_the_checker_sees_a_lazy_relative_import(tmp_path: Path) -> None:
     """The table above can fail: an import inside a function, written relative, is found."""
     path = tmp_path / "x.py"
@@ -116,7 +132,7 @@ def test_the_checker_sees_a_lazy_relative_import(tmp_path: Path) -> None:
 
 
 def test_math_and_training_pull_in_no_network_code_at_run_time() -> None:
-    code = ("import sys, demonet.optim, demonet.train.model, demonet.train.data, demonet.train.loop; "
+    code = ("import sys, demonet.optim, demonet.train.model, demonet.train.data, demonet.loop.round_loop; "
             "print(','.join(m for m in ('grpc', 'hivemind', 'demonet.coordinator', 'demonet.dht') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

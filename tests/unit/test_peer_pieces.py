@@ -21,10 +21,10 @@ from demonet import cli, wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.config import load_token
 from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.loop import MetricsRow, runfolder
 from demonet.optim import Compressed, DeMo, Payload, aggregate
-from demonet.train import runfolder
 from demonet.train.trainer import settle
-from demonet.transport import NotMember, Resync, RoundResult, StaleRound, grpc_retry
+from demonet.transport import Digest, NotMember, Resync, RoundResult, StaleRound, grpc_retry
 from demonet.transport.grpc import GrpcClient, JoinInfo
 from demonet.wire.identity import submit_statement, verify
 
@@ -33,7 +33,12 @@ from demonet.wire.identity import submit_statement, verify
 
 def _row(round: int, peer: str, loss: float, digest: str = "d", up: int = 100, down: int = 120) -> dict[str, Any]:
     return {"round": round, "peer": peer, "loss": loss, "bytes_up": up, "bytes_down": down,
-            "param_digest": f"{digest}{round}", "round_time_s": 0.1}
+            "param_digest": f"{digest}{round}", "round_time_s": 0.1, "compute_s": 0.1, "wait_s": 0.0,
+            "contributors": 2, "aborted": False}
+
+
+def _rows(rows: Iterable[dict[str, Any]]) -> list[MetricsRow]:
+    return [MetricsRow.from_dict(r) for r in rows]
 
 
 def _write(path: Path, rows: Iterable[dict[str, Any]]) -> None:
@@ -45,9 +50,9 @@ def test_merge_metrics_sorts_by_round_then_peer(tmp_path: Path) -> None:
     _write(tmp_path / "metrics-a.jsonl", [_row(1, "a", 4.5), _row(2, "a", 3.0)])
     (tmp_path / "other.jsonl").write_text("not metrics\n")
     rows = runfolder.merge_metrics(tmp_path)
-    assert [(r["round"], r["peer"]) for r in rows] == [(0, "b"), (1, "a"), (1, "b"), (2, "a")]
+    assert [(r.round, r.peer) for r in rows] == [(0, "b"), (1, "a"), (1, "b"), (2, "a")]
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == rows
+    assert [json.loads(line) for line in lines] == [r.to_dict() for r in rows]
 
 
 def test_merge_metrics_keeps_the_last_rows_of_rounds_a_peer_did_again(tmp_path: Path) -> None:
@@ -56,20 +61,20 @@ def test_merge_metrics_keeps_the_last_rows_of_rounds_a_peer_did_again(tmp_path: 
                                           _row(3, "a", 2.0, "old"), _row(2, "a", 3.5), _row(3, "a", 2.5),
                                           _row(4, "a", 2.0)])
     rows = runfolder.merge_metrics(tmp_path)
-    assert [(r["round"], r["param_digest"]) for r in rows] == [(0, "d0"), (1, "d1"), (2, "d2"), (3, "d3"), (4, "d4")]
-    assert runfolder.final_rows(rows) == rows  # increasing rounds: nothing to drop
+    assert [(r.round, r.param_digest) for r in rows] == [(0, "d0"), (1, "d1"), (2, "d2"), (3, "d3"), (4, "d4")]
+    assert runfolder.final_rows(rows, lambda r: r.round) == rows  # increasing rounds: nothing to drop
 
 
 def test_summary_losses_bytes_and_digest_agreement() -> None:
-    rows = [_row(r, p, 5.0 - r + (0.5 if p == "b" else 0.0), up=100 + (p == "b"), down=200)
-            for r in range(8) for p in ("a", "b")]
+    rows = _rows(_row(r, p, 5.0 - r + (0.5 if p == "b" else 0.0), up=100 + (p == "b"), down=200)
+                 for r in range(8) for p in ("a", "b"))
     s = runfolder.summarize_run(rows)
     assert (s["rounds"], s["peers"]) == (8, 2)
     assert s["first_loss"] == pytest.approx(4.75)  # mean over peers 5.25 - round, first 2 rounds (8 // 4)
     assert s["last_loss"] == pytest.approx(-1.25)
     assert s["per_peer"]["b"]["bytes_up_per_round"] == 101 and s["per_peer"]["a"]["bytes_down_per_round"] == 200
     assert s["digests_agree"] and s["disagreeing_rounds"] == []
-    rows[5]["param_digest"] = "other"
+    rows[5].param_digest = "other"
     s = runfolder.summarize_run(rows)
     assert not s["digests_agree"] and s["disagreeing_rounds"] == [2]
     empty = json.loads(runfolder.to_json(runfolder.summarize_run([])))  # strict JSON: no NaN
@@ -77,14 +82,14 @@ def test_summary_losses_bytes_and_digest_agreement() -> None:
 
 
 def test_plot_is_a_png(tmp_path: Path) -> None:
-    rows = [_row(r, p, 5.0 - 0.1 * r) for r in range(5) for p in ("a", "b")]
+    rows = _rows(_row(r, p, 5.0 - 0.1 * r) for r in range(5) for p in ("a", "b"))
     runfolder.plot_loss(rows, tmp_path / "loss.png")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_compute_and_wait_per_peer_and_their_plot(tmp_path: Path) -> None:
-    rows = [{**_row(r, p, 5.0 - 0.1 * r), "compute_s": 0.2 + (p == "b") * 0.1, "wait_s": 0.05 * r, "overlap": 1}
-            for r in range(5) for p in ("a", "b")]
+    rows = _rows({**_row(r, p, 5.0 - 0.1 * r), "compute_s": 0.2 + (p == "b") * 0.1, "wait_s": 0.05 * r, "overlap": 1}
+                 for r in range(5) for p in ("a", "b"))
     s = runfolder.summarize_run(rows)
     assert s["per_peer"]["a"]["compute_s"] == pytest.approx(0.2)
     assert s["per_peer"]["b"]["compute_s"] == pytest.approx(0.3)
@@ -98,7 +103,7 @@ def test_the_pace_is_wall_clock_seconds_per_round_from_the_rows_times() -> None:
     rows = [{**_row(r, p, 1.0), "time": 1000.0 + r * (0.5 if p == "a" else 0.7), "round_time_s": 9.9}
             for r in range(3, 8) for p in ("a", "b", "c")]
     rows = [r for r in rows if not (r["peer"] == "c" and r["round"] > 3)]  # c: one row, no pace
-    s = runfolder.summarize_run(rows)
+    s = runfolder.summarize_run(_rows(rows))
     assert s["per_peer"]["a"]["s_per_round"] == pytest.approx(0.5)
     assert s["per_peer"]["b"]["s_per_round"] == pytest.approx(0.7)
     assert s["s_per_round"] == pytest.approx(0.6)  # the median of the peers that have a pace
@@ -268,7 +273,7 @@ async def test_gather_submits_parts_and_returns_the_aggregate() -> None:
     agg = aggregate([payload])
     stub = _FakeStub(pb.SubmitReply(accepted=True), aggregate=_chunks(3, agg, ("me",)))
     client = _client(stub)
-    result = await client.gather(3, payload, loss=1.5, param_digest="pd")
+    result = await client.gather(3, payload, loss=1.5, param_digest=Digest("pd"))
     await client.close()
     assert {(p.peer_id, p.round, p.param_digest, p.loss) for p in stub.submitted} == {("me", 3, "pd", 1.5)}
     assert dict(stub.metadata)["authorization"] == "Bearer tok"
@@ -284,15 +289,15 @@ async def test_gather_submits_parts_and_returns_the_aggregate() -> None:
 
 async def test_gather_with_a_digest_to_follow_streams_the_payload_first_then_the_signed_digest() -> None:
     _, _, payload = _replica()
-    digest: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    digest = Digest.to_follow()
     seen: list[tuple[Any, bool]] = []
 
     class Ahead(_FakeStub):
         async def Submit(self, requests: Any, metadata: Any, timeout: float) -> Any:
             async for part in requests:
-                seen.append((part, digest.done()))
+                seen.append((part, digest.is_known))
                 if part.HasField("part") and part.part.index == part.part.count - 1:
-                    digest.set_result("pd")  # the round before is settled once the payload is in
+                    digest.set("pd")  # the round before is settled once the payload is in
             return self.submit
 
     client = _client(Ahead(pb.SubmitReply(accepted=True), aggregate=_chunks(3, aggregate([payload]), ("me",))))
@@ -311,7 +316,7 @@ async def test_gather_with_a_digest_to_follow_streams_the_payload_first_then_the
 async def test_gather_of_an_aborted_round_has_no_aggregate() -> None:
     _, _, payload = _replica()
     client = _client(_FakeStub(pb.SubmitReply(accepted=True), aggregate=_chunks(3, None, ())))
-    result = await client.gather(3, payload, loss=1.0, param_digest="pd")
+    result = await client.gather(3, payload, loss=1.0, param_digest=Digest("pd"))
     await client.close()
     assert result.aborted and result.aggregate is None and result.bytes_down == 0
 
@@ -330,7 +335,7 @@ async def test_gather_refuses_an_aggregate_stream_out_of_order(how: str) -> None
     stream = _cut(_chunks(3, aggregate([payload]), ("me",)), how)
     client = _client(_FakeStub(pb.SubmitReply(accepted=True), aggregate=stream))
     with pytest.raises(InvalidPayload, match="GetAggregate"):
-        await client.gather(3, payload, loss=1.0, param_digest="pd")
+        await client.gather(3, payload, loss=1.0, param_digest=Digest("pd"))
     await client.close()
 
 
@@ -340,7 +345,7 @@ async def test_a_stream_without_one_canonical_digest_after_the_aggregate_leaves_
     _, _, payload = _replica()
     stream = _cut(_chunks(3, aggregate([payload]), ("me",)), how)
     client = _client(_FakeStub(pb.SubmitReply(accepted=True), aggregate=stream))
-    result = await client.gather(3, payload, loss=1.0, param_digest="pd")
+    result = await client.gather(3, payload, loss=1.0, param_digest=Digest("pd"))
     assert result.aggregate is not None
     with pytest.raises(InvalidPayload, match="GetAggregate"):
         await result.canonical_digest()
@@ -365,7 +370,7 @@ async def test_gather_maps_refusals_to_what_the_peer_does(stub: _FakeStub, error
     _, _, payload = _replica()
     client = _client(stub)
     with pytest.raises(error) as info:
-        await client.gather(3, payload, loss=1.0, param_digest="pd")
+        await client.gather(3, payload, loss=1.0, param_digest=Digest("pd"))
     await client.close()
     if isinstance(info.value, StaleRound):
         assert info.value.open_round == stub.open_round
@@ -376,7 +381,7 @@ async def test_a_resubmission_already_taken_counts_as_accepted() -> None:
     stub = _FakeStub(pb.SubmitReply(accepted=False, refusal=pb.REFUSAL_DUPLICATE, reason="me already submitted"),
                      aggregate=_chunks(3, aggregate([payload]), ("me",)))
     client = _client(stub)
-    assert (await client.gather(3, payload, loss=1.0, param_digest="pd")).contributors == ("me",)
+    assert (await client.gather(3, payload, loss=1.0, param_digest=Digest("pd"))).contributors == ("me",)
     await client.close()
 
 
@@ -516,7 +521,7 @@ def _info(round: int) -> JoinInfo:
 
 def _peer(outcomes: list[Any], tmp_path: Path) -> tuple[Any, _FakeClient]:
     from demonet.config import load_config
-    from demonet.train.loop import RoundLoop
+    from demonet.loop import RoundLoop
     from demonet.train.model import GPT
     from demonet.train.trainer import Trainer
     from demonet.transport.coordinated import CoordinatorMembership

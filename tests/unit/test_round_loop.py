@@ -23,8 +23,8 @@ import torch
 from demonet.config import Config, load_config
 from demonet.coordinator.local import LocalCoordinator
 from demonet.errors import InvalidPayload
+from demonet.loop import RoundLoop
 from demonet.optim import Payload
-from demonet.train.loop import RoundLoop
 from demonet.train.trainer import Trainer
 from demonet.transport.coordinated import CoordinatorMembership
 
@@ -174,7 +174,7 @@ async def test_a_peer_whose_last_round_closed_without_it_ends_there_without_catc
     # The run's last round closed without its payload (a slow link): there is no round left to catch up to,
     # and the coordinator serves the last parameters only while it lingers: it ends at once, exit 0.
     run = _Run(tmp_path, {(FAULTY, ROUNDS - 1): "stale"}, overlap=overlap)
-    with caplog.at_level("WARNING", logger="demonet.train.loop"):
+    with caplog.at_level("WARNING", logger="demonet.loop.round_loop"):
         await run.run()
     assert run.codes == {"p0": 0, FAULTY: 0}
     assert run.restored[FAULTY] == [ROUNDS - 1]  # its payload went back into its momentum
@@ -298,8 +298,8 @@ async def test_an_overlapped_payload_leaves_before_the_round_before_is_settled(t
         gather = client.gather
 
         async def recorded(r: int, payload: Payload, *, param_digest: Any, **kwargs: Any) -> Any:
-            calls.append((r, "with its digest" if isinstance(param_digest, str) else
-                          "digest to follow" if not param_digest.done() else "digest known"))
+            calls.append((r, "with its digest" if not param_digest.follows else
+                          "digest to follow" if not param_digest.is_known else "digest known"))
             try:
                 return await gather(r, payload, param_digest=param_digest, **kwargs)
             except asyncio.CancelledError:

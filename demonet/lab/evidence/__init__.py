@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from demonet.lab.netlab import Host, Lab
+from demonet.loop.rows import MetricsRow
 from demonet.train.model import ModelConfig
 
 __all__ = ["EVIDENCE_MODEL", "SYSTEMS", "BenchSetup", "Run", "System", "load_runs", "run_bench", "run_system",
@@ -210,7 +211,7 @@ def _demonet(encoding: str, overlap: int = 0, lookahead: bool = True) -> Launche
 def _demonet_dht(encoding: str, verify: float | None = None) -> Launcher:
     def launch(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
         """demonet DHT mode: one host per peer and no coordinator; peer 0 starts the DHT, the others join it."""
-        from hivemind.p2p import P2P, PeerID  # type: ignore[import-untyped]
+        from hivemind.p2p import P2P, PeerID
 
         hosts = [lab.add_host(f"dn{r}", mbit=mbit) for r in range(setup.peers)]
         (out / "run.toml").write_text("\n".join([
@@ -248,10 +249,11 @@ def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
     work (compute_s) and the time the peer's training waited for the network (wait_s)."""
     steps = []
     for rank in range(peers):
-        rows = _rows(out / f"metrics-peer-{rank}.jsonl")
-        records = [{"step": 0, "time": rows[0]["time"] - rows[0]["round_time_s"], "loss": math.nan}] if rows else []
-        records += [{"step": int(r["round"]) + 1, "time": float(r["time"]), "loss": float(r["loss"]),
-                     "compute_s": float(r["compute_s"]), "wait_s": float(r.get("wait_s", math.nan))} for r in rows]
+        path = out / f"metrics-peer-{rank}.jsonl"
+        rows = MetricsRow.read(path) if path.exists() else []
+        records = [{"step": 0, "time": rows[0].time - rows[0].round_time_s, "loss": math.nan}] if rows else []
+        records += [{"step": r.round + 1, "time": r.time, "loss": r.loss, "compute_s": r.compute_s,
+                     "wait_s": r.wait_s} for r in rows]
         steps.append(records)
     return steps
 

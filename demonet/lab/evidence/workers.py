@@ -94,7 +94,7 @@ def _hivemind(args: argparse.Namespace) -> int:
     """hivemind.Optimizer: peers accumulate toward target_batch_size, then all-reduce gradients over a DHT."""
     from functools import partial
 
-    import hivemind  # type: ignore[import-untyped]
+    import hivemind
 
     from demonet.dht.sockets import use_own_sockets
 

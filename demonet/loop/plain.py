@@ -1,0 +1,78 @@
+"""The plain pipeline (`[net] overlap = 0`): one round after the other. A round whose canonical digest had not
+come by its settle is checked after the next round's forward and backward, before its compress. It drives the
+loop through its steps (`LoopSteps`), as the overlapped pipeline does; never imports the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TextIO
+
+import torch
+
+from demonet.optim import Payload, to_host
+
+from .state import LoopSteps, RoundOutcome
+
+__all__ = ["plain_round"]
+
+
+async def plain_round(loop: LoopSteps, metrics: TextIO | None) -> bool:
+    """Train, gather and settle one round; False when the peer should stop (SIGTERM).
+
+    When the round before's canonical digest had not come by its settle (`unchecked`), it is checked
+    after this round's forward and backward, before the compress: on the canonical parameters the
+    round goes on; off them, its gradients are dropped (its compress never ran, so the momentum is as
+    the check at the settle would have left it), the run's parameters are loaded, and the round is
+    trained again from them."""
+    await loop.membership.begin_round(loop.round, loop.digest, loop.replica.named_parameters)
+    t0 = time.perf_counter()
+    encode_s = 0.0
+    if loop.unchecked is None:
+        encode = loop.encoder.encode_ahead(loop.round) if loop.encoder is not None else None
+        loss, payload, staged, encode_s = await asyncio.to_thread(_train_step, loop, encode)
+        compute_s, checked_s = time.perf_counter() - t0 - encode_s, 0.0
+    else:
+        loss = await asyncio.to_thread(loop.replica.forward_backward)
+        compute_s = time.perf_counter() - t0
+        on_canonical, checked_s = await _check_before_compress(loop, metrics)
+        if not on_canonical:
+            return True
+        t1 = time.perf_counter()
+        payload, staged = await asyncio.to_thread(loop.compress, loop.replica, False)
+        compute_s += time.perf_counter() - t1
+    flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s)
+    flight.checked_s, flight.encode_s = checked_s, encode_s
+    return await loop.land(flight, metrics, defer=True) != RoundOutcome.STOPPED
+
+
+async def _check_before_compress(loop: LoopSteps, metrics: TextIO | None) -> tuple[bool, float]:
+    """The deferred check of the round before (`plain_round`); returns (on the canonical parameters, the
+    seconds this round waited for the digest)."""
+    unchecked, t0 = loop.unchecked, time.perf_counter()
+    assert unchecked is not None
+    if await loop.check(unchecked, metrics) == RoundOutcome.APPLIED:
+        return True, time.perf_counter() - t0
+    await asyncio.to_thread(loop.replica.drop_gradients)
+    return False, 0.0
+
+
+def _train_step(loop: LoopSteps, encode: Callable[[Payload], None] | None = None
+                ) -> tuple[float, Payload, tuple[Payload, torch.cuda.Event | None], float]:
+    """A plain round's training: its loss, its payload, the payload's host copy (`to_host`: the exchange
+    always gets a host payload, on a GPU too), and the seconds `encode` took on that copy
+    (`EncodesAhead.encode_ahead`), which are not the round's compute."""
+    loss, payload = loop.replica.train_step()
+    staged = to_host(payload)
+    if encode is None:
+        return loss, payload, staged, 0.0
+    t0 = time.perf_counter()
+    if staged[1] is not None:
+        staged[1].synchronize()
+    try:
+        encode(staged[0])
+    except Exception as e:  # noqa: BLE001 - only a head start: `gather` encodes again, and handles what fails there
+        loop.log.warning("encoding the payload ahead failed (%s: %s); the exchange encodes it", type(e).__name__, e)
+    return loss, payload, staged, time.perf_counter() - t0
