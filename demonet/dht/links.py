@@ -4,7 +4,7 @@ Net layer under demonet.dht.streams, which signs and checks the messages and ans
 module frames them, routes replies to their calls (`Link`), and serves the links other peers open
 (`serve`). A stream opened per call costs a negotiation through both
 peers' p2pd daemons and a new connection to each daemon: about 2 ms of CPU a call on loopback
-(`bench/dht_links.py`), and a round trip on a slow link. A link is opened once, at the first call to a
+(measured: docs/decisions/README.md), and a round trip on a slow link. A link is opened once, at the first call to a
 peer; each message on it is framed by its length and names its call (`DhtMessage.call`), so that several
 calls run on one link at once and their replies come back in any order. A link whose remote end closes
 fails the calls still waiting on it; one that lets a call time out takes no new call. Either way the

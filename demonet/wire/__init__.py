@@ -3,7 +3,8 @@
 Wire layer: imports the math layer's dataclasses and the generated protobuf module; never grpc,
 asyncio or a transport. This module only re-exports:
 
-- `codec`: `Payload` <-> protobuf bytes (`encode`, `encode_many`, and `decode`, which validates inbound bytes).
+- `codec`: `Payload` -> protobuf bytes (`encode`, `encode_many`); `inbound`: bytes -> `Payload` (`decode`, which
+  validates inbound bytes first).
 - `parts`: a serialized message as `PayloadPart` messages (`split`, `Reassembler`).
 - `report`: byte accounting (`payload_bytes`, `index_bits_report`).
 - `params` (imported on its own): the dense parameters a joining peer downloads.
