@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from demonet.config import load_config, load_token
-from demonet.errors import PeerUnavailable
+from demonet.errors import KeyFileError, PeerUnavailable
 from demonet.log import setup_logging
 from demonet.loop import RoundLoop
 from demonet.loop.lifecycle import stop_on_signals, warm_up
@@ -26,7 +26,7 @@ from demonet.train.task import first_difference, param_specs
 from demonet.train.trainer import Trainer
 from demonet.transport.coordinated import CoordinatorMembership
 from demonet.transport.grpc import GrpcClient
-from demonet.wire.identity import Identity, KeyFileError
+from demonet.wire.identity import Identity
 
 __all__ = ["add_arguments", "main", "run", "run_peer"]
 

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run `demonet export`; returns the exit code (2 on a bad state folder, model folder or --out; nothing
     written)."""
-    from demonet.coordinator.weights import WeightsFileError, export, export_pretrained, read_state
+    from demonet.coordinator.weights import export, export_pretrained, read_state
+    from demonet.errors import WeightsFileError
     from demonet.tasks.hf import run_model_dir
 
     out, state_dir = Path(args.out), Path(args.state_dir)

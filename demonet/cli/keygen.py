@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from demonet.wire.identity import Identity, KeyFileError, public_text
+from demonet.errors import KeyFileError
+from demonet.wire.identity import Identity, public_text
 
 __all__ = ["add_arguments", "run"]
 

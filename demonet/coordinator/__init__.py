@@ -22,14 +22,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from demonet.config import Config, load_config, load_token
 from demonet.dashboard import page_routes, start_http
+from demonet.errors import StateNotSaved, WeightsFileError
 from demonet.log import setup_logging
 from demonet.train.task import pin_tokenizer
 
 from .handlers import add_to_server
 from .metrics import Metrics
-from .persist import StateNotSaved
 from .server import CoordinatorOptions, CoordinatorServicer
-from .weights import WeightsFileError
 
 __all__ = ["CoordinatorOptions", "HttpPorts", "add_arguments", "main", "run", "serve", "total_rounds"]
 

@@ -17,7 +17,9 @@ from typing import Any
 
 import grpc
 
-from .identities import Identities, NotJoined, Refused, read_allowlist
+from demonet.errors import NotJoined, Refused
+
+from .identities import Identities, read_allowlist
 from .limits import Limits, RateLimits
 from .metrics import Metrics
 from .parts import Malformed

@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from demonet.config import Config
-from demonet.errors import PeerUnavailable
+from demonet.errors import AggregateGone, PeerUnavailable, Refusal, SubmitRejected
 from demonet.optim import Payload
 from demonet.train.data import data_seed
 from demonet.train.task import param_specs
@@ -25,10 +25,10 @@ from demonet.transport import JoinInfo
 
 from .metrics import Metrics
 from .persist import HandOff, Persister
-from .rounds import ClosedRound, Refusal, RoundConfig, Rounds, SubmitRejected
+from .rounds import ClosedRound, RoundConfig, Rounds
 from .state import CanonicalState, ClosedAggregate
 from .status import status_document
-from .terms import KEEP_AGGREGATES, AggregateGone, CoreOptions, Submission
+from .terms import KEEP_AGGREGATES, CoreOptions, Submission
 
 __all__ = ["RoundCore"]
 

@@ -24,9 +24,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from demonet.errors import NotJoined, Refused
 from demonet.wire.identity import KEY_BYTES, fingerprint, join_statement, read_allowlist, verify
 
-__all__ = ["ADMISSIONS", "Binding", "Identities", "NotJoined", "Refused", "read_allowlist"]
+__all__ = ["ADMISSIONS", "Binding", "Identities", "read_allowlist"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,14 +38,6 @@ MAX_CHALLENGES = 4096
 """Outstanding challenges kept; the oldest is forgotten first (a flood of requests costs memory only up to here)."""
 NONCE_BYTES = 32
 SESSION_BYTES = 16
-
-
-class Refused(Exception):
-    """A join or signed request that is not admitted; the reason is for people."""
-
-
-class NotJoined(Refused):
-    """A signed request under a peer id no key has joined as (or whose key left the allowlist): join first."""
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from demonet.errors import Busy
 from demonet.optim.payload import num_chunks
 
-__all__ = ["DEFAULT_INFLIGHT_FLOOR_BYTES", "Busy", "Limits", "LimitsConfig", "RateLimits", "SubmitSlots",
-           "submission_bound"]
+__all__ = ["DEFAULT_INFLIGHT_FLOOR_BYTES", "Limits", "LimitsConfig", "RateLimits", "SubmitSlots", "submission_bound"]
 
 DEFAULT_INFLIGHT_FLOOR_BYTES = 256 << 20
 """`max_inflight_bytes` is at least this much by default (and 8 submissions' worth where those are larger)."""
@@ -45,10 +45,6 @@ def submission_bound(specs: Mapping[str, tuple[tuple[int, ...], tuple[int, int]]
         chunks, k = num_chunks(shape, chunk), min(topk, chunk[0] * chunk[1])
         total += chunks * k * 8 + chunks * 4 + _TENSOR_HEADER_BYTES + len(name.encode()) + 11 * len(shape)
     return total if cap is None else min(total, cap)
-
-
-class Busy(Exception):
-    """A Submit stream that may not start now: the peer has one open, or the bytes in flight are spent."""
 
 
 @dataclass

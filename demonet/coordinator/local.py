@@ -21,7 +21,7 @@ import torch
 
 from demonet import wire
 from demonet.config import Config
-from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.errors import AggregateGone, InvalidPayload, PeerUnavailable, SubmitRejected
 from demonet.optim import Payload
 from demonet.transport import (
     Digest,
@@ -38,9 +38,9 @@ from demonet.wire.merge import decode_contribution
 
 from .core import RoundCore
 from .metrics import Metrics
-from .rounds import ClosedRound, Rounds, SubmitRejected
+from .rounds import ClosedRound, Rounds
 from .state import CanonicalState, ClosedAggregate
-from .terms import AggregateGone, CoreOptions, Submission
+from .terms import CoreOptions, Submission
 
 __all__ = ["FAULTS", "LocalClient", "LocalCoordinator"]
 

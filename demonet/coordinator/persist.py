@@ -15,22 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from demonet.errors import DemonetError
+from demonet.errors import StateNotSaved
 
 from .metrics import Metrics
 from .state import STATE_FILE, write_state
 
-__all__ = ["HandOff", "Persister", "Snapshot", "StateNotSaved"]
+__all__ = ["HandOff", "Persister", "Snapshot"]
 
 logger = logging.getLogger(__name__)
 
 _WRITE_ERRORS = (OSError, RuntimeError)
 """What a failed write raises: OSError (no permission, no such folder), RuntimeError (torch.save's zip
 writer on a full disk). Anything else is a bug and propagates."""
-
-
-class StateNotSaved(DemonetError):
-    """The newest snapshot could not be written: the state file on disk is older than the run."""
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,13 @@ call, so tests drive it with a fake clock. The coordinator wraps one `Rounds` in
 
 from __future__ import annotations
 
-import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ClosedRound", "Refusal", "RoundConfig", "Rounds", "SubmitRejected"]
+from demonet.errors import Refusal, SubmitRejected
+
+__all__ = ["ClosedRound", "RoundConfig", "Rounds"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,41 +53,6 @@ class ClosedRound:
     round: int
     contributors: tuple[str, ...]
     aborted: bool
-
-
-class Refusal(enum.StrEnum):
-    """Why a coordinator did not take a call's payload or request: the one list both coordinators answer with
-    (the gRPC servicer as a `Refusal` of proto/demonet.proto, the in-process one as the peer's exception)."""
-
-    STALE = "stale"
-    """The round is closed: continue from the open one."""
-    FUTURE = "future"
-    """The round has not opened (a coordinator that lost its state): join again."""
-    NOT_MEMBER = "not_member"
-    """Not a member of the round: join again."""
-    DUPLICATE = "duplicate"
-    """This very payload is in already (a retry whose first try got in)."""
-    CONFLICT = "conflict"
-    """Another payload of the peer for the round is in."""
-    RESYNC = "resync"
-    """The peer's parameter digest differs from the canonical one: download the parameters."""
-    INVALID = "invalid"
-    """The payload failed validation."""
-    BUSY = "busy"
-    """Another stream of the peer for the round is open, or the bytes in flight are spent: try again soon."""
-
-
-class SubmitRejected(Exception):
-    """A submission or request the coordinator does not take (not an error of the coordinator), and why."""
-
-    def __init__(self, reason: str, kind: Refusal) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.kind = kind
-
-    @property
-    def stale(self) -> bool:
-        return self.kind == Refusal.STALE
 
 
 @dataclass

@@ -21,18 +21,16 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pb_grpc
 from demonet.config import Config
-from demonet.errors import PeerUnavailable
+from demonet.errors import AggregateGone, NotJoined, PeerUnavailable, SubmitRejected
 from demonet.wire.identity import heartbeat_statement, leave_statement, parameters_statement
 
 from . import weights
 from .admission import Admission
 from .core import RoundCore
-from .identities import NotJoined
 from .limits import DEFAULT_INFLIGHT_FLOOR_BYTES, Limits, LimitsConfig, submission_bound
 from .metrics import Metrics
-from .rounds import SubmitRejected
 from .submit import SubmitReader
-from .terms import AggregateGone, CoreOptions
+from .terms import CoreOptions
 
 __all__ = ["CoordinatorOptions", "CoordinatorServicer"]
 

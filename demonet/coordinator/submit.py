@@ -22,17 +22,15 @@ import grpc
 
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
-from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.errors import Busy, InvalidPayload, NotJoined, PeerUnavailable, Refusal, SubmitRejected
 from demonet.optim import Payload
 from demonet.wire.identity import submit_statement
 from demonet.wire.merge import decode_contribution
 
 from .admission import Admission
 from .core import RoundCore
-from .identities import NotJoined
-from .limits import Busy, Limits
+from .limits import Limits
 from .parts import Malformed, StreamEnd, parts_until
-from .rounds import Refusal, SubmitRejected
 from .terms import Submission
 
 __all__ = ["REFUSALS", "SubmitReader"]

@@ -11,19 +11,10 @@ from pathlib import Path
 
 from demonet.optim import Payload
 
-__all__ = ["KEEP_AGGREGATES", "AggregateGone", "CoreOptions", "Submission"]
+__all__ = ["KEEP_AGGREGATES", "CoreOptions", "Submission"]
 
 KEEP_AGGREGATES = 8
 """Closed rounds whose aggregate a slow peer can still download."""
-
-
-class AggregateGone(Exception):
-    """A round's aggregate cannot be had (`resubmit`: the coordinator lost this member's payload for the open
-    round, which it still holds; else the round has not opened, or is too old: download the parameters)."""
-
-    def __init__(self, reason: str, *, resubmit: bool = False) -> None:
-        super().__init__(reason)
-        self.reason, self.resubmit = reason, resubmit
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,16 +16,12 @@ from typing import Any
 
 import torch
 
+from demonet.errors import WeightsFileError
 from demonet.wire.digest import param_digest
 
 from .state import STATE_FILE, ClosedAggregate
 
-__all__ = ["SavedParams", "WeightsFileError", "export", "export_pretrained", "read_init", "read_state",
-           "write_safetensors"]
-
-
-class WeightsFileError(ValueError):
-    """A state folder or a safetensors file that cannot be used; the message names the file and why."""
+__all__ = ["SavedParams", "export", "export_pretrained", "read_init", "read_state", "write_safetensors"]
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,13 @@ import torch
 
 from demonet.config import Config, load_config, load_token
 from demonet.dashboard import page_routes, start_http
-from demonet.errors import PeerUnavailable
+from demonet.errors import KeyFileError, PeerUnavailable
 from demonet.loop import RoundLoop
 from demonet.loop.lifecycle import stop_on_signals, warm_up
 from demonet.train.data import data_seed
 from demonet.train.trainer import Trainer
 from demonet.transport import JoinInfo
-from demonet.wire.identity import Identity, KeyFileError, read_allowlist
+from demonet.wire.identity import Identity, read_allowlist
 from demonet.wire.merge import MergeRules
 
 from . import rules

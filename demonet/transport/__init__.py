@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from demonet.errors import DemonetError, PeerUnavailable
+from demonet.errors import DemonetError, NotMember, PeerUnavailable, Rejected, Resync, StaleRound
 from demonet.optim import Expected, Payload
 
 __all__ = ["Digest", "EncodesAhead", "Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Parameters",
@@ -254,26 +254,6 @@ class Membership(Protocol):
     async def close(self) -> None:
         """Release what the membership holds (tasks, connections)."""
         ...
-
-
-class Rejected(DemonetError):
-    """The payload was not taken into the round; the peer restores it and gets back in step."""
-
-
-class Resync(Rejected):
-    """This peer's parameters differ from the canonical ones: download them again, recompute the round."""
-
-
-class NotMember(Rejected):
-    """This peer is not a member of the round (dropped, or the coordinator forgot it): join again."""
-
-
-class StaleRound(Rejected):
-    """The round is over for this peer: continue from the coordinator's open round."""
-
-    def __init__(self, message: str, *, open_round: int) -> None:
-        super().__init__(message)
-        self.open_round = open_round
 
 
 def refusal_error(kind: str, reason: str, *, round: int, open_round: int) -> Rejected | None:

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._bits import BadTensor, Blobs, bad
+from demonet.errors import BadTensor
+
+from ._bits import Blobs, bad
 from ._indices import check_entries, decode_indices, encode_indices, entropy_codings, sort_rows
 from ._values import check_finite, check_scales, decode_values, encode_values
 

@@ -17,15 +17,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from demonet.errors import BadTensor
+
 Blobs = Sequence[bytes]
-
-
-class BadTensor(Exception):
-    """Tensor `tensor` of a batch is malformed. `wire` names it and raises InvalidPayload or ValueError."""
-
-    def __init__(self, tensor: int, message: str) -> None:
-        super().__init__(message)
-        self.tensor = tensor
 
 
 def bad(flags: np.ndarray, rows: Sequence[int], message: str) -> BadTensor:

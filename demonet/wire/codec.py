@@ -19,11 +19,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from demonet._proto import demonet_pb2 as pb
+from demonet.errors import BadTensor
 from demonet.optim.payload import ENCODINGS, Compressed, Payload
 from demonet.optim.payload import num_chunks as chunk_count
 
 from ._batch import encode_batch
-from ._bits import BadTensor
 from ._layout import CODING_PB, DIGEST_BYTES, ENCODING_TO_PB, batches, to_numpy
 from ._values import VALUE_WIDTH, top_plane_deflate
 

@@ -21,18 +21,16 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-__all__ = ["KEY_BYTES", "SIGNATURE_BYTES", "Identity", "KeyFileError", "fingerprint", "heartbeat_statement",
-           "join_statement", "leave_statement", "parameters_statement", "parse_public", "public_text", "read_allowlist",
-           "statement", "submit_statement", "verify"]
+from demonet.errors import KeyFileError
+
+__all__ = ["KEY_BYTES", "SIGNATURE_BYTES", "Identity", "fingerprint", "heartbeat_statement", "join_statement",
+           "leave_statement", "parameters_statement", "parse_public", "public_text", "read_allowlist", "statement",
+           "submit_statement", "verify"]
 
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 _DOMAIN = b"demonet/v1\0"
 _PREFIX = "ed25519:"
-
-
-class KeyFileError(ValueError):
-    """A key file that cannot be read as an Ed25519 private key, or one others may read."""
 
 
 def statement(kind: str, *fields: bytes | str | int | float | bool) -> bytes:

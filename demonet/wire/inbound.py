@@ -17,11 +17,11 @@ import torch
 from google.protobuf.message import DecodeError
 
 from demonet._proto import demonet_pb2 as pb
-from demonet.errors import InvalidPayload
+from demonet.errors import BadTensor, InvalidPayload
 from demonet.optim.payload import Compressed, Payload
 
 from ._batch import decode_batch
-from ._bits import BadTensor, padding_ok
+from ._bits import padding_ok
 from ._layout import CODING_NAME, DIGEST_BYTES, PB_TO_ENCODING, Layout, batches, tensor_layout
 from ._values import VALUE_WIDTH, top_plane_inflate
 from .codec import (

@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 from demonet.cli import main as demonet  # noqa: E402
 from demonet.config import Config, load_config  # noqa: E402
 from demonet.coordinator.state import CanonicalState  # noqa: E402
-from demonet.coordinator.weights import WeightsFileError, export_pretrained, read_state  # noqa: E402
+from demonet.coordinator.weights import export_pretrained, read_state  # noqa: E402
+from demonet.errors import WeightsFileError  # noqa: E402
 from demonet.tasks.hf import TASK, causal_lm, model_config, run_model_dir  # noqa: E402
 from demonet.train.task import build_task  # noqa: E402
 from demonet.train.tokens import write_tokens  # noqa: E402

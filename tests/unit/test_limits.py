@@ -8,7 +8,8 @@ import torch
 
 from demonet import wire
 from demonet.config import Config
-from demonet.coordinator.limits import Busy, Limits, LimitsConfig, RateLimits, SubmitSlots, submission_bound
+from demonet.coordinator.limits import Limits, LimitsConfig, RateLimits, SubmitSlots, submission_bound
+from demonet.errors import Busy
 from demonet.optim import DeMo
 from demonet.optim.payload import Compressed, Payload, num_chunks
 from demonet.train.task import build_task

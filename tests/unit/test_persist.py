@@ -19,9 +19,10 @@ import torch
 from demonet import wire
 from demonet.config import Config, load_config
 from demonet.coordinator.metrics import Metrics
-from demonet.coordinator.persist import Persister, Snapshot, StateNotSaved
+from demonet.coordinator.persist import Persister, Snapshot
 from demonet.coordinator.rounds import ClosedRound
 from demonet.coordinator.state import STATE_FILE, CanonicalState, write_state
+from demonet.errors import StateNotSaved
 from demonet.optim import Payload
 from demonet.wire.digest import param_digest
 from demonet.wire.merge import decode_contribution

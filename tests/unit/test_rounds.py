@@ -2,7 +2,8 @@
 
 import pytest
 
-from demonet.coordinator.rounds import RoundConfig, Rounds, SubmitRejected
+from demonet.coordinator.rounds import RoundConfig, Rounds
+from demonet.errors import SubmitRejected
 
 CFG = RoundConfig(round_timeout_s=10.0, min_peers=2, heartbeat_timeout_s=5.0)
 

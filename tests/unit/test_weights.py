@@ -15,7 +15,8 @@ from safetensors.torch import load_file, safe_open, save_file
 from demonet.cli import main as demonet
 from demonet.config import Config, load_config
 from demonet.coordinator.state import STATE_FILE, CanonicalState
-from demonet.coordinator.weights import WeightsFileError, export, read_init, read_state
+from demonet.coordinator.weights import export, read_init, read_state
+from demonet.errors import WeightsFileError
 from demonet.wire.digest import param_digest
 
 _TINY = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32}, "train": {"seq_len": 32}}
