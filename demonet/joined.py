@@ -19,7 +19,6 @@ import signal
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,12 @@ import torch
 
 from demonet.config import Config, load_config, load_token
 from demonet.errors import InvalidPayload, PeerUnavailable
+from demonet.joining import RunTransport, open_coordinator, open_dht
 from demonet.loop import RoundLog, RoundLoop
 from demonet.loop.lifecycle import warm_up
 from demonet.optim import DeMo, Payload
-from demonet.train.data import data_seed
 from demonet.train.trainer import Trainer
-from demonet.transport import Gatherer, JoinInfo, Membership, keep_alive
+from demonet.transport import JoinInfo, keep_alive
 
 __all__ = ["CLOSE_TIMEOUT_S", "JoinedDeMo", "JoinedRun", "join"]
 
@@ -46,17 +45,6 @@ _LEAVE = object()
 
 class _Left(Exception):
     """Raised in the loop's `train_step` when the user's code left while the loop waited for a round."""
-
-
-@dataclass
-class _Transport:
-    membership: Membership
-    gatherer: Gatherer
-    info: JoinInfo
-    prepare: Callable[[DeMo], Awaitable[JoinInfo]]
-    """Called on the event loop with the user's optimizer right before the rounds start; where the run stands then."""
-    maddrs: tuple[str, ...] = ()
-    """DHT mode: this peer's multiaddrs, for the others' initial peers."""
 
 
 class _Handoff(Trainer):
@@ -138,7 +126,7 @@ class JoinedRun:
         self._stop = asyncio.Event()
         self._to_user: queue.Queue[tuple[str, BaseException | None]] = queue.Queue()
         self._to_loop: queue.Queue[Any] = queue.Queue()
-        self._transport: _Transport | None = None
+        self._transport: RunTransport | None = None
         self._loop: RoundLoop | None = None
         self._beats: asyncio.Task[None] | None = None
         self._drive: asyncio.Task[None] | None = None
@@ -244,7 +232,7 @@ class JoinedRun:
     def _call(self, coro: Awaitable[Any], timeout_s: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._aio).result(timeout_s)  # type: ignore[arg-type]
 
-    def _open(self, make: Callable[[], Awaitable[_Transport]]) -> JoinedRun:
+    def _open(self, make: Callable[[], Awaitable[RunTransport]]) -> JoinedRun:
         try:
             self._call(self._open_async(make))
         except BaseException:
@@ -254,7 +242,7 @@ class JoinedRun:
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self.stop())
         return self
 
-    async def _open_async(self, make: Callable[[], Awaitable[_Transport]]) -> None:
+    async def _open_async(self, make: Callable[[], Awaitable[RunTransport]]) -> None:
         await asyncio.to_thread(warm_up)
         self._transport = t = await make()
         self._config = load_config(None, {}, overrides=t.info.run_config)
@@ -307,61 +295,6 @@ class JoinedRun:
         await asyncio.wait_for(self._aio.shutdown_default_executor(), 30.0)
 
 
-async def _coordinator(address: str, token: str, peer_id: str, root_cert: bytes | None,
-                       reconnect_timeout_s: float, key: Path | None) -> _Transport:
-    from demonet.transport.coordinated import CoordinatorMembership
-    from demonet.transport.grpc import GrpcClient
-    from demonet.wire.identity import Identity
-
-    identity = Identity.load_or_create(key) if key is not None else None
-    membership = CoordinatorMembership(GrpcClient(address, token=token, peer_id=peer_id, root_cert=root_cert,
-                                                  reconnect_timeout_s=reconnect_timeout_s, identity=identity),
-                                       address)
-    try:
-        info = await membership.join()
-    except BaseException:
-        await membership.close()
-        raise
-
-    async def prepare(opt: DeMo) -> JoinInfo:
-        return info  # the first download gets the round the coordinator is at by then
-
-    return _Transport(membership, membership.client, info, prepare)
-
-
-async def _dht(cfg: Config, token: str, peer_id: str, run: str, initial_peers: Sequence[str], total_rounds: int,
-               options: Mapping[str, Any], key: Path | None) -> _Transport:
-    from demonet.dht.gatherer import DhtGatherer, DhtOptions
-    from demonet.dht.membership import DhtMembership
-    from demonet.dht.peer import allowed_keys
-    from demonet.dht.rules import stacks_slices
-    from demonet.wire.identity import Identity
-    from demonet.wire.merge import MergeRules
-
-    opts = DhtOptions(**{"run": run, "token": token, "initial_peers": tuple(initial_peers),
-                         "window_s": cfg.net.round_timeout_s, "start_peers": cfg.net.start_peers,
-                         "leave_after_s": cfg.net.leave_after_s, "verify_fraction": cfg.net.verify_slices,
-                         "exclude_rounds": cfg.net.exclude_owner_rounds, "slice_entries": cfg.net.slice_entries,
-                         "stack_slices": stacks_slices(cfg.optim.encoding), "rules": MergeRules.from_config(cfg),
-                         "allowed": allowed_keys(cfg), **options})
-    identity = Identity.load_or_create(key) if key is not None else None
-    gatherer = await DhtGatherer.create(opts, peer_id, {}, identity=identity)
-    membership = DhtMembership(gatherer, JoinInfo(
-        peer_id=peer_id, round=0, run_config=cfg.to_dict(), data_seed=data_seed(cfg.train.seed, peer_id),
-        round_timeout_s=opts.window_s, heartbeat_interval_s=0.0, total_rounds=total_rounds))
-    try:
-        await gatherer.check_initial_peers()
-    except BaseException:
-        await membership.close()
-        raise
-
-    async def prepare(opt: DeMo) -> JoinInfo:
-        gatherer.specs = dict(opt.param_specs())
-        return await membership.join()  # where the run stands now, not when `join` was called
-
-    return _Transport(membership, gatherer, membership.info, prepare, tuple(gatherer.visible_maddrs()))
-
-
 # The public entry point takes the `demonet peer` flags as keywords (more than STYLE's 8 arguments):
 # users call it once, by name, and each keyword is documented below.
 def join(coordinator: str | None = None, *, token: str | None = None, peer_id: str | None = None,
@@ -402,7 +335,7 @@ def join(coordinator: str | None = None, *, token: str | None = None, peer_id: s
     if coordinator is not None:
         address = coordinator
         return JoinedRun(peer_id, out=folder, checkpoint_every=checkpoint_every)._open(
-            lambda: _coordinator(address, token, peer_id, root_cert, reconnect_timeout_s, key_file))
+            lambda: open_coordinator(address, token, peer_id, root_cert, reconnect_timeout_s, key_file))
     cfg = config if isinstance(config, Config) else load_config(config, os.environ)
     if cfg.optim.base == "adamw":
         raise ValueError("DHT mode supports optim.base sign or sgd; adamw joiners would not get the Adam moments")
@@ -411,4 +344,4 @@ def join(coordinator: str | None = None, *, token: str | None = None, peer_id: s
         raise ValueError("steps should be >= 1")
     initial = tuple(dht_initial_peers or ())
     return JoinedRun(peer_id, out=folder, checkpoint_every=checkpoint_every)._open(
-        lambda: _dht(cfg, token, peer_id, run, initial, total, dht_options or {}, key_file))
+        lambda: open_dht(cfg, token, peer_id, run, initial, total, dht_options or {}, key_file))

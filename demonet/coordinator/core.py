@@ -23,6 +23,7 @@ from demonet.train.data import data_seed
 from demonet.train.task import param_specs
 from demonet.transport import JoinInfo
 
+from .inbox import Inbox
 from .metrics import Metrics
 from .persist import HandOff, Persister
 from .rounds import ClosedRound, RoundConfig, Rounds
@@ -72,12 +73,8 @@ class RoundCore:
                                      max_idle_rounds=net.max_idle_rounds)
         self.rounds = Rounds(cfg=self.round_cfg, now=_now())
         self.aggregates: OrderedDict[int, ClosedAggregate] = OrderedDict()
-        self.payloads: dict[str, Payload] = {}
-        self.losses: dict[str, float] = {}
-        self.accepted_digests: dict[str, bytes] = {}
-        """Peer -> the digest of its payload in the open round (a retry of it is a duplicate, another one is not)."""
-        self.resynced_at: dict[str, int] = {}
-        """Peer -> the round of its last resync, so that a retried call is not counted twice."""
+        self.inbox = Inbox(lambda: self.rounds, metrics)
+        """The open round's payloads, and the refusals and resyncs counted (what adapters refuse goes there)."""
         self.cond = asyncio.Condition()
         self.finished = asyncio.Event()
         self.applying: int | None = None
@@ -187,50 +184,7 @@ class RoundCore:
             round_ = self.rounds.round
             return round_, await asyncio.to_thread(self.state.parameters_blob, round_)
 
-    def resynced(self, peer_id: str, round: int, why: str) -> None:
-        """Count and log one resync: a member whose parameters differ from the canonical ones downloads
-        them whole, the dense transfer the compressed rounds exist to avoid. A peer finds the difference
-        after applying an aggregate (its download says so) or is told at its next submission; either
-        way the download happens once and is counted once."""
-        if self.resynced_at.get(peer_id) == round:
-            return  # the same call again (the client retries a call that timed out or lost its connection)
-        self.resynced_at[peer_id] = round
-        self.metrics.add("resyncs", peer=peer_id)
-        logger.warning("[coordinator round=%d] %s resyncs at round %d (resync %d of the run): %s; it downloads "
-                       "the whole parameters", self.rounds.round, peer_id, round, self.metrics.totals["resyncs"],
-                       why)
-
     # -- submissions ---------------------------------------------------------------------------------
-
-    def check_submit(self, peer_id: str, round: int, payload_digest: bytes, *, early: bool = False) -> None:
-        """What `submit` would refuse by the rounds alone, before the payload is read.
-
-        Raises:
-            SubmitRejected: counted (`refuse`).
-        """
-        try:
-            self.rounds.check_submit(peer_id, round, early=early)
-        except SubmitRejected as e:
-            raise self.refuse(e, peer_id, round, payload_digest) from None
-
-    def invalid(self, peer_id: str, round: int | None, reason: str) -> SubmitRejected:
-        """Count and log a payload that failed validation; the refusal to answer with."""
-        self.metrics.add("rejected")
-        self.metrics.refused(peer_id, round, "invalid", reason)
-        logger.warning("[coordinator round=%d] rejected a payload from %s: %s", self.rounds.round, peer_id or "?",
-                       reason)
-        return SubmitRejected(f"invalid payload: {reason}", Refusal.INVALID)
-
-    def refuse(self, e: SubmitRejected, peer_id: str, round: int, payload_digest: bytes) -> SubmitRejected:
-        """Count a refusal by the rounds; a duplicate of another payload than the one in is a conflict."""
-        if e.kind == Refusal.DUPLICATE and self.accepted_digests.get(peer_id) != payload_digest:
-            reason = f"another payload from {peer_id} for round {round} is already in"
-            self.metrics.refused(peer_id, round, "conflict", reason)
-            return SubmitRejected(reason, Refusal.CONFLICT)
-        if e.kind == Refusal.STALE:
-            self.metrics.add("late")
-        self.metrics.refused(peer_id, round, e.kind.value, e.reason)
-        return e
 
     async def submit(self, s: Submission) -> int:
         """Count a member's payload for its round, once that round is open and the round before applied, if
@@ -244,19 +198,12 @@ class RoundCore:
             await self.wait_for(lambda: self.rounds.round >= s.round and self.applied(),
                                 f"round {s.round} to open and round {s.round - 1} to be applied")
             if s.param_digest != self.state.digest and s.round == self.rounds.round:
-                self.resynced(s.peer_id, s.round, f"it submitted with digest {s.param_digest[:12]}, the "
+                self.inbox.resynced(s.peer_id, s.round, f"it submitted with digest {s.param_digest[:12]}, the "
                               f"canonical one is {self.state.digest[:12]}")
                 reason = "parameter digest differs from the canonical one"
                 self.metrics.refused(s.peer_id, s.round, "resync", reason)
                 raise SubmitRejected(reason, Refusal.RESYNC)
-            try:
-                self.rounds.submit(s.peer_id, s.round, _now())
-            except SubmitRejected as e:
-                raise self.refuse(e, s.peer_id, s.round, s.payload_digest) from None
-            self.payloads[s.peer_id] = s.payload
-            self.accepted_digests[s.peer_id] = s.payload_digest
-            self.losses[s.peer_id] = s.loss
-            self.metrics.uploaded(s.peer_id, s.size, s.stream_s, s.loss)
+            self.inbox.accept(s)
             self._changed()
             return self.rounds.round
 
@@ -353,7 +300,7 @@ class RoundCore:
         if self.decide is not None:
             outcome = self.decide(outcome)
         contributors = outcome.contributors
-        payloads = [self.payloads[p] for p in contributors]
+        payloads, losses = self.inbox.take(contributors)
         closed, applied = await asyncio.to_thread(self.state.merge_round, outcome, payloads)
         members, opened_at = tuple(r.members), r.opened_at  # for the dashboard's record, before they change
         decided = r.close(_now())
@@ -363,8 +310,6 @@ class RoundCore:
         self.aggregates[closed.round] = closed
         while len(self.aggregates) > KEEP_AGGREGATES:
             self.aggregates.popitem(last=False)
-        losses = [self.losses[p] for p in contributors if p in self.losses]
-        self.payloads, self.losses, self.accepted_digests = {}, {}, {}
         if applied is not None:
             self.applying = closed.round
         close_s = _now() - started  # the critical path: from here on, nothing waits for the apply but its digest

@@ -139,7 +139,7 @@ class LocalClient:
         except SubmitRejected as e:
             raise NotMember(e.reason) from None
         if resync:
-            self.core.resynced(self.peer_id, round,
+            self.core.inbox.resynced(self.peer_id, round,
                                f"its digest after applying round {round - 1} differed from the canonical one")
         _, blob = await self.core.parameters(round)
         got, tensors = await asyncio.to_thread(wire_params.decode_parameters, blob, expected=expected)

@@ -179,7 +179,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.reason)
         await self.admission.limit(self.limits.downloads, peer_id, "GetParameters", context)
         if request.resync:
-            self.core.resynced(peer_id, request.round,
+            self.core.inbox.resynced(peer_id, request.round,
                                f"its digest after applying round {request.round - 1} differed from the canonical one")
         try:
             _, blob = await self.core.parameters(request.round)

@@ -114,15 +114,16 @@ class SubmitReader:
                 await self._check_signature(head, last.signature, last.param_digest, context)
                 param_digest = last.param_digest
         except InvalidPayload as e:
-            refused = core.invalid(head.peer_id if head else "", head.round if head else None, str(e))
+            refused = core.inbox.invalid(head.peer_id if head else "", head.round if head else None, str(e))
             return _reply(refused, core.rounds.round)
         except SubmitRejected as e:  # counted where it was raised
             return _reply(e, core.rounds.round)
         except TimeoutError:  # its round closed (or its deadline passed) while the payload was arriving
             if head is None:  # no first part within the stream's first deadline: nothing was read
-                return _reply(core.invalid("", None, "no part came before the stream's deadline"), core.rounds.round)
+                nothing = core.inbox.invalid("", None, "no part came before the stream's deadline")
+                return _reply(nothing, core.rounds.round)
             stale = SubmitRejected(f"round {head.round} closed before the payload was complete", Refusal.STALE)
-            return _reply(core.refuse(stale, head.peer_id, head.round, b""), core.rounds.round)
+            return _reply(core.inbox.refuse(stale, head.peer_id, head.round, b""), core.rounds.round)
         finally:
             if head is not None:
                 self.limits.slots.release(head.peer_id, head.round, ends)
@@ -148,7 +149,7 @@ class SubmitReader:
             raise InvalidPayload("the first part carries a parameter digest although it was to follow")
         await self._check_signature(head, head.signature, head.param_digest, context)
         # refuse before reading (and decoding) the rest of the stream
-        self.core.check_submit(head.peer_id, head.round, head.part.payload_digest, early=head.digest_follows)
+        self.core.inbox.check(head.peer_id, head.round, head.part.payload_digest, early=head.digest_follows)
         self._open_stream(head, ends)
 
     async def _check_signature(self, head: pb.SubmitPart, signature: bytes, param_digest: str,
@@ -164,7 +165,7 @@ class SubmitReader:
                 self.admission.session(head.peer_id) or b"", head.peer_id, head.round, head.part.payload_digest,
                 param_digest, head.loss), context)
         except NotJoined as e:
-            raise self.core.refuse(SubmitRejected(f"{e}: join the run first", Refusal.NOT_MEMBER), head.peer_id,
+            raise self.core.inbox.refuse(SubmitRejected(f"{e}: join the run first", Refusal.NOT_MEMBER), head.peer_id,
                                    head.round, b"") from None
 
     def _open_stream(self, head: pb.SubmitPart, ends: StreamEnd) -> None:

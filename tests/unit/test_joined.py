@@ -22,7 +22,8 @@ import torch
 import demonet
 from demonet.config import Config, load_config
 from demonet.coordinator.local import LocalCoordinator
-from demonet.joined import JoinedDeMo, JoinedRun, _Transport
+from demonet.joined import JoinedDeMo, JoinedRun
+from demonet.joining import RunTransport
 from demonet.optim import DeMo
 from demonet.train.data import Batches, load_corpus, split
 from demonet.train.model import GPT
@@ -43,7 +44,7 @@ def _cfg() -> Config:
 def _join(tmp_path: Path, hubs: list[LocalCoordinator], *, rounds: int = ROUNDS) -> JoinedRun:
     """A joined run of peer "u" over a `LocalCoordinator` made on the run's own event loop."""
 
-    async def make() -> _Transport:
+    async def make() -> RunTransport:
         hub = LocalCoordinator(_cfg(), total_rounds=rounds)
         hubs.append(hub)
         hub.ticker = asyncio.create_task(hub.tick_forever(max_sleep_s=0.05))  # type: ignore[attr-defined]
@@ -53,7 +54,7 @@ def _join(tmp_path: Path, hubs: list[LocalCoordinator], *, rounds: int = ROUNDS)
         async def prepare(opt: DeMo) -> Any:
             return info
 
-        return _Transport(membership, membership.client, info, prepare)
+        return RunTransport(membership, membership.client, info, prepare)
 
     return JoinedRun("u", out=tmp_path, checkpoint_every=0)._open(make)
 

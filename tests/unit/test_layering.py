@@ -22,7 +22,7 @@ NETWORK = ("grpc", "grpc_health", "hivemind", "demonet._proto.demonet_pb2_grpc")
 GRPC_TRANSPORT = ("demonet.transport.grpc", "demonet.transport.grpc_retry", "demonet.transport.grpc_replies")
 """The gRPC client's modules: the only transport modules that import grpc."""
 SERVICES = ("demonet.peer", "demonet.coordinator", "demonet.dht", "demonet.flex", "demonet.cli", "demonet.lab",
-            "demonet.loop", "demonet.joined")
+            "demonet.loop", "demonet.joined", "demonet.joining")
 
 
 def _module(path: Path) -> str:

@@ -1,0 +1,108 @@
+"""The open round's inbox: the payloads members submitted, each counted or refused by one rule, and the refusals
+and resyncs counted for the operator.
+
+Owned by the round core (`demonet.coordinator.core`), which holds the lock, waits for the round and closes it;
+imports the pure rounds, the metrics and the errors only (no asyncio, no network).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from demonet.errors import Refusal, SubmitRejected
+from demonet.optim import Payload
+
+from .metrics import Metrics
+from .rounds import Rounds
+from .terms import Submission
+
+__all__ = ["Inbox"]
+
+logger = logging.getLogger(__name__)
+
+
+class Inbox:
+    """What the open round has received.
+
+    Args:
+        rounds_of: the core's round state machine (it may be replaced by a resume before the first round).
+        metrics: where refusals and uploads are counted.
+    """
+
+    def __init__(self, rounds_of: Callable[[], Rounds], metrics: Metrics) -> None:
+        self.rounds_of, self.metrics = rounds_of, metrics
+        self.payloads: dict[str, Payload] = {}
+        self.losses: dict[str, float] = {}
+        self.accepted_digests: dict[str, bytes] = {}
+        """Peer -> the digest of its payload in the open round (a retry of it is a duplicate, another one is not)."""
+        self.resynced_at: dict[str, int] = {}
+        """Peer -> the round of its last resync, so that a retried call is not counted twice."""
+
+    def check(self, peer_id: str, round: int, payload_digest: bytes, *, early: bool = False) -> None:
+        """What `accept` would refuse by the rounds alone, before the payload is read.
+
+        Raises:
+            SubmitRejected: counted (`refuse`).
+        """
+        try:
+            self.rounds_of().check_submit(peer_id, round, early=early)
+        except SubmitRejected as e:
+            raise self.refuse(e, peer_id, round, payload_digest) from None
+
+    def accept(self, s: Submission) -> None:
+        """Count a member's payload for the open round (the caller checked its digest, holding the lock).
+
+        Raises:
+            SubmitRejected: what the rounds refuse (counted).
+        """
+        rounds = self.rounds_of()
+        try:
+            rounds.submit(s.peer_id, s.round, time.monotonic())
+        except SubmitRejected as e:
+            raise self.refuse(e, s.peer_id, s.round, s.payload_digest) from None
+        self.payloads[s.peer_id] = s.payload
+        self.accepted_digests[s.peer_id] = s.payload_digest
+        self.losses[s.peer_id] = s.loss
+        self.metrics.uploaded(s.peer_id, s.size, s.stream_s, s.loss)
+
+    def take(self, contributors: tuple[str, ...]) -> tuple[list[Payload], list[float]]:
+        """The contributors' payloads and the losses reported with them, in their order; the inbox is empty
+        after (the next round opens)."""
+        payloads = [self.payloads[p] for p in contributors]
+        losses = [self.losses[p] for p in contributors if p in self.losses]
+        self.payloads, self.losses, self.accepted_digests = {}, {}, {}
+        return payloads, losses
+
+    def invalid(self, peer_id: str, round: int | None, reason: str) -> SubmitRejected:
+        """Count and log a payload that failed validation; the refusal to answer with."""
+        self.metrics.add("rejected")
+        self.metrics.refused(peer_id, round, "invalid", reason)
+        logger.warning("[coordinator round=%d] rejected a payload from %s: %s", self.rounds_of().round,
+                       peer_id or "?", reason)
+        return SubmitRejected(f"invalid payload: {reason}", Refusal.INVALID)
+
+    def refuse(self, e: SubmitRejected, peer_id: str, round: int, payload_digest: bytes) -> SubmitRejected:
+        """Count a refusal by the rounds; a duplicate of another payload than the one in is a conflict."""
+        if e.kind == Refusal.DUPLICATE and self.accepted_digests.get(peer_id) != payload_digest:
+            reason = f"another payload from {peer_id} for round {round} is already in"
+            self.metrics.refused(peer_id, round, "conflict", reason)
+            return SubmitRejected(reason, Refusal.CONFLICT)
+        if e.kind == Refusal.STALE:
+            self.metrics.add("late")
+        self.metrics.refused(peer_id, round, e.kind.value, e.reason)
+        return e
+
+    def resynced(self, peer_id: str, round: int, why: str) -> None:
+        """Count and log one resync: a member whose parameters differ from the canonical ones downloads
+        them whole, the dense transfer the compressed rounds exist to avoid. A peer finds the difference
+        after applying an aggregate (its download says so) or is told at its next submission; either
+        way the download happens once and is counted once."""
+        if self.resynced_at.get(peer_id) == round:
+            return  # the same call again (the client retries a call that timed out or lost its connection)
+        self.resynced_at[peer_id] = round
+        self.metrics.add("resyncs", peer=peer_id)
+        logger.warning("[coordinator round=%d] %s resyncs at round %d (resync %d of the run): %s; it downloads "
+                       "the whole parameters", self.rounds_of().round, peer_id, round, self.metrics.totals["resyncs"],
+                       why)
