@@ -203,6 +203,19 @@ class NetConfig:
     max_payload_norm: float = 1e6
     """Reject a payload whose values' L2 norm exceeds this (0: no bound); honest payloads are
     orders of magnitude below."""
+    round_s: float = 0.0
+    """Rounds by the clock (docs/coordinator.md#mixed-speed-peers): each peer trains micro-batches until its
+    cut-off, this long after it starts the round less its own predicted compress, upload and apply time, at
+    least one and at most `max_micro_batches`, then compresses once; a slow peer sends fewer samples in time
+    instead of holding the round. 0: lockstep, every peer trains its fixed micro-batches and rounds wait for
+    the slowest (up to `round_timeout_s`)."""
+    max_micro_batches: int = 16
+    """With `round_s`: the most micro-batches a peer trains in one round."""
+    max_sample_ratio: float = 16.0
+    """The merge weights each payload by the samples it was computed from, at most this many times the median
+    of the other payloads' samples (a claim above is capped and counted); 0: every payload weighs the same."""
+    max_samples_per_round: int = 1 << 32
+    """A payload claiming more samples than this is refused as invalid (no state changes)."""
     overlap: int = 0
     """Rounds a peer trains ahead of the network: 1 trains round r+1 while round r's payload travels
     and is merged (the aggregate is applied when it arrives, before round r+1's payload is made);
@@ -238,6 +251,14 @@ class NetConfig:
         _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")
         _check(self.max_payload_norm >= 0, "max_payload_norm should be >= 0")
         _check(self.overlap in (0, 1), f"overlap should be 0 or 1, got {self.overlap!r}")
+        _check(self.round_s >= 0, f"round_s should be >= 0 (0: lockstep), got {self.round_s}")
+        _check(self.round_s <= self.round_timeout_s,
+               f"round_s ({self.round_s}) should be <= round_timeout_s ({self.round_timeout_s})")
+        _check(self.max_micro_batches >= 1, f"max_micro_batches should be >= 1, got {self.max_micro_batches}")
+        _check(self.max_sample_ratio == 0 or self.max_sample_ratio >= 1,
+               f"max_sample_ratio should be 0 (off) or >= 1, got {self.max_sample_ratio}")
+        _check(self.max_samples_per_round >= 1,
+               f"max_samples_per_round should be >= 1, got {self.max_samples_per_round}")
         _check(self.admission in ("token", "allowlist", "open"),
                f"admission should be token, allowlist or open, got {self.admission!r}")
         _check((self.admission == "allowlist") == bool(self.allowlist),

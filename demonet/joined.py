@@ -56,12 +56,16 @@ class _Handoff(Trainer):
         super().__init__(model, opt, iter(()), _no_loss, device=device, checkpoint=checkpoint)
         self.to_user, self.to_loop = to_user, to_loop
 
-    def forward_backward(self) -> float:
-        """Hand the round to the user's thread and wait for its loss: its backward is done by then."""
+    def forward_backward(self, until: float | None = None) -> float:
+        """Hand the round to the user's thread and wait for its loss: its backward is done by then. The user's
+        loop trains what it trains (`until` is not used); its samples are the run's batch size, or what
+        `opt.step(samples=...)` says."""
         self.to_user.put(("ready", None))
-        loss = self.to_loop.get()
-        if loss is _LEAVE:
+        got = self.to_loop.get()
+        if got is _LEAVE:
             raise _Left()
+        loss, samples = got
+        self.pace.trained(1, samples)
         return float(loss)
 
     def compress(self, undoable: bool = False) -> Payload:
@@ -84,12 +88,14 @@ class JoinedDeMo(DeMo):
     _run: JoinedRun | None = None
 
     def step(self, closure: Callable[[], Any] | None = None, *,
-             loss: torch.Tensor | float | None = None) -> Any:
+             loss: torch.Tensor | float | None = None, samples: int | None = None) -> Any:
         """One round; returns the closure's loss, if a closure was given.
 
         Args:
             closure: recomputes the loss (torch's optimizer convention); it is what the round reports.
             loss: the round's loss for the metrics row and the coordinator (NaN when neither is given).
+            samples: how many samples the round's gradients are the mean of: the payload's weight in the
+                merge (default: the run's `[train] batch_size`).
 
         Raises:
             PeerUnavailable: the run could not be reached (`JoinedRun.done` is then true).
@@ -104,7 +110,9 @@ class JoinedDeMo(DeMo):
         reported = value if loss is None else loss
         if isinstance(reported, torch.Tensor):
             reported = reported.detach()
-        self._run.exchange(math.nan if reported is None else float(reported))
+        if samples is not None and samples < 1:
+            raise ValueError(f"samples should be >= 1, got {samples}")
+        self._run.exchange(math.nan if reported is None else float(reported), samples)
         return value
 
 
@@ -191,13 +199,13 @@ class JoinedRun:
         opt._run = self
         return opt
 
-    def exchange(self, loss: float) -> None:
+    def exchange(self, loss: float, samples: int | None = None) -> None:
         """Hand the round to the loop and block until its outcome is applied (`JoinedDeMo.step`)."""
         if self._loop is None:
             raise RuntimeError("call run.optimizer(model) first")
         if self._finished:
             raise RuntimeError(f"the run is done ({self.reason})")
-        self._to_loop.put(loss)
+        self._to_loop.put((loss, samples if samples is not None else self.config.train.batch_size))
         self._wait()
 
     def stop(self) -> None:

@@ -90,7 +90,8 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
                     return 2
             info = await membership.join()
             loop = RoundLoop(trainer, membership, membership.client, peer_id, out / f"metrics-{peer_id}.jsonl",
-                             checkpoint_every, stop, overlap=cfg.net.overlap, lookahead=cfg.net.lookahead)
+                             checkpoint_every, stop, overlap=cfg.net.overlap, lookahead=cfg.net.lookahead,
+                             round_s=cfg.net.round_s)
             # kernels that differ between peers are what makes them resync
             loop.log.info("joined %s as key %s: %d parameters, %d rounds in the run; CPU kernels %s, %d threads",
                           coordinator, identity.fingerprint, trainer.num_params(), info.total_rounds,

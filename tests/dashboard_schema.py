@@ -14,7 +14,8 @@ TOP = {"schema": int, "mode": str, "source": str, "time": NUMBER, "uptime_s": NU
 RUN = {"round": int, "phase": str, "seconds_left": OPT_NUMBER, "members": int, "idle": OPT_INT, "joiners": OPT_INT,
        "submitted": OPT_INT, "rounds_closed": int, "rounds_aborted": int, "total_rounds": int,
        "last_loss": OPT_NUMBER, "param_digest": str, "bytes_up": int, "bytes_down": int, "rejected": int,
-       "late": OPT_INT, "clipped": OPT_INT, "resyncs": int, "unauthorized": OPT_INT, "round_timeout_s": NUMBER}
+       "late": OPT_INT, "clipped": OPT_INT, "capped": OPT_INT, "resyncs": int, "unauthorized": OPT_INT,
+       "round_timeout_s": NUMBER}
 ROUND = {"round": int, "time": NUMBER, "aborted": bool, "loss": OPT_NUMBER, "round_s": OPT_NUMBER,
          "close_s": OPT_NUMBER, "members": int, "contributors": int, "bytes_up": int, "bytes_down": int}
 MEMBER = {"id": str, "key": (str, type(None)), "state": str, "last_seen_s": NUMBER, "contributed": int, "missed": int,
@@ -23,7 +24,7 @@ MEMBER = {"id": str, "key": (str, type(None)), "state": str, "last_seen_s": NUMB
           "slices": OPT_INT}
 REFUSAL = {"time": NUMBER, "peer": str, "round": OPT_INT, "kind": str, "reason": str}
 # In coordinator mode these are always numbers (DHT mode has no such things, and says null).
-COORDINATOR_RUN_NUMBERS = ("idle", "joiners", "submitted", "late", "clipped", "unauthorized")
+COORDINATOR_RUN_NUMBERS = ("idle", "joiners", "submitted", "late", "clipped", "capped", "unauthorized")
 STATES = {"coordinator": {"member", "submitted", "idle", "joining", "left"},
           "dht": {"member", "missed", "resync", "excluded", "left"}}
 

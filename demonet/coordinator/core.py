@@ -300,8 +300,8 @@ class RoundCore:
         if self.decide is not None:
             outcome = self.decide(outcome)
         contributors = outcome.contributors
-        payloads, losses = self.inbox.take(contributors)
-        closed, applied = await asyncio.to_thread(self.state.merge_round, outcome, payloads)
+        payloads, samples, losses = self.inbox.take(contributors)
+        closed, applied = await asyncio.to_thread(self.state.merge_round, outcome, payloads, samples)
         members, opened_at = tuple(r.members), r.opened_at  # for the dashboard's record, before they change
         decided = r.close(_now())
         if self.on_open is not None:
@@ -317,6 +317,10 @@ class RoundCore:
                             round=closed.round, members=members, contributors=contributors, round_s=_now() - opened_at)
         if closed.clipped:
             self.metrics.add("clipped", len(closed.clipped))
+        for peer in closed.capped:
+            self.metrics.add("capped")
+            self.metrics.refused(peer, closed.round, "samples_capped", "its samples were above "
+                                 f"{self.cfg.net.max_sample_ratio:g} times the median of the others': capped")
         self.metrics.set_round(r.round, len(r.members), 0)
         self.metrics.phase.set(0)
         self.cond.notify_all()

@@ -35,6 +35,7 @@ class Inbox:
         self.rounds_of, self.metrics = rounds_of, metrics
         self.payloads: dict[str, Payload] = {}
         self.losses: dict[str, float] = {}
+        self.samples: dict[str, int] = {}
         self.accepted_digests: dict[str, bytes] = {}
         """Peer -> the digest of its payload in the open round (a retry of it is a duplicate, another one is not)."""
         self.resynced_at: dict[str, int] = {}
@@ -65,15 +66,17 @@ class Inbox:
         self.payloads[s.peer_id] = s.payload
         self.accepted_digests[s.peer_id] = s.payload_digest
         self.losses[s.peer_id] = s.loss
+        self.samples[s.peer_id] = s.samples
         self.metrics.uploaded(s.peer_id, s.size, s.stream_s, s.loss)
 
-    def take(self, contributors: tuple[str, ...]) -> tuple[list[Payload], list[float]]:
-        """The contributors' payloads and the losses reported with them, in their order; the inbox is empty
-        after (the next round opens)."""
+    def take(self, contributors: tuple[str, ...]) -> tuple[list[Payload], list[int], list[float]]:
+        """The contributors' payloads, their samples and the losses reported with them, in their order; the
+        inbox is empty after (the next round opens)."""
         payloads = [self.payloads[p] for p in contributors]
+        samples = [self.samples.get(p, 1) for p in contributors]
         losses = [self.losses[p] for p in contributors if p in self.losses]
-        self.payloads, self.losses, self.accepted_digests = {}, {}, {}
-        return payloads, losses
+        self.payloads, self.losses, self.samples, self.accepted_digests = {}, {}, {}, {}
+        return payloads, samples, losses
 
     def invalid(self, peer_id: str, round: int | None, reason: str) -> SubmitRejected:
         """Count and log a payload that failed validation; the refusal to answer with."""

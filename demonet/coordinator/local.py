@@ -145,7 +145,8 @@ class LocalClient:
         got, tensors = await asyncio.to_thread(wire_params.decode_parameters, blob, expected=expected)
         return got, tensors, len(blob)
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
+                     samples: int = 1) -> RoundResult:
         """Submit through the wire format, wait for the round to close, decode the aggregate; the canonical
         digest follows (`RoundResult.digest_later`), as the gRPC coordinator's trailer does. A payload sent
         ahead (its digest to come) is encoded and decoded at once, and counted once its digest is known."""
@@ -158,7 +159,7 @@ class LocalClient:
                                              rules=core.state.rules)
         submission = Submission(peer_id=self.peer_id, round=round, payload=decoded,
                                 payload_digest=hashlib.sha256(data).digest(), param_digest=await param_digest.known(),
-                                loss=loss, size=len(data))
+                                loss=loss, size=len(data), samples=samples)
         try:
             await core.submit(submission)
         except SubmitRejected as e:

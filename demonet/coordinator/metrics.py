@@ -54,6 +54,8 @@ class Metrics:
                 ("rounds_aborted", "Rounds closed without a quorum"),
                 ("rejected", "Payloads that failed validation"),
                 ("clipped", "Payloads scaled down to their round's median norm"),
+                ("capped", "Payloads whose samples were above the cap (max_sample_ratio times the median of the "
+                           "others'): weighted at the cap"),
                 ("late", "Payloads for a round that had closed"),
                 ("resyncs", "Members whose parameter digest differed from the canonical one, so that they "
                             "downloaded the whole parameters again"),

@@ -42,6 +42,8 @@ class ClosedAggregate:
     param_digest: str  # canonical, after applying ("" from `merge_round` until `advance`)
     data: bytes  # the serialized aggregate Payload (empty when aborted)
     clipped: tuple[str, ...] = ()  # contributors whose payload norm was clipped to the round's median
+    capped: tuple[str, ...] = ()  # contributors whose samples were capped in the merge's weights
+    weights: tuple[float, ...] = ()  # each contributor's weight in the merge (its samples, capped); () unweighted
 
 
 class CanonicalState:
@@ -78,29 +80,37 @@ class CanonicalState:
             self._blob = (round, wire_params.encode_parameters(self.params.items(), round=round, digest=self.digest))
         return self._blob[1]
 
-    def close(self, outcome: ClosedRound, payloads: list[Payload]) -> ClosedAggregate:
-        """`merge_round`, then `advance`: the closed round with its digest (the in-process coordinator)."""
-        closed, applied = self.merge_round(outcome, payloads)
+    def close(self, outcome: ClosedRound, payloads: list[Payload], samples: list[int] | None = None
+              ) -> ClosedAggregate:
+        """`merge_round`, then `advance`: the closed round with its digest."""
+        closed, applied = self.merge_round(outcome, payloads, samples)
         if applied is None:
             return closed
         return replace(closed, param_digest=self.advance(closed.round, applied))
 
-    def merge_round(self, outcome: ClosedRound, payloads: list[Payload]) -> tuple[ClosedAggregate, Payload | None]:
+    def merge_round(self, outcome: ClosedRound, payloads: list[Payload], samples: list[int] | None = None
+                    ) -> tuple[ClosedAggregate, Payload | None]:
         """The round as `Rounds.outcome` decided it, as peers download it, and what `advance` applies;
         changes no state. An aborted round applies nothing (None) and keeps the digest; otherwise the
         contributors' payloads are merged (in `outcome.contributors` order), the values rounded as peers
-        will decode them, and the aggregate's `param_digest` is empty until `advance` computes it."""
+        will decode them, and the aggregate's `param_digest` is empty until `advance` computes it. `samples`: each
+        contributor's samples, its weight in the merge (`demonet.wire.merge.sample_weights`)."""
         round, contributors = outcome.round, outcome.contributors
         if outcome.aborted:
             return ClosedAggregate(round, True, contributors, self.digest, b""), None
-        merged = merge(payloads, step=round, rules=self.rules, expected=self.specs,
+        merged = merge(payloads, step=round, rules=self.rules, expected=self.specs, samples=samples,
                        value_coding="deflate")  # downloaded by every peer; compared by none byte for byte
         clipped = tuple(p for p, f in zip(contributors, merged.factors, strict=True) if f < 1.0)
         for peer, factor in zip(contributors, merged.factors, strict=True):
             if factor < 0.01:  # far above the others: worth a line in the log
                 logger.warning("[coordinator round=%d] %s's payload norm is %.3g times the median: clipped",
                                round, peer, 1 / factor)
-        return ClosedAggregate(round, False, contributors, "", merged.data, clipped), merged.payload
+        capped = tuple(p for p, c in zip(contributors, merged.capped, strict=False) if c)
+        for peer in capped:
+            logger.warning("[coordinator round=%d] %s claimed more samples than the cap: its weight is capped",
+                           round, peer)
+        return (ClosedAggregate(round, False, contributors, "", merged.data, clipped, capped, merged.weights),
+                merged.payload)
 
     def advance(self, round: int, applied: Payload) -> str:
         """Apply round `round`'s merged aggregate (`merge_round`'s payload) to the parameters, with that

@@ -39,6 +39,7 @@ def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_diges
            "rounds_closed": t["rounds_closed"], "rounds_aborted": t["rounds_aborted"], "total_rounds": total_rounds,
            "last_loss": finite(metrics.last_loss), "param_digest": param_digest, "bytes_up": t["bytes_up"],
            "bytes_down": t["bytes_down"], "rejected": t["rejected"], "late": t["late"], "clipped": t["clipped"],
+           "capped": t["capped"],
            "resyncs": t["resyncs"], "unauthorized": t["unauthorized"], "round_timeout_s": rounds.cfg.round_timeout_s}
     submitted = set(rounds.submitted)
     live = {p: ("submitted" if p in submitted else "idle" if p in rounds.idle else "member", now - seen)

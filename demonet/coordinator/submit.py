@@ -130,7 +130,8 @@ class SubmitReader:
         try:
             open_round = await core.submit(Submission(
                 peer_id=head.peer_id, round=head.round, payload=payload, payload_digest=head.part.payload_digest,
-                param_digest=param_digest, loss=head.loss, size=len(data), stream_s=stream_s))
+                param_digest=param_digest, loss=head.loss, size=len(data), stream_s=stream_s,
+                samples=int(head.samples)))
         except SubmitRejected as e:
             return _reply(e, core.rounds.round)
         except PeerUnavailable as e:
@@ -148,6 +149,10 @@ class SubmitReader:
         if head.digest_follows and head.param_digest:
             raise InvalidPayload("the first part carries a parameter digest although it was to follow")
         await self._check_signature(head, head.signature, head.param_digest, context)
+        most = self.core.cfg.net.max_samples_per_round
+        if not 1 <= head.samples <= most:
+            raise InvalidPayload(f"samples should be between 1 and the run's max_samples_per_round ({most}), "
+                                 f"got {head.samples}")
         # refuse before reading (and decoding) the rest of the stream
         self.core.inbox.check(head.peer_id, head.round, head.part.payload_digest, early=head.digest_follows)
         self._open_stream(head, ends)
@@ -163,7 +168,7 @@ class SubmitReader:
         try:
             await self.admission.signed(head.peer_id, signature, submit_statement(
                 self.admission.session(head.peer_id) or b"", head.peer_id, head.round, head.part.payload_digest,
-                param_digest, head.loss), context)
+                param_digest, head.loss, head.samples), context)
         except NotJoined as e:
             raise self.core.inbox.refuse(SubmitRejected(f"{e}: join the run first", Refusal.NOT_MEMBER), head.peer_id,
                                    head.round, b"") from None

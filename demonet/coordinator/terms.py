@@ -45,3 +45,5 @@ class Submission:
     """Bytes of the serialized payload."""
     stream_s: float = 0.0
     """How long its bytes took to arrive (the sender's link speed, for the dashboard)."""
+    samples: int = 1
+    """How many samples it was computed from: its weight in the merge (capped there)."""

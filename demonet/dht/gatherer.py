@@ -186,7 +186,8 @@ class DhtGatherer:
 
         return encode
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
+                     samples: int = 1) -> RoundResult:
         """Announce, freeze the membership, reduce-scatter the payload's slices, all-gather the merged slices.
 
         See `demonet.transport.Gatherer.gather`. `RoundResult.param_digest` is empty: in DHT mode the

@@ -111,7 +111,7 @@ class DhtView:
                "idle": None, "joiners": None, "submitted": None, "rounds_closed": self.rounds_closed,
                "rounds_aborted": self.rounds_aborted, "total_rounds": self.total_rounds,
                "last_loss": self.last_loss, "param_digest": self.digest, "bytes_up": self.bytes_up,
-               "bytes_down": self.bytes_down, "rejected": self.refused(), "late": None, "clipped": None,
+               "bytes_down": self.bytes_down, "rejected": self.refused(), "late": None, "clipped": None, "capped": None,
                "resyncs": self.resyncs, "unauthorized": None, "round_timeout_s": self.window_s}
         live = {p: (state, now - self.record.members[p].seen_at) for p, state in self._states.items()
                 if p in self.record.members}

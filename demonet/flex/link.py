@@ -130,7 +130,8 @@ class NodeLink:
 
     # -- Gatherer ------------------------------------------------------------------------------------
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
+                     samples: int = 1) -> RoundResult:
         """Submit the node's payload (its ranks' shards joined on rank 0) and wait for the round's outcome.
 
         Every rank gets the outcome: the aggregate as rank 0 received and validated it, decoded from
@@ -144,7 +145,7 @@ class NodeLink:
             assert gathered is not None
             node_payload = join_shards([g[0] for g in gathered], self.full_shapes)
             result = await m.client.gather(round, node_payload, loss=sum(g[1] for g in gathered) / len(gathered),
-                                           param_digest=Digest(digest))
+                                           param_digest=Digest(digest), samples=samples)
             specs = {name: (c.shape, c.chunk) for name, c in node_payload.tensors.items()}
             return result, specs
 

@@ -36,7 +36,7 @@ from demonet.train.data import data_seed as seed_for
 from demonet.train.model import GPT
 from demonet.train.replica import Settled
 from demonet.train.task import build_task
-from demonet.train.trainer import DeMoSteps, StepOptions, autocast, settle, to_device
+from demonet.train.trainer import DeMoSteps, StepOptions, autocast, batch_rows, settle, to_device
 from demonet.wire.digest import param_digest
 
 __all__ = ["FlexTrainer", "chunk_plan", "join_shards", "local_rows", "state_bytes"]
@@ -179,18 +179,29 @@ class FlexTrainer(DeMoSteps):
         self.step = 0
         self.options = StepOptions.for_run(cfg)
         """The lr schedule (round r's apply uses ``options.lr_at(r)``), precision and clipping."""
+        self._samples = 1
         self.checkpoint = checkpoint
         """The node's checkpoint folder (`save`, `load`), for the round loop; None: none."""
 
-    def forward_backward(self) -> float:
+    def forward_backward(self, until: float | None = None) -> float:
         """Forward and backward on this rank's batch (FSDP reduce-scatters the mean gradient inside the
-        node). Returns this rank's loss."""
+        node). Returns this rank's loss. `until` is not used: every rank of the node trains one micro-batch,
+        so that their collectives match."""
         batch = to_device(next(self.batches), self.device)
+        self._samples = batch_rows(batch) * self.ranks  # the node's payload is the mean of its ranks' batches
         with autocast(self.device, self.options.precision):
             loss = self.model(*batch)[1] if self.loss is None else self.loss(self.model, batch)
         assert loss is not None
         loss.backward()
         return float(loss.detach())
+
+    def samples(self) -> int:
+        """The samples of the node's last round: every rank's batch."""
+        return self._samples
+
+    def micro_batches(self) -> int:
+        """One: every rank of the node trains one micro-batch a round."""
+        return 1
 
     def canonical_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """The whole parameters the open round started from (a held lookahead's, else the live ones)."""

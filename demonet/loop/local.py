@@ -115,7 +115,7 @@ async def _run(cfg: Config, *, progress: bool, faults: Mapping[tuple[str, int], 
         trainer = Trainer.for_run(cfg, data_seed=info.data_seed, device=device)
         loops.append((RoundLoop(trainer, membership, membership.client, info.peer_id,
                                 out / f"metrics-{info.peer_id}.jsonl", checkpoint_every=0, overlap=cfg.net.overlap,
-                                lookahead=cfg.net.lookahead), info))
+                                lookahead=cfg.net.lookahead, round_s=cfg.net.round_s), info))
     logger.info("local cluster: %d peers, %d parameters each, %d steps, run folder %s", len(loops),
                 loops[0][0].replica.num_params(), cfg.train.steps, out)  # type: ignore[attr-defined]
     start = time.perf_counter()

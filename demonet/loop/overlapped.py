@@ -40,13 +40,16 @@ async def overlapped_rounds(loop: LoopSteps, metrics: TextIO | None, beats: asyn
     try:
         while await loop.membership.agree(loop.go(loop.round + (flight is not None))):
             t0 = time.perf_counter()
-            loss = await asyncio.to_thread(replica.forward_backward)  # the exchange of `flight` runs meanwhile
+            loss = await asyncio.to_thread(replica.forward_backward, loop.cutoff())  # `flight` travels meanwhile
+            train_s = time.perf_counter() - t0
+            samples, micro_batches = replica.samples(), replica.micro_batches()
             payload, staged = await asyncio.to_thread(loop.compress, replica, flight is not None)
             pending = flight is not None
             compute_s = time.perf_counter() - t0
             if flight is not None:
                 if loop.gatherer.digest_follows:  # it leaves now; its digest once `flight` is settled
-                    ahead = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, ahead=True)
+                    ahead = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, ahead=True,
+                                        samples=samples)
                 landing, flight = flight, None  # `land` gives its payload back on every error path
                 landed = await loop.land(landing, metrics)
                 if landed == RoundOutcome.APPLIED and not await loop.membership.agree(loop.go(loop.round)):
@@ -72,7 +75,8 @@ async def overlapped_rounds(loop: LoopSteps, metrics: TextIO | None, beats: asyn
                 flight.compute_s = compute_s
                 flight.digest.set(loop.digest)
             else:
-                flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s)
+                flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, samples=samples)
+            flight.train_s, flight.micro_batches = train_s, micro_batches
             if loop.lookahead:  # while the payload travels: the next round trains from here
                 t2 = time.perf_counter()
                 await asyncio.to_thread(replica.lookahead, payload, loop.round)

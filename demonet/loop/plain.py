@@ -30,21 +30,23 @@ async def plain_round(loop: LoopSteps, metrics: TextIO | None) -> bool:
     await loop.membership.begin_round(loop.round, loop.digest, loop.replica.named_parameters)
     t0 = time.perf_counter()
     encode_s = 0.0
+    until = loop.cutoff()
     if loop.unchecked is None:
         encode = loop.encoder.encode_ahead(loop.round) if loop.encoder is not None else None
-        loss, payload, staged, encode_s = await asyncio.to_thread(_train_step, loop, encode)
+        loss, payload, staged, encode_s, train_s = await asyncio.to_thread(_train_step, loop, until, encode)
         compute_s, checked_s = time.perf_counter() - t0 - encode_s, 0.0
     else:
-        loss = await asyncio.to_thread(loop.replica.forward_backward)
-        compute_s = time.perf_counter() - t0
+        loss = await asyncio.to_thread(loop.replica.forward_backward, until)
+        compute_s = train_s = time.perf_counter() - t0
         on_canonical, checked_s = await _check_before_compress(loop, metrics)
         if not on_canonical:
             return True
         t1 = time.perf_counter()
         payload, staged = await asyncio.to_thread(loop.compress, loop.replica, False)
         compute_s += time.perf_counter() - t1
-    flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s)
-    flight.checked_s, flight.encode_s = checked_s, encode_s
+    flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, samples=loop.replica.samples())
+    flight.checked_s, flight.encode_s, flight.train_s = checked_s, encode_s, train_s
+    flight.micro_batches = loop.replica.micro_batches()
     return await loop.land(flight, metrics, defer=True) != RoundOutcome.STOPPED
 
 
@@ -59,15 +61,18 @@ async def _check_before_compress(loop: LoopSteps, metrics: TextIO | None) -> tup
     return False, 0.0
 
 
-def _train_step(loop: LoopSteps, encode: Callable[[Payload], None] | None = None
-                ) -> tuple[float, Payload, tuple[Payload, torch.cuda.Event | None], float]:
-    """A plain round's training: its loss, its payload, the payload's host copy (`to_host`: the exchange
-    always gets a host payload, on a GPU too), and the seconds `encode` took on that copy
-    (`EncodesAhead.encode_ahead`), which are not the round's compute."""
-    loss, payload = loop.replica.train_step()
+def _train_step(loop: LoopSteps, until: float | None, encode: Callable[[Payload], None] | None = None
+                ) -> tuple[float, Payload, tuple[Payload, torch.cuda.Event | None], float, float]:
+    """A plain round's training until `until` (`LoopSteps.cutoff`): its loss, its payload, the payload's host
+    copy (`to_host`: the exchange always gets a host payload, on a GPU too), the seconds `encode` took on that
+    copy (`EncodesAhead.encode_ahead`), which are not the round's compute, and the forward and backward's."""
+    t0 = time.perf_counter()
+    loss = loop.replica.forward_backward(until)
+    train_s = time.perf_counter() - t0
+    payload = loop.replica.compress()
     staged = to_host(payload)
     if encode is None:
-        return loss, payload, staged, 0.0
+        return loss, payload, staged, 0.0, train_s
     t0 = time.perf_counter()
     if staged[1] is not None:
         staged[1].synchronize()
@@ -75,4 +80,4 @@ def _train_step(loop: LoopSteps, encode: Callable[[Payload], None] | None = None
         encode(staged[0])
     except Exception as e:  # noqa: BLE001 - only a head start: `gather` encodes again, and handles what fails there
         loop.log.warning("encoding the payload ahead failed (%s: %s); the exchange encodes it", type(e).__name__, e)
-    return loss, payload, staged, time.perf_counter() - t0
+    return loss, payload, staged, time.perf_counter() - t0, train_s

@@ -74,6 +74,12 @@ class RoundLoop:
     stop_grace_s: float | None = STOP_GRACE_S
     overlap: int = 0
     lookahead: bool = True
+    round_s: float = 0.0
+    """Rounds by the clock (`[net] round_s`): each round trains micro-batches until `cutoff`; 0: the replica's
+    fixed micro-batches (lockstep)."""
+    exchange_s: float = 0.0
+    """This peer's predicted exchange of a round: its compress, its upload and its settle (an average of the
+    recent rounds), which the cut-off leaves room for."""
     round: int = 0
     digest: str = ""
     resyncs: int = 0
@@ -153,6 +159,13 @@ class RoundLoop:
         self.log.info("stopping" if self.stop.is_set() else "the run is over")
         return 0
 
+    def cutoff(self) -> float | None:
+        """When the round starting now stops training (a `time.perf_counter()` time): `round_s` from now less
+        the predicted exchange; None: lockstep. The replica trains at least one micro-batch anyway."""
+        if not self.round_s:
+            return None
+        return time.perf_counter() + self.round_s - self.exchange_s
+
     def go(self, next_round: int) -> bool:
         """Whether to train `next_round`: no stop asked, and the run has it."""
         return not self.stop.is_set() and (not self.total_rounds or next_round < self.total_rounds)
@@ -208,7 +221,7 @@ class RoundLoop:
         return gather.result()
 
     def submit(self, payload: Payload, staged: tuple[Payload, torch.cuda.Event | None], loss: float, *,
-               started: float, compute_s: float, ahead: bool = False) -> InFlight:
+               started: float, compute_s: float, ahead: bool = False, samples: int = 1) -> InFlight:
         """Start the exchange of the open round's payload (a task: training may go on meanwhile).
 
         `staged`: the payload's host copy and the event that says it is there (`to_host`): the exchange
@@ -217,9 +230,9 @@ class RoundLoop:
         follow (`InFlight.digest`; the gatherer must have `digest_follows`)."""
         sent, ready = staged
         round, digest = self.round + ahead, Digest.to_follow() if ahead else None
-        gather = asyncio.create_task(self._gather(round, sent, ready, loss=loss,
+        gather = asyncio.create_task(self._gather(round, sent, ready, loss=loss, samples=samples,
                                                   param_digest=Digest(self.digest) if digest is None else digest))
-        return InFlight(round, payload, loss, gather, started, compute_s, digest)
+        return InFlight(round, payload, loss, gather, started, compute_s, digest, samples=samples)
 
     @staticmethod
     async def drop(flight: InFlight) -> None:
@@ -233,10 +246,10 @@ class RoundLoop:
             flight.digest.cancel()
 
     async def _gather(self, round: int, payload: Payload, ready: torch.cuda.Event | None, *, loss: float,
-                      param_digest: Digest) -> RoundResult:
+                      param_digest: Digest, samples: int) -> RoundResult:
         if ready is not None:  # the host copy is made on a side stream: wait for it, not for the training
             await asyncio.to_thread(ready.synchronize)
-        return await self.gatherer.gather(round, payload, loss=loss, param_digest=param_digest)
+        return await self.gatherer.gather(round, payload, loss=loss, param_digest=param_digest, samples=samples)
 
     def _settle(self, payload: Payload, result: RoundResult) -> str:
         """Restore and apply by the outcome, then the new digest (one trip to a worker thread)."""
@@ -292,12 +305,18 @@ class RoundLoop:
         t1 = time.perf_counter()
         self.digest = await asyncio.to_thread(self._settle, flight.payload, result)
         settled = time.perf_counter()
+        if self.round_s:  # what this round's exchange cost this peer: the next cut-off leaves room for it
+            cost_s = flight.compute_s - flight.train_s + settled - t1
+            if not self.overlap:  # an overlapped round's upload runs beside the next round's training
+                cost_s += result.phases.get("encode", 0.0) + result.phases.get("submit", 0.0)
+            self.exchange_s = cost_s if not self.exchange_s else 0.7 * self.exchange_s + 0.3 * cost_s
         row = MetricsRow(
             round=self.round, peer=self.peer_id, loss=flight.loss, bytes_up=result.bytes_up,
             bytes_down=result.bytes_down, param_digest=self.digest, round_time_s=settled - flight.started,
             compute_s=flight.compute_s + settled - t1, wait_s=wait_s + flight.checked_s,
             contributors=len(result.contributors), aborted=result.aborted, overlap=self.overlap, time=time.time(),
-            phases=dict(result.phases), extra=dict(self.row_extra))
+            phases=dict(result.phases), samples=flight.samples, micro_batches=flight.micro_batches,
+            extra=dict(self.row_extra))
         if flight.checked_s:  # the wait, after this round's backward, for the round before's canonical digest
             row.phases["check"] = flight.checked_s
         if flight.encode_s:  # the gatherer's encode ahead, in the training's thread (`EncodesAhead`)

@@ -55,6 +55,10 @@ class MetricsRow:
     """The round where the peer found its digest differed and downloaded the parameters; written only when true."""
     resyncs: int = 0
     """The peer's whole-parameter downloads so far because its digest differed from the canonical one."""
+    samples: int = 0
+    """How many samples the round's payload was computed from: its weight in the merge (0: not recorded)."""
+    micro_batches: int = 0
+    """How many micro-batches the peer trained in the round (0: not recorded)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

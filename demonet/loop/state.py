@@ -56,6 +56,12 @@ class InFlight:
     """How long the round waited, after its forward and backward, for the round before's canonical digest."""
     encode_s: float = 0.0
     """How long the gatherer's encode ahead took in the training's thread (`EncodesAhead`): not compute."""
+    train_s: float = 0.0
+    """How long the round's forward and backward took (the rest of `compute_s` is its exchange's own work)."""
+    samples: int = 1
+    """How many samples the payload was computed from (its weight in the merge)."""
+    micro_batches: int = 1
+    """How many micro-batches the round trained."""
 
 
 @dataclass
@@ -98,10 +104,11 @@ class LoopSteps(Protocol):
     encoder: EncodesAhead | None
     log: RoundLog
 
+    def cutoff(self) -> float | None: ...
     def go(self, next_round: int) -> bool: ...
     def compress(self, replica: Replica, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]: ...
     def submit(self, payload: Payload, staged: tuple[Payload, torch.cuda.Event | None], loss: float, *,
-               started: float, compute_s: float, ahead: bool = False) -> InFlight: ...
+               started: float, compute_s: float, ahead: bool = False, samples: int = 1) -> InFlight: ...
     async def land(self, flight: InFlight, metrics: TextIO | None, *, defer: bool = False) -> RoundOutcome: ...
     async def drop(self, flight: InFlight) -> None: ...
     async def check(self, unchecked: Unchecked, metrics: TextIO | None, *, deferred: bool = True

@@ -49,7 +49,8 @@ def merge_tensor(parts: Sequence[Compressed], *, count_zeros: bool = False, topk
 
 
 def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tensor], *, count_zeros: bool,
-                topk: int | None, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                topk: int | None, n: int | None = None, weights: Sequence[float] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """`merge_tensor` on bare (C, K_peer) rows of coefficient indices. Every op is row-wise, so rows of
     several tensors can be merged in one call and split afterwards. `n`: the coefficients per chunk
     (the indices are below it), where known.
@@ -60,6 +61,10 @@ def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tenso
     order for a coefficient, so is this one: the same bits, on every device. On the CPU one scatter adds
     every peer's entries, a row's in the order given (the CPU kernel walks a row's entries one by one);
     elsewhere one scatter per peer, whose places in a row are unique, so no atomics race.
+
+    `weights`: each peer's weight in the mean (its samples): a coefficient's mean is then the sum of w_i * v_i
+    over the peers that sent it, divided by the sum of their w_i; each product is one rounding, and the sums
+    run in the same order as without weights. None: every weight 1 (the same bits as weights of 1).
     """
     num_chunks = idx_list[0].shape[0]
     out_dtype = val_list[0].dtype
@@ -73,16 +78,23 @@ def _merge_rows(idx_list: Sequence[torch.Tensor], val_list: Sequence[torch.Tenso
     counts_CT = torch.zeros(num_chunks, width_t, dtype=dtype, device=device)
     if device.type == "cpu":
         val_CT = torch.cat([val.to(dtype) for val in val_list], dim=1)
+        count_CT = torch.ones_like(val_CT) if count_zeros else (val_CT != 0).to(dtype)
+        if weights is not None:  # each peer's entries times its weight: one rounding each
+            w_CT = torch.cat([torch.full_like(val, w, dtype=dtype) for val, w in zip(val_list, weights, strict=True)],
+                             dim=1)
+            val_CT, count_CT = val_CT * w_CT, count_CT * w_CT
         sums_CT.scatter_add_(1, place_CT, val_CT)
-        counts_CT.scatter_add_(1, place_CT, torch.ones_like(val_CT) if count_zeros else (val_CT != 0).to(dtype))
+        counts_CT.scatter_add_(1, place_CT, count_CT)
     else:
         start = 0
-        for idx_CK, val in zip(idx_list, val_list, strict=True):
+        for i, (idx_CK, val) in enumerate(zip(idx_list, val_list, strict=True)):
             place_CK = place_CT[:, start:start + idx_CK.shape[1]]
             start += idx_CK.shape[1]
             val_CK = val.to(dtype)
-            sums_CT.scatter_add_(1, place_CK, val_CK)
             weight_CK = torch.ones_like(val_CK) if count_zeros else (val_CK != 0).to(dtype)
+            if weights is not None:
+                val_CK, weight_CK = val_CK * weights[i], weight_CK * weights[i]
+            sums_CT.scatter_add_(1, place_CK, val_CK)
             counts_CT.scatter_add_(1, place_CK, weight_CK)
 
     # Keep the places that somebody counted (a place past the row's union has no count), in index order;
@@ -150,7 +162,7 @@ def aggregate(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: i
 
 def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False, topk: int | None = None,
                       clip: bool = True, rounding: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                      ) -> tuple[Payload, list[float]]:
+                      weights: Sequence[float] | None = None) -> tuple[Payload, list[float]]:
     """`aggregate`, also returning each payload's clip factor in (0, 1] (all 1.0 without `clip`).
 
     With `clip`, every payload whose L2 norm (all its values together) exceeds the median norm of
@@ -165,9 +177,14 @@ def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False,
     `rounding`: an elementwise function applied to the merged values (e.g. a rounding through an encoding
     without a scale), once for each block of tensors merged together rather than once a tensor: the same
     bits as applying it to each merged tensor, in a few calls. A single payload is returned as it is.
+
+    `weights`: each payload's weight in every coefficient's mean (a peer's samples, already bounded by the
+    caller), applied after the clip; None: an equal weight for all.
     """
     if not payloads:
         raise ValueError("aggregate needs at least one payload")
+    if weights is not None and (len(weights) != len(payloads) or not all(w > 0 for w in weights)):
+        raise ValueError(f"weights should be one positive number per payload, got {list(weights)}")
     factors = [1.0] * len(payloads)
     if len(payloads) == 1:
         return payloads[0], factors
@@ -210,7 +227,8 @@ def aggregate_clipped(payloads: Sequence[Payload], *, count_zeros: bool = False,
     for (chunk, group), block_vals in zip(blocks, vals, strict=True):
         rows = [payloads[0].tensors[name].idx.shape[0] for name in group]
         idx_CU, val_CU = _merge_rows([torch.cat([p.tensors[name].idx for name in group]) for p in payloads],
-                                     block_vals, count_zeros=count_zeros, topk=topk, n=chunk[0] * chunk[1])
+                                     block_vals, count_zeros=count_zeros, topk=topk, n=chunk[0] * chunk[1],
+                                     weights=weights)
         if rounding is not None:
             val_CU = rounding(val_CU)
         for name, idx_part, val_part in zip(group, torch.split(idx_CU, rows), torch.split(val_CU, rows),

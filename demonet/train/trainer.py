@@ -1,13 +1,14 @@
 """One peer's replica: its model, DeMo, data stream and loss; one training step, a round's outcome, checkpoints.
 
-Torch work only, called from `demonet.loop.RoundLoop` in a worker thread. Imports the math layer,
-the wire digest and the transport's dataclasses; no network code.
+Torch work only, called from `demonet.loop.RoundLoop` in a worker thread. Imports the math layer, the config
+and the wire digest; no network code.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,53 @@ def clip_grads(params: Iterable[torch.Tensor], max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
+def batch_rows(batch: Any) -> int:
+    """The samples in a batch: the rows of its first tensor (a tensor, or a tuple, list or dict of them); 1
+    where it holds none."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, list | tuple) else ()
+    for item in items:
+        if isinstance(item, torch.Tensor) and item.dim():
+            return int(item.shape[0])
+    return 1
+
+
+class MicroBatchPace:
+    """How long this peer's micro-batches take (an average of the recent ones), whether another fits before a
+    cut-off, and what the last round trained.
+
+    Args:
+        max_micro_batches: the most micro-batches of one round.
+    """
+
+    def __init__(self, max_micro_batches: int) -> None:
+        self.max_micro_batches = max_micro_batches
+        self.micro_s: float | None = None
+        """The recent micro-batches' mean time (an exponential average; None before the first)."""
+        self.count = 0
+        """Micro-batches trained in the round so far."""
+        self.micro_batches = 0
+        """Micro-batches the last round trained."""
+        self.samples = 0
+        """Samples the last round trained."""
+
+    def took(self, seconds: float) -> None:
+        """One micro-batch of the round is done, in `seconds`."""
+        self.count += 1
+        self.micro_s = seconds if self.micro_s is None else 0.7 * self.micro_s + 0.3 * seconds
+
+    def another(self, until: float) -> bool:
+        """Whether one more micro-batch fits before `until` (a `time.perf_counter()` time)."""
+        if self.count >= self.max_micro_batches:
+            return False
+        return time.perf_counter() + (self.micro_s or 0.0) <= until
+
+    def trained(self, micro_batches: int, samples: int) -> None:
+        """The round's training is done."""
+        self.micro_batches, self.samples, self.count = micro_batches, max(1, samples), 0
+
+
 def settle(opt: DeMo, payload: Payload, result: Settled, contributed: bool,
            local: Callable[[Payload], Payload] = lambda p: p, lr: float | None = None) -> None:
     """Apply a round's outcome to an optimizer.
@@ -116,7 +164,7 @@ class DeMoSteps:
     opt: DeMo
     options: StepOptions
 
-    def forward_backward(self) -> float:
+    def forward_backward(self, until: float | None = None) -> float:
         raise NotImplementedError
 
     def compress(self, undoable: bool = False) -> Payload:
@@ -141,9 +189,9 @@ class DeMoSteps:
         """Keep the pending undoable `compress`: its payload goes out."""
         self.opt.commit_compress()
 
-    def train_step(self) -> tuple[float, Payload]:
-        """`forward_backward`, then `compress`. Returns (loss, payload)."""
-        return self.forward_backward(), self.compress()
+    def train_step(self, until: float | None = None) -> tuple[float, Payload]:
+        """`forward_backward(until)`, then `compress`. Returns (loss, payload)."""
+        return self.forward_backward(until), self.compress()
 
     def hold(self) -> None:
         """Keep the parameters as they are for `canonical_parameters` (`DeMo.hold`), before a `lookahead`."""
@@ -165,18 +213,22 @@ class Trainer(DeMoSteps):
             has one, goes into the checkpoint so a restart does not see its batches again.
         loss: (model, batch) -> scalar loss tensor.
         device: where the batches go.
-        accumulate: micro-batches per round (gradient accumulation).
+        accumulate: micro-batches per round (gradient accumulation) when the round has no cut-off.
         checkpoint: the checkpoint file; None: no checkpoints.
         options: the lr schedule, precision and gradient clipping.
+        max_micro_batches: with a cut-off (`forward_backward(until)`), the most micro-batches of a round.
     """
 
     def __init__(self, model: torch.nn.Module, opt: DeMo, batches: Iterator[Any], loss: Loss, *,
                  device: torch.device, accumulate: int = 1, checkpoint: Path | None = None,
-                 options: StepOptions = StepOptions()) -> None:  # noqa: B008 (frozen: safe to share)
-        if accumulate < 1:
-            raise ValueError(f"accumulate should be >= 1, got {accumulate}")
+                 options: StepOptions = StepOptions(),  # noqa: B008 (frozen: safe to share)
+                 max_micro_batches: int = 16) -> None:
+        if accumulate < 1 or max_micro_batches < 1:
+            raise ValueError(f"accumulate and max_micro_batches should be >= 1, got {accumulate}, {max_micro_batches}")
         self.model, self.opt, self.batches, self.loss = model, opt, batches, loss
         self.device, self.accumulate, self.checkpoint, self.options = device, accumulate, checkpoint, options
+        self.pace = MicroBatchPace(max_micro_batches)
+        """How long a micro-batch takes here, and how many the last round trained on how many samples."""
 
     @classmethod
     def for_run(cls, cfg: Config, *, data_seed: int, device: torch.device, accumulate: int = 1,
@@ -187,7 +239,7 @@ class Trainer(DeMoSteps):
         model = task.model.to(device)
         opt = DeMo.from_settings(model.named_parameters(), cfg.optim)
         return cls(model, opt, task.batches(data_seed), task.loss, device=device, accumulate=accumulate,
-                   checkpoint=checkpoint, options=StepOptions.for_run(cfg))
+                   checkpoint=checkpoint, options=StepOptions.for_run(cfg), max_micro_batches=cfg.net.max_micro_batches)
 
     # -- parameters ----------------------------------------------------------------------------------
 
@@ -218,16 +270,48 @@ class Trainer(DeMoSteps):
 
     # -- a round -------------------------------------------------------------------------------------
 
-    def forward_backward(self) -> float:
-        """Forward and backward over `accumulate` micro-batches (under autocast for bf16), adding to the
-        gradients. Returns the mean loss."""
-        total = 0.0
-        for _ in range(self.accumulate):
+    def forward_backward(self, until: float | None = None) -> float:
+        """Forward and backward over the round's micro-batches (under autocast for bf16), adding their mean
+        gradient to the gradients. Returns the mean loss.
+
+        Without a cut-off: `accumulate` micro-batches. With `until` (a `time.perf_counter()` time): as many as
+        are predicted to end by then (`MicroBatchPace`), at least one, at most its `max_micro_batches`.
+        `samples` then says how many samples the round's gradient is the mean of."""
+        if until is None:
+            total, rows = 0.0, 0
+            for _ in range(self.accumulate):
+                batch = to_device(next(self.batches), self.device)
+                with autocast(self.device, self.options.precision):
+                    loss = self.loss(self.model, batch)
+                (loss / self.accumulate).backward()  # type: ignore[no-untyped-call]
+                total += float(loss.detach())
+                rows += batch_rows(batch)
+            self.pace.trained(self.accumulate, rows)
+            return total / self.accumulate
+        losses: list[float] = []
+        rows = 0
+        while not losses or self.pace.another(until):
+            t0 = time.perf_counter()
+            batch = to_device(next(self.batches), self.device)
             with autocast(self.device, self.options.precision):
-                loss = self.loss(self.model, to_device(next(self.batches), self.device))
-            (loss / self.accumulate).backward()  # type: ignore[no-untyped-call]
-            total += float(loss.detach())
-        return total / self.accumulate
+                loss = self.loss(self.model, batch)
+            loss.backward()  # type: ignore[no-untyped-call]
+            losses.append(float(loss.detach()))
+            rows += batch_rows(batch)
+            self.pace.took(time.perf_counter() - t0)
+        if len(losses) > 1:  # the sum of the micro-batches' gradients, to their mean
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, 1.0 / len(losses))
+        self.pace.trained(len(losses), rows)
+        return sum(losses) / len(losses)
+
+    def samples(self) -> int:
+        """How many samples the last `forward_backward`'s gradient is the mean of (the merge's weight)."""
+        return self.pace.samples
+
+    def micro_batches(self) -> int:
+        """How many micro-batches the last `forward_backward` trained."""
+        return self.pace.micro_batches
 
     def restore(self, payload: Payload) -> None:
         """The payload reached no aggregate: give it back to the momentum (and undo a held lookahead)."""

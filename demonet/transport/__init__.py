@@ -173,7 +173,8 @@ class Gatherer(Protocol):
     round r+1 travels while round r is still merged and downloaded). Where False, an overlapped peer
     calls `gather` only once the digest is known."""
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
+                     samples: int = 1) -> RoundResult:
         """Send `payload` for `round` and wait for the round to close.
 
         Args:
@@ -183,6 +184,8 @@ class Gatherer(Protocol):
             param_digest: this peer's parameter digest at the start of the round; one still to follow only
                 where `digest_follows` (called off if the peer will not start the round from the round
                 before: the call is then cancelled too).
+            samples: how many samples the payload was computed from: its weight in the merge (DHT mode
+                does not weight yet: every payload weighs the same there).
 
         Raises:
             Rejected: the payload was not taken (see its subclasses for what to do).

@@ -266,7 +266,8 @@ class GrpcClient:
             raise InvalidPayload(f"GetParameters({round}): got the parameters of round {got}")
         return got, tensors, len(data)
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest) -> RoundResult:
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
+                     samples: int = 1) -> RoundResult:
         """Submit this peer's payload for `round`, then wait for the round's aggregate.
 
         See `demonet.transport.Gatherer.gather`. The aggregate is validated against the payload's
@@ -296,7 +297,7 @@ class GrpcClient:
         try:
             if not beside and round - 1 in self._submitted:
                 await self._submitted[round - 1].wait()
-            param_digest = await self._submit(round, data, loss=loss, param_digest=param_digest)
+            param_digest = await self._submit(round, data, loss=loss, param_digest=param_digest, samples=samples)
         except BaseException:
             if early is not None:
                 drop_early(early)
@@ -316,7 +317,7 @@ class GrpcClient:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt < _RESUBMITS:
                     # A restarted coordinator lost this payload: send it again rather than lose the round.
                     logger.info("[%s] GetAggregate(%d): %s; submitting again", self.peer_id, round, e.details())
-                    await self._submit(round, data, loss=loss, param_digest=param_digest)
+                    await self._submit(round, data, loss=loss, param_digest=param_digest, samples=samples)
                     continue
                 if e.code() not in _LOST_CODES:
                     raise
@@ -339,7 +340,8 @@ class GrpcClient:
             return NotMember(f"round {round}: {reason}")
         return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
 
-    async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: Digest) -> Digest:
+    async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: Digest,
+                      samples: int = 1) -> Digest:
         """One payload's Submit, tried again while BUSY; returns the digest it went with.
 
         Raises:
@@ -348,7 +350,7 @@ class GrpcClient:
         timeout_s, digest = self.submit_timeout_s, param_digest
         parts = submit_parts(self.identity, self._session, self.peer_id, round, data,
                              param_digest="" if digest.follows else digest.value, loss=loss,
-                             digest_follows=digest.follows)
+                             digest_follows=digest.follows, samples=samples)
 
         replied = asyncio.Event()  # a reply (a refusal) before the digest: the stream has nothing more to send
 

@@ -196,5 +196,5 @@ def parameters_statement(session: bytes, peer_id: str, round: int, resync: bool)
 
 
 def submit_statement(session: bytes, peer_id: str, round: int, payload_digest: bytes, param_digest: str,
-                     loss: float) -> bytes:
-    return statement("submit", session, peer_id, round, payload_digest, param_digest, float(loss))
+                     loss: float, samples: int = 1) -> bytes:
+    return statement("submit", session, peer_id, round, payload_digest, param_digest, float(loss), int(samples))

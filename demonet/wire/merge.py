@@ -22,7 +22,7 @@ from demonet.optim import Compressed, Payload, aggregate_clipped, quantize
 
 from ._indices import sort_rows
 
-__all__ = ["INLINE_MERGE_ENTRIES", "MergeRules", "Merged", "decode_contribution", "merge"]
+__all__ = ["INLINE_MERGE_ENTRIES", "MergeRules", "Merged", "decode_contribution", "merge", "sample_weights"]
 
 INLINE_MERGE_ENTRIES = 1 << 14
 """A DHT slice's merge of up to this many entries in all, its parts decoded as they arrived, is made on the
@@ -47,6 +47,8 @@ class MergeRules:
     """Scale every payload whose norm exceeds the round's median norm down to it."""
     max_norm: float | None = 1e6
     """Refuse an inbound payload whose values' L2 norm exceeds this (None: no bound)."""
+    max_sample_ratio: float = 16.0
+    """Weight each payload by its samples, at most this many times the median of the others' (0: unweighted)."""
 
     def __post_init__(self) -> None:
         if self.topk < 1:
@@ -55,13 +57,16 @@ class MergeRules:
             raise ValueError(f"encoding should be fp32, bf16 or fp16, got {self.encoding!r}")
         if self.max_norm is not None and not self.max_norm > 0:
             raise ValueError(f"max_norm should be > 0 or None, got {self.max_norm}")
+        if not (self.max_sample_ratio == 0 or self.max_sample_ratio >= 1):
+            raise ValueError(f"max_sample_ratio should be 0 (off) or >= 1, got {self.max_sample_ratio}")
 
     @classmethod
     def from_config(cls, cfg: Any) -> MergeRules:
         """The rules of a run config (`demonet.config.Config`)."""
         net = cfg.net
         return cls(topk=net.aggregate_topk or cfg.optim.compression_topk, encoding=net.aggregate_encoding,
-                   clip=net.clip_to_median_norm, max_norm=net.max_payload_norm or None)
+                   clip=net.clip_to_median_norm, max_norm=net.max_payload_norm or None,
+                   max_sample_ratio=net.max_sample_ratio)
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,28 @@ class Merged:
     """What peers decode from `data`: the merger applies exactly this."""
     factors: tuple[float, ...]
     """Each payload's clip factor in (0, 1], in the order given (1.0: not clipped)."""
+    weights: tuple[float, ...] = ()
+    """Each payload's weight in the merge, in the order given (its samples, capped); () where unweighted."""
+    capped: tuple[bool, ...] = ()
+    """Whether each payload's samples were above its cap (`sample_weights`)."""
+
+
+def sample_weights(samples: Sequence[int], max_ratio: float) -> tuple[list[float], list[bool]]:
+    """Each payload's weight in the merge: its sample count, at most `max_ratio` times the median of the other
+    payloads' counts (the lower middle of an even count). A payload alone is not capped. Returns the weights
+    and, for each, whether it was capped. The same rule for the coordinator and every DHT slice owner.
+
+    A peer that trained 4 micro-batches weighs 4 times one that trained 1; a peer that claims 10^9 samples
+    weighs `max_ratio` times the median of the others, and no more.
+    """
+    counts = list(samples)
+    weights, capped = [], []
+    for i, n in enumerate(counts):
+        others = sorted(counts[:i] + counts[i + 1:])
+        cap = max_ratio * others[(len(others) - 1) // 2] if others else float(n)
+        weights.append(float(min(n, cap)))
+        capped.append(n > cap)
+    return weights, capped
 
 
 def decode_contribution(data: bytes, *, expected: Mapping[str, Any], rules: MergeRules) -> tuple[int, Payload]:
@@ -82,7 +109,7 @@ def decode_contribution(data: bytes, *, expected: Mapping[str, Any], rules: Merg
 
 
 def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected: Mapping[str, Any],
-          value_coding: str = "plain") -> Merged:
+          value_coding: str = "plain", samples: Sequence[int] | None = None) -> Merged:
     """Merge validated payloads (same tensors, in `expected`'s order) into the round's aggregate.
 
     Each coefficient is averaged over the peers that sent it, after median-norm clipping (with
@@ -93,22 +120,32 @@ def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected
     bytes too, which is what DHT mode's verifiers compare; ``deflate`` (the coordinator's aggregate, which
     nobody compares byte for byte) depends on the zlib build's choices.
 
+    `samples`: each payload's sample count (`sample_weights` bounds them with `rules.max_sample_ratio`); each
+    coefficient is then the samples-weighted mean of the payloads that sent it. None, or a ratio of 0: every
+    payload weighs the same.
+
     `Merged.payload` is not decoded from `Merged.data`, yet it is what `wire.decode(data, expected=...)`
     returns, bit for bit: see `_as_received`.
     """
+    weights: list[float] | None = None
+    capped: list[bool] = []
+    if samples is not None and rules.max_sample_ratio > 0:
+        weights, capped = sample_weights(list(samples), rules.max_sample_ratio)
     if rules.encoding in _UNSCALED and len(payloads) > 1:  # rounded a block of tensors at a time, in the merge
         merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip,
-                                            rounding=functools.partial(_rounded, encoding=rules.encoding))
+                                            rounding=functools.partial(_rounded, encoding=rules.encoding),
+                                            weights=weights)
         sent = Payload(tensors=merged.tensors, encoding=rules.encoding)
     else:
-        merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip)
+        merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip, weights=weights)
         tensors = {}
         for name, c in merged.tensors.items():
             val, scale = quantize(c.val.float(), rules.encoding)
             tensors[name] = Compressed(idx=c.idx, val=val, shape=c.shape, chunk=c.chunk, scale=scale)
         sent = Payload(tensors=tensors, encoding=rules.encoding)
     data = wire.encode(sent, step=step, index_coding="entropy", value_coding=value_coding)
-    return Merged(data=data, payload=_as_received(sent, expected), factors=tuple(factors))
+    return Merged(data=data, payload=_as_received(sent, expected), factors=tuple(factors),
+                  weights=tuple(weights or ()), capped=tuple(capped))
 
 
 def _rounded(val: torch.Tensor, *, encoding: str) -> torch.Tensor:

@@ -58,7 +58,7 @@ else:
 _gather = Gatherer.gather
 
 
-async def gather(self, round, payload, *, loss, param_digest):
+async def gather(self, round, payload, *, loss, param_digest, samples=1):
     g = torch.Generator().manual_seed(round)
     tensors = {}
     for name, c in payload.tensors.items():
@@ -69,7 +69,7 @@ async def gather(self, round, payload, *, loss, param_digest):
             val = torch.randn(c.val.shape, generator=g) * rms * 1000
         tensors[name] = Compressed(idx=c.idx, val=val.float(), shape=c.shape, chunk=c.chunk)
     return await _gather(self, round, Payload(tensors=tensors, encoding="fp32"), loss=loss,
-                         param_digest=param_digest)
+                         param_digest=param_digest, samples=samples)
 
 
 Gatherer.gather = gather
@@ -263,8 +263,10 @@ class Intruder:
         so that a lie in the parts is refused by the checks behind the signature."""
         if parts:
             head = parts[0]
+            head.samples = head.samples or 1
             head.signature = self.key.sign(submit_statement(self.session, head.peer_id, head.round,
-                                                            head.part.payload_digest, head.param_digest, head.loss))
+                                                            head.part.payload_digest, head.param_digest, head.loss,
+                                                            head.samples))
         return [p.SerializeToString() for p in parts]
 
     async def submit(self, category: str, parts: list[bytes]) -> None:

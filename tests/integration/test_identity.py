@@ -158,6 +158,7 @@ async def test_a_replayed_or_second_signed_submit_is_refused(tmp_path: Path, rea
     again = await stub.Submit(iter(mine), metadata=md)  # the same stream again: a retry, nothing changes
     assert not again.accepted and again.refusal == pb.REFUSAL_DUPLICATE
     moved = [pb.SubmitPart(peer_id=p.peer_id, round=1, param_digest=p.param_digest, loss=p.loss, part=p.part,
+                           samples=p.samples,
                            signature=p.signature) for p in mine]  # its signature on another round
     assert await _refused(stub.Submit(iter(moved), metadata=md)) == grpc.StatusCode.PERMISSION_DENIED
     x, y = next(a.batches)

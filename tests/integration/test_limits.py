@@ -80,7 +80,7 @@ async def test_a_declared_size_over_the_runs_bound_is_refused_at_the_first_part(
 
     async def one_part() -> AsyncIterator[pb.SubmitPart]:
         digest = hashlib.sha256(b"").digest()
-        yield pb.SubmitPart(peer_id="a", round=0, param_digest=a.digest(), loss=1.0, part=pb.PayloadPart(
+        yield pb.SubmitPart(peer_id="a", round=0, param_digest=a.digest(), loss=1.0, samples=1, part=pb.PayloadPart(
             payload_digest=digest, index=0, count=512, total_bytes=1 << 30, data=b"x" * 1024),
             signature=a.identity.sign(submit_statement(a.session, "a", 0, digest, a.digest(), 1.0)))
         await asyncio.sleep(30)  # never sends more: the refusal must not wait for it

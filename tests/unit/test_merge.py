@@ -110,3 +110,66 @@ def test_values_rounded_a_block_at_a_time_are_the_bits_of_rounding_each_merged_t
         assert torch.equal(got.idx, c.idx) and torch.equal(got.val.view(torch.int32), want.view(torch.int32)), name
         assert not torch.equal(want, c.val), name  # the rounding did something
 
+
+
+def _dense(c: Compressed) -> torch.Tensor:
+    """A tensor's coefficients as a dense (rows, n) matrix, 0 where none was sent (a padding entry adds 0)."""
+    n = c.chunk[0] * c.chunk[1]
+    return torch.zeros(c.idx.shape[0], n, dtype=torch.float64).scatter_add_(1, c.idx, c.val.double())  # padding: 0
+
+
+def test_the_weighted_merge_is_the_samples_weighted_mean_of_each_coefficients_senders() -> None:
+    """Against a dense weighted mean computed on its own: each coefficient is sum(w_i v_i) / sum(w_i) over the
+    payloads that sent it (0 where none did), in float64."""
+    from demonet.optim import aggregate_clipped
+
+    payloads = [_payload(s) for s in (1, 2, 3)]
+    weights = [4.0, 1.0, 2.0]
+    merged, _ = aggregate_clipped(payloads, clip=False, weights=weights)
+    for name in SPECS:
+        sums = sum(w * _dense(p.tensors[name]) for p, w in zip(payloads, weights, strict=True))
+        norms = sum(w * (_dense(p.tensors[name]) != 0).double() for p, w in zip(payloads, weights, strict=True))
+        expected = torch.where(norms > 0, sums / norms.clamp(min=1e-300), torch.zeros_like(sums))
+        got = _dense(merged.tensors[name])
+        assert torch.allclose(got, expected, rtol=1e-6, atol=1e-7), name
+    unweighted, _ = aggregate_clipped(payloads, clip=False)
+    ones, _ = aggregate_clipped(payloads, clip=False, weights=[1.0, 1.0, 1.0])
+    for name in SPECS:  # weights of 1 are the unweighted merge, to the bit
+        assert torch.equal(ones.tensors[name].val, unweighted.tensors[name].val)
+        assert torch.equal(ones.tensors[name].idx, unweighted.tensors[name].idx)
+    with pytest.raises(ValueError, match="one positive number per payload"):
+        aggregate_clipped(payloads, weights=[1.0, 0.0, 1.0])
+
+
+def test_sample_weights_cap_a_claim_at_a_multiple_of_the_others_median() -> None:
+    from demonet.wire.merge import sample_weights
+
+    assert sample_weights([8, 8, 2], 16.0) == ([8.0, 8.0, 2.0], [False, False, False])
+    weights, capped = sample_weights([10**9, 8, 8, 2], 16.0)
+    assert weights == [128.0, 8.0, 8.0, 2.0] and capped == [True, False, False, False]  # 16 x median(8, 8, 2)
+    assert sample_weights([5], 16.0) == ([5.0], [False])  # alone: no others to compare with
+
+
+def test_a_payload_claiming_a_billion_samples_does_not_dominate_the_merge() -> None:
+    """Four peers with similar payloads; one claims 10^9 samples and sends a payload of its own direction:
+    capped at 16 times the median of the others' samples, it moves the mean by at most its capped share."""
+    honest = [_payload(1, 1.0) for _ in range(3)]
+    liar = _payload(9, 1.0)
+    rules = MergeRules(topk=64, encoding="fp32", clip=False)
+    expected = {n: (tuple(s), c) for n, (s, c) in SPECS.items()}
+    merged = merge([*honest, liar], step=0, rules=rules, expected=expected, samples=[8, 8, 8, 10**9])
+    assert merged.weights == (8.0, 8.0, 8.0, 128.0) and merged.capped == (False, False, False, True)
+    equal = merge([*honest, liar], step=0, rules=rules, expected=expected, samples=[8, 8, 8, 8])
+    unweighted = merge([*honest, liar], step=0, rules=rules, expected=expected)
+    assert unweighted.weights == () and torch.equal(equal.payload.tensors["w"].val, unweighted.payload.tensors["w"].val)
+    off = merge([*honest, liar], step=0, rules=MergeRules(topk=64, encoding="fp32", clip=False, max_sample_ratio=0),
+                expected=expected, samples=[8, 8, 8, 10**9])
+    assert off.weights == () and torch.equal(off.payload.tensors["w"].val, unweighted.payload.tensors["w"].val)
+    liar_share = 128.0 / (3 * 8.0 + 128.0)  # where all four sent a coefficient: at most this much of the liar's
+    assert liar_share < 0.85
+    for name in SPECS:
+        got, liar_dense = _dense(merged.payload.tensors[name]), _dense(liar.tensors[name])
+        honest_dense = _dense(honest[0].tensors[name])
+        both = (liar_dense != 0) & (honest_dense != 0)
+        mix = liar_share * liar_dense + (1 - liar_share) * honest_dense
+        assert torch.allclose(got[both], mix[both], rtol=1e-5, atol=1e-6), name

@@ -493,7 +493,8 @@ class _FakeClient:
 
     digest_follows = False
 
-    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: str) -> RoundResult:
+    async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Any,
+                     samples: int = 1) -> RoundResult:
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, Exception):
             raise outcome

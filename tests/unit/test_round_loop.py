@@ -254,8 +254,8 @@ async def test_a_canonical_digest_that_comes_after_the_aggregate_is_checked_befo
         trainer = run.trainers[FAULTY]
         backwards, forward_backward, compress = [0], trainer.forward_backward, trainer.compress
 
-        def counted() -> float:
-            loss = forward_backward()
+        def counted(until: float | None = None) -> float:
+            loss = forward_backward(until)
             backwards[0] += 1
             return loss
 

@@ -170,3 +170,48 @@ def test_a_checkpoint_written_while_the_next_compress_is_pending_holds_the_settl
     assert all(torch.equal(s["momentum"], m) for s, m in zip(trainer.opt.state.values(), live, strict=True))
     trainer.undo_compress()
     assert all(torch.equal(s["momentum"], m) for s, m in zip(trainer.opt.state.values(), want, strict=True))
+
+
+def test_a_round_with_a_cut_off_trains_micro_batches_until_it_at_least_one_and_their_mean_gradient(
+        tmp_path: Path) -> None:
+    import time
+
+    cfg = _cfg(tmp_path)
+    trainer = _trainer(cfg)
+    trainer.pace.max_micro_batches = 3
+    loss = trainer.forward_backward(until=time.perf_counter() + 60.0)  # room for more than the most
+    assert trainer.micro_batches() == 3 and trainer.samples() == 3 * cfg.train.batch_size
+    assert loss == loss  # a number
+    grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+    twin = _trainer(cfg)  # the same seed and data stream: its 3 micro-batches' mean gradient, by hand
+    for p in twin.model.parameters():
+        p.grad = None
+    total = [torch.zeros_like(g) for g in grads]
+    for _ in range(3):
+        batch = to_device(next(twin.batches), torch.device("cpu"))
+        twin.loss(twin.model, batch).backward()
+        total = [p.grad.clone() for p in twin.model.parameters() if p.grad is not None]
+    for g, t in zip(grads, total, strict=True):
+        assert torch.allclose(g, t / 3, rtol=1e-5, atol=1e-7)
+    trainer.opt.zero_grad()
+    trainer.forward_backward(until=time.perf_counter() - 1.0)  # a cut-off already past: one micro-batch still
+    assert trainer.micro_batches() == 1 and trainer.samples() == cfg.train.batch_size
+    trainer.opt.zero_grad()
+    trainer.forward_backward()  # no cut-off: the fixed accumulate (1)
+    assert trainer.micro_batches() == 1
+
+
+def test_the_pace_stops_before_a_micro_batch_that_would_end_past_the_cut_off() -> None:
+    import time
+
+    from demonet.train.trainer import MicroBatchPace
+
+    pace = MicroBatchPace(16)
+    pace.took(0.5)
+    assert not pace.another(time.perf_counter() + 0.2)  # the next one would end in about 0.5 s
+    assert pace.another(time.perf_counter() + 5.0)
+    for _ in range(15):
+        pace.took(0.001)
+    assert pace.count == 16 and not pace.another(time.perf_counter() + 60.0)  # the most a round trains
+    pace.trained(16, 32)
+    assert (pace.micro_batches, pace.samples, pace.count) == (16, 32, 0)
