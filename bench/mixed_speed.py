@@ -1,0 +1,164 @@
+"""Benchmark: a swarm whose peers differ in speed, coordinator mode on loopback (docs/coordinator.md#mixed-speed-peers).
+
+Four peers train the example CNN (`examples/custom_task.py`); each micro-batch's loss sleeps a peer's time, as
+a slower or faster accelerator would (--sleeps-s, default 0.25,0.25,0.25,1.0: one peer 4x slower). Three systems
+run one after the other, each a real coordinator and peer processes:
+
+- `lockstep`: `[net] round_s = 0`, every peer trains one micro-batch a round; rounds wait for the slowest;
+- `adaptive`: `[net] round_s = --round-s`, every peer trains as many micro-batches as fit before its cut-off,
+  the merge weights each payload by its samples;
+- `fast-only`: the three fast peers alone, adaptive.
+
+It prints, for each, the rounds per second, the samples computed and applied per second (the samples of the
+payloads in the rounds' aggregates over the wall-clock time of those rounds), each peer's median micro-batches a
+round, and the final loss; then the ratios the goals are stated in:
+- adaptive samples/s against the ideal: the fast peers' rate plus the slow one's own, one micro-batch per its
+  sleep each (goal >= 0.95x); lockstep against the three fast alone (what adding the slow peer costs today);
+- adaptive samples/s against the three fast alone.
+Rounds before --skip are left out (first-call costs). Run from the repo root: `python bench/mixed_speed.py`.
+`--smoke`: short sleeps and 4 rounds, a check that the script runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "mixed-speed-bench"
+GOAL_IDEAL = 0.95
+
+
+def task(**table: Any) -> Any:
+    """The example CNN, whose loss sleeps DEMONET_BENCH_SLEEP_S per micro-batch in the process that sets it."""
+    import demonet
+    from examples.custom_task import task as cnn
+
+    t = cnn(**table)
+    sleep_s = float(os.environ.get("DEMONET_BENCH_SLEEP_S", "0"))
+
+    def loss(model: Any, batch: Any) -> Any:
+        time.sleep(sleep_s)
+        return t.loss(model, batch)
+
+    return demonet.Task(model=t.model, batches=t.batches, loss=loss)
+
+
+def _config(round_s: float, max_micro: int) -> str:
+    return "\n".join(["[optim]", "lr = 0.03", "[task]", "batch_size = 16", "[net]", "round_timeout_s = 60.0",
+                      f"round_s = {round_s}", f"max_micro_batches = {max_micro}", "heartbeat_timeout_s = 60.0"]) + "\n"
+
+
+def run(sleeps: list[float], round_s: float, steps: int, max_micro: int, tmp: Path) -> dict[str, list[dict[str, Any]]]:
+    """One swarm: a coordinator and a peer per sleep; returns each peer's metrics rows."""
+    (tmp / "run.toml").write_text(_config(round_s, max_micro))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'bench'}", "DEMONET_TOKEN": TOKEN,
+           "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+    out = tmp / "out"
+    try:
+        coordinator = subprocess.Popen(
+            [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--config",
+             str(tmp / "run.toml"), "--task", "mixed_speed:task", "--steps", str(steps), "--start-peers",
+             str(len(sleeps))], stdout=subprocess.PIPE, stderr=open(tmp / "coordinator.log", "wb"), env=env, cwd=ROOT,
+            start_new_session=True)
+        procs.append(coordinator)
+        assert coordinator.stdout is not None
+        line = coordinator.stdout.readline().decode()
+        if not line.startswith("listening on"):
+            raise SystemExit(f"the coordinator did not start: {line!r}\n{(tmp / 'coordinator.log').read_text()}")
+        address = line.split()[-1]
+        for i, sleep_s in enumerate(sleeps):
+            log = open(tmp / f"peer-{i}.log", "wb")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "demonet", "peer", "--coordinator", address, "--peer-id", f"peer-{i}",
+                 "--out", str(out), "--threads", "1", "--checkpoint-every", "0"], stdin=subprocess.DEVNULL,
+                stdout=log, stderr=log, env={**env, "DEMONET_BENCH_SLEEP_S": str(sleep_s)}, cwd=ROOT,
+                start_new_session=True))
+        for i, proc in enumerate(procs[1:]):
+            if proc.wait(timeout=600) != 0:
+                raise SystemExit(f"peer-{i} failed:\n{(tmp / f'peer-{i}.log').read_text()[-3000:]}")
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    return {f"peer-{i}": [json.loads(x) for x in (out / f"metrics-peer-{i}.jsonl").read_text().splitlines() if x]
+            for i in range(len(sleeps))}
+
+
+def summarize(rows: dict[str, list[dict[str, Any]]], skip: int) -> dict[str, Any]:
+    """Rounds/s and samples/s over the rounds from `skip` on (wall-clock between the rows of round skip - 1
+    and the last round, the latest peer's), the median micro-batches per peer, the final loss."""
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for peer_rows in rows.values():
+        for r in peer_rows:
+            by_round.setdefault(r["round"], []).append(r)
+    rounds = sorted(n for n in by_round if n >= skip)
+    start = max(r["time"] for r in by_round[skip - 1])
+    end = max(r["time"] for r in by_round[rounds[-1]])
+    applied = [r for n in rounds for r in by_round[n] if not r["aborted"] and r["contributors"] == len(rows)]
+    incomplete = sum(1 for n in rounds if any(r["contributors"] < len(rows) for r in by_round[n]))
+    return {"rounds_per_s": len(rounds) / (end - start),
+            "samples_per_s": sum(r["samples"] for r in applied) / (end - start),
+            "micro": {p: statistics.median(r["micro_batches"] for r in rs if r["round"] >= skip)
+                      for p, rs in rows.items()},
+            "loss": statistics.fmean(r["loss"] for r in by_round[rounds[-1]]), "incomplete_rounds": incomplete,
+            "digests_agree": all(len({r["param_digest"] for r in by_round[n]}) == 1 for n in rounds)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sleeps-s", default="0.25,0.25,0.25,1.0", help="seconds each peer's micro-batch sleeps")
+    parser.add_argument("--round-s", type=float, default=2.0, help="the adaptive system's [net] round_s")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--skip", type=int, default=2, help="rounds left out at the start")
+    parser.add_argument("--max-micro-batches", type=int, default=16)
+    parser.add_argument("--smoke", action="store_true", help="short sleeps and 4 rounds: a check that it runs")
+    args = parser.parse_args()
+    if args.smoke:
+        args.sleeps_s, args.round_s, args.steps, args.skip = "0.02,0.02,0.02,0.08", 0.4, 4, 1
+    sleeps = [float(x) for x in args.sleeps_s.split(",")]
+    slow = max(sleeps)
+    fast = [s for s in sleeps if s < slow] or sleeps[:-1]
+    batch = 16
+    systems = {"lockstep": (sleeps, 0.0), "adaptive": (sleeps, args.round_s), "fast-only": (fast, args.round_s)}
+    results = {}
+    for name, (peer_sleeps, round_s) in systems.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            results[name] = summarize(run(peer_sleeps, round_s, args.steps, args.max_micro_batches, Path(tmp)),
+                                      args.skip)
+            results[name]["wall_s"] = time.perf_counter() - t0
+    ideal = batch * sum(1.0 / s for s in sleeps)  # every peer busy, one micro-batch per its sleep, no exchange
+    fast_alone = results["fast-only"]["samples_per_s"]
+    print(f"mixed-speed swarm: sleeps {sleeps} s a micro-batch of {batch}; adaptive round_s = {args.round_s} s; "
+          f"rounds {args.skip}-{args.steps - 1}")
+    print(f"{'system':10} {'rounds/s':>9} {'samples/s':>10} {'loss':>7} {'incomplete':>10} {'digests':>8}  "
+          f"micro-batches a round (median, per peer)")
+    for name, r in results.items():
+        print(f"{name:10} {r['rounds_per_s']:9.2f} {r['samples_per_s']:10.1f} {r['loss']:7.3f} "
+              f"{r['incomplete_rounds']:10d} {'agree' if r['digests_agree'] else 'DIFFER':>8}  "
+              f"{' '.join(f'{m:g}' for m in r['micro'].values())}")
+    adaptive = results["adaptive"]["samples_per_s"]
+    print(f"lockstep / fast-only samples/s: {results['lockstep']['samples_per_s'] / fast_alone:.2f}x "
+          "(what adding the slow peer costs in lockstep)")
+    print(f"adaptive / fast-only samples/s: {adaptive / fast_alone:.2f}x")
+    met = adaptive / ideal >= GOAL_IDEAL
+    print(f"adaptive / ideal ({ideal:.1f} samples/s: every peer busy, no exchange): {adaptive / ideal:.2f}x "
+          f"(goal >= {GOAL_IDEAL}: {'met' if met else 'not met'})")
+    return 0 if all(r["digests_agree"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
