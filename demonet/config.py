@@ -378,5 +378,6 @@ def load_token(token_file: str | None, env: Mapping[str, str]) -> str:
         return token
     token = env.get(TOKEN_ENV, "").strip()
     if not token:
-        raise ValueError(f"no token: pass --token-file FILE or set {TOKEN_ENV}")
+        raise ValueError(f"no token: pass --token-file FILE or set {TOKEN_ENV} (a `demonet up` run keeps its token "
+                         "in OUT/token; `demonet status --dashboard URL` needs none)")
     return token

@@ -56,6 +56,12 @@ def _spawn(name: str, argv: list[str], logs: Path, env: dict[str, str]) -> _Chil
     return _Child(name, proc, log)
 
 
+def _tail(log_path: Path, lines: int = 8) -> str:
+    """The last lines of a child's log, indented, for an error message that says why it stopped."""
+    text = log_path.read_text(errors="replace").rstrip().splitlines() if log_path.exists() else []
+    return "\n".join(f"  {line}" for line in text[-lines:]) or "  (its log is empty)"
+
+
 def _wait_line(child: _Child, log_path: Path, prefix: str, timeout_s: float) -> str:
     """The rest of the first line of the child's log that starts with `prefix` (e.g. "listening on ")."""
     deadline = time.monotonic() + timeout_s
@@ -64,7 +70,8 @@ def _wait_line(child: _Child, log_path: Path, prefix: str, timeout_s: float) -> 
             if line.startswith(prefix):
                 return line.removeprefix(prefix).strip()
         if child.proc.poll() is not None:
-            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}; see {log_path}")
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}:\n{_tail(log_path)}\n"
+                               f"(the whole log: {log_path})")
         time.sleep(0.1)
     raise RuntimeError(f"{child.name} did not say {prefix!r}... within {timeout_s:.0f} s; see {log_path}")
 
@@ -142,6 +149,10 @@ def run(args: argparse.Namespace) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(24)
     env = {**os.environ, TOKEN_ENV: token}  # never on a command line, where `ps` shows it
+    token_file = out / "token"  # for `demonet status --coordinator ADDR --token-file OUT/token` while it runs
+    token_file.touch(mode=0o600)
+    token_file.chmod(0o600)
+    token_file.write_text(token + "\n")
     signal.signal(signal.SIGTERM, _interrupt)  # stop the children as Ctrl-C does
     if args.dht:
         return _up_dht(args, out, env)
@@ -160,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         address = _wait_line(coordinator, logs / "coordinator.log", "listening on ", LISTEN_TIMEOUT_S)
         _announce_dashboard(coordinator, logs / "coordinator.log", args)
-        logger.info("coordinator listening on %s; starting %d peers; logs in %s", address, args.peers, logs)
+        logger.info("coordinator listening on %s; starting %d peers; logs in %s; `demonet status --coordinator %s "
+                    "--token-file %s` shows the run", address, args.peers, logs, address, token_file)
         for i in range(args.peers):
             peers.append(_spawn(f"peer-{i}", ["peer", "--coordinator", address, "--peer-id", f"peer-{i}",
                                               "--out", str(out), "--threads", str(args.threads_per_peer),

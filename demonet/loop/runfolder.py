@@ -107,6 +107,7 @@ def summarize_run(rows: Sequence[MetricsRow]) -> dict[str, Any]:
         "peers": len(by_peer),
         "first_loss": _mean(history[:window]),
         "last_loss": _mean(history[-window:]),
+        "loss_window_rounds": window,  # first_loss and last_loss are means over this many rounds, not one
         "bytes_up_per_round": _mean([r.bytes_up for r in rows]),
         "bytes_down_per_round": _mean([r.bytes_down for r in rows]),
         "per_peer": {peer_id: {"rounds": len(rs), "bytes_up_per_round": _mean([r.bytes_up for r in rs]),

@@ -118,7 +118,7 @@ def build_task(cfg: Any) -> Task:
     try:
         task = function(**cfg.task)
     except Exception as e:
-        raise ValueError(f"task {spec}({', '.join(f'{k}=' for k in cfg.task)}) failed: "
+        raise ValueError(f"task {spec}({', '.join(f'{k}={v!r}' for k, v in cfg.task.items())}) failed: "
                          f"{type(e).__name__}: {e}") from e
     if not isinstance(task, Task):
         raise ValueError(f"task {spec} returned a {type(task).__name__}, not a demonet.Task")

@@ -101,6 +101,7 @@ def write_tokens(path: str | Path, chunks: Iterable[npt.ArrayLike], *, vocab_siz
                          tokenizer=tokenizer)
     header.pack()  # a name that does not fit fails before any file is made
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # `--out data/corpus.tok` in a fresh clone: data/ is made
     tmp = path.with_name(path.name + ".tmp")
     num_tokens = 0
     try:

@@ -137,7 +137,7 @@ async def _call_once(what: str, attempt: Callable[[], Awaitable[_T]], channel: g
                 result = await attempt()
     except grpc.aio.AioRpcError as e:
         if e.code() in AUTH_CODES:
-            raise PermissionError(f"{what}: the coordinator at {address} refused this peer "
+            raise PermissionError(f"{what}: the coordinator at {address} refused the call "
                                   f"({e.code().name}: {e.details()})") from None
         raise
     if give_up_at:

@@ -44,7 +44,7 @@ def test_bad_input_at_every_rpc_is_refused_and_harms_nothing(cluster: Coordinato
             [sys.executable, "-m", "demonet", "peer", "--coordinator", "127.0.0.1:7000", "--peer-id", "thief",
              "--out", str(cluster.out)], stdout=cluster._logfile(f"thief{n}"), stderr=subprocess.STDOUT, env=env))
     assert cluster.wait_exit(thieves, timeout_s=120) == [2, 2], cluster.log("thief0") + cluster.log("thief1")
-    assert "refused this peer" in cluster.log("thief0") and "no token" in cluster.log("thief1")
+    assert "refused the call" in cluster.log("thief0") and "no token" in cluster.log("thief1")
     assert cluster.wait_exit([fuzz], timeout_s=150) == [0], cluster.log("intruder")
     at_end_of_fuzz = cluster.last_round("a")
     assert at_end_of_fuzz < rounds - 5, "the run ended before the intruder did"

@@ -180,6 +180,8 @@ def test_demonet_up_writes_the_run_folder(tmp_path: Path) -> None:
     assert rows == sorted(rows, key=lambda r: (r["round"], r["peer"]))
     _check_rounds(rows, {"peer-0", "peer-1"}, 3)
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    token = out / "token"  # kept for `demonet status --coordinator ADDR --token-file OUT/token`, for its owner only
+    assert len(token.read_text().strip()) >= 24 and token.stat().st_mode & 0o777 == 0o600
     assert (out / "compute_wait.png").read_bytes()[:4] == b"\x89PNG"
     assert all(r["wait_s"] >= 0 and r["compute_s"] > 0 for r in rows)
     # where each round's exchange went: the parts add up to no more than the peer's wait for the round

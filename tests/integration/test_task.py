@@ -71,3 +71,11 @@ def test_a_coordinator_whose_task_cannot_be_built_exits_with_the_reason(tmp_path
                     timeout=120)
     assert proc.returncode == 2 and "failed: RuntimeError: no data here" in proc.stderr, proc.stderr[-2000:]
     assert "listening" not in proc.stdout
+
+
+def test_up_says_why_its_coordinator_stopped(tmp_path: Path) -> None:
+    """`demonet up` whose coordinator cannot build the task shows the coordinator's last lines itself."""
+    proc = _demonet("up", "--task", "tests.integration.tasks:broken", "--peers", "1", "--steps", "1", "--out",
+                    str(tmp_path / "out"), "--no-progress", timeout=120)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "coordinator exited with code 2" in proc.stderr and "no data here" in proc.stderr, proc.stderr[-2000:]

@@ -71,6 +71,7 @@ def test_summary_losses_bytes_and_digest_agreement() -> None:
     s = runfolder.summarize_run(rows)
     assert (s["rounds"], s["peers"]) == (8, 2)
     assert s["first_loss"] == pytest.approx(4.75)  # mean over peers 5.25 - round, first 2 rounds (8 // 4)
+    assert s["loss_window_rounds"] == 2  # the summary says over how many rounds its losses are averaged
     assert s["last_loss"] == pytest.approx(-1.25)
     assert s["per_peer"]["b"]["bytes_up_per_round"] == 101 and s["per_peer"]["a"]["bytes_down_per_round"] == 200
     assert s["digests_agree"] and s["disagreeing_rounds"] == []
@@ -466,7 +467,7 @@ async def test_gives_up_after_reconnect_timeout_and_a_refused_token_at_once(monk
     async def refused() -> None:
         raise _rpc_error(codes.pop(0), "bad token")
 
-    with pytest.raises(PermissionError, match="refused this peer"):
+    with pytest.raises(PermissionError, match="refused the call"):
         await client._call("Join", refused)
     assert codes == []
     await client.close()

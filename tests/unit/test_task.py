@@ -54,6 +54,11 @@ def test_a_task_that_cannot_be_built_is_a_clear_error(spec: str, message: str) -
         build_task(_cfg(spec))
 
 
+def test_a_task_that_fails_is_named_with_the_arguments_it_was_given() -> None:
+    with pytest.raises(ValueError, match=r"tasks:broken\(size=8, tokens='data/corpus.tok'\) failed"):
+        build_task(_cfg("tests.integration.tasks:broken", size=8, tokens="data/corpus.tok"))
+
+
 def test_the_task_setting_is_checked_and_the_table_travels_with_the_config(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="task should be MODULE:FUNCTION"):
         load_config(None, {}, {"train": {"task": "examples.custom_task"}})

@@ -63,6 +63,13 @@ def test_header_and_tokens_round_trip_in_chunks(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_tokens_written_into_a_folder_that_does_not_exist_yet_make_it(tmp_path: Path) -> None:
+    """`demonet data tokenize ... --out data/corpus.tok` in a fresh clone: the folder is made."""
+    path = tmp_path / "data" / "nested" / "corpus.tok"
+    header = write_tokens(path, [np.array([1, 2])], vocab_size=10, tokenizer="t@0123456789abcdef")
+    assert TokenFile.open(path).header == header and not list(path.parent.glob("*.tmp"))
+
+
 def test_an_empty_token_file_opens(tmp_path: Path) -> None:
     opened = TokenFile.open(_file(tmp_path, []))
     assert opened.header.num_tokens == 0 and len(opened.tokens) == 0
