@@ -49,8 +49,9 @@ class _Run:
     """Two peers and their coordinator; `restored[peer]` lists the rounds whose whole payload went back."""
 
     def __init__(self, tmp_path: Path, faults: dict[tuple[str, int], str], *, overlap: int,
-                 stop_at: int | None = None, hold: int | None = None, wrap: Any = None) -> None:
+                 stop_at: int | None = None, hold: int | None = None, wrap: Any = None, round_s: float = 0.0) -> None:
         self.tmp_path, self.stop_at, self.overlap, self.hold, self.wrap = tmp_path, stop_at, overlap, hold, wrap
+        self.round_s = round_s
         self.hub = LocalCoordinator(_cfg(), total_rounds=ROUNDS, faults=faults, on_close=self._closed)
         self.loops: dict[str, RoundLoop] = {}
         self.trainers: dict[str, Trainer] = {}
@@ -77,7 +78,7 @@ class _Run:
         if peer_id == FAULTY and self.wrap is not None:  # its client's calls and its trainer's steps
             self.wrap(client)
         loop = RoundLoop(trainer, membership, membership.client, peer_id, self.tmp_path / f"metrics-{peer_id}.jsonl",
-                         checkpoint_every=0, stop_grace_s=0.2, overlap=self.overlap)
+                         checkpoint_every=0, stop_grace_s=0.2, overlap=self.overlap, round_s=self.round_s)
         self.loops[peer_id] = loop
         self.restored[peer_id] = []
         restore = trainer.opt.restore
@@ -377,3 +378,30 @@ async def test_an_encode_ahead_that_fails_leaves_the_round_to_gather(tmp_path: P
     assert [r["round"] for r in run.rows(FAULTY)] == list(range(ROUNDS))
     assert run.restored[FAULTY] == []  # nothing went back: every payload made it into its round
     assert run.loops["p0"].digest == run.loops[FAULTY].digest == run.hub.state.digest
+
+
+async def test_rounds_by_the_clock_size_each_peers_work_and_weight_its_payload(tmp_path: Path, overlap: int) -> None:
+    """`round_s`: the faulty peer's micro-batches take 0.15 s (a slower accelerator), p0's a few ms. Each trains
+    until its cut-off: p0 more micro-batches, the slow one fewer (at least one), both in every round, both on the
+    canonical digest, each row with the samples its payload was weighted by."""
+    import time
+
+    def slow(client: Any) -> None:
+        trainer = run.trainers[FAULTY]
+        loss = trainer.loss
+
+        def sleeping(model: Any, batch: Any) -> Any:
+            time.sleep(0.15)
+            return loss(model, batch)
+
+        trainer.loss = sleeping
+
+    run = _Run(tmp_path, {}, overlap=overlap, wrap=slow, round_s=0.4)
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    fast, slow_rows = run.rows("p0"), run.rows(FAULTY)
+    assert [r["round"] for r in fast] == [r["round"] for r in slow_rows] == list(range(ROUNDS))
+    assert all(r["contributors"] == 2 for r in fast + slow_rows)
+    assert all(r["samples"] == 2 * r["micro_batches"] >= 2 for r in fast + slow_rows)  # batch_size 2
+    micro = {p: sorted(r["micro_batches"] for r in rows) for p, rows in (("p0", fast), (FAULTY, slow_rows))}
+    assert micro[FAULTY][len(micro[FAULTY]) // 2] < micro["p0"][len(micro["p0"]) // 2], micro
