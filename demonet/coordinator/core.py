@@ -300,10 +300,11 @@ class RoundCore:
         if self.decide is not None:
             outcome = self.decide(outcome)
         contributors = outcome.contributors
-        payloads, samples, losses = self.inbox.take(contributors)
+        payloads, samples, losses = self.inbox.contributions(contributors)
         closed, applied = await asyncio.to_thread(self.state.merge_round, outcome, payloads, samples)
         members, opened_at = tuple(r.members), r.opened_at  # for the dashboard's record, before they change
         decided = r.close(_now())
+        self.inbox.clear()  # with the close, not before the merge: see `Inbox.clear`
         if self.on_open is not None:
             self.on_open(r.round)
         assert decided.round == outcome.round, "the round changed while it was merged; calls should wait on `cond`"

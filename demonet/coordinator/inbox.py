@@ -69,14 +69,18 @@ class Inbox:
         self.samples[s.peer_id] = s.samples
         self.metrics.uploaded(s.peer_id, s.size, s.stream_s, s.loss)
 
-    def take(self, contributors: tuple[str, ...]) -> tuple[list[Payload], list[int], list[float]]:
-        """The contributors' payloads, their samples and the losses reported with them, in their order; the
-        inbox is empty after (the next round opens)."""
+    def contributions(self, contributors: tuple[str, ...]) -> tuple[list[Payload], list[int], list[float]]:
+        """The contributors' payloads, their samples and the losses reported with them, in their order."""
         payloads = [self.payloads[p] for p in contributors]
         samples = [self.samples.get(p, 1) for p in contributors]
         losses = [self.losses[p] for p in contributors if p in self.losses]
-        self.payloads, self.losses, self.samples, self.accepted_digests = {}, {}, {}, {}
         return payloads, samples, losses
+
+    def clear(self) -> None:
+        """The next round opened: empty. Only together with `Rounds.close` (its list of who submitted): while the
+        round is merged, a stream's first part is still checked against both (a retry of a payload that is in
+        is a duplicate, not a conflict)."""
+        self.payloads, self.losses, self.samples, self.accepted_digests = {}, {}, {}, {}
 
     def invalid(self, peer_id: str, round: int | None, reason: str) -> SubmitRejected:
         """Count and log a payload that failed validation; the refusal to answer with."""
