@@ -131,13 +131,16 @@ def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected
     capped: list[bool] = []
     if samples is not None and rules.max_sample_ratio > 0:
         weights, capped = sample_weights(list(samples), rules.max_sample_ratio)
+    # Equal weights are the unweighted mean: merged without the products (the common case, peers alike), so
+    # the close pays for weights only where they differ, and an equal round has the unweighted bits.
+    by = weights if weights is not None and len(set(weights)) > 1 else None
     if rules.encoding in _UNSCALED and len(payloads) > 1:  # rounded a block of tensors at a time, in the merge
         merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip,
                                             rounding=functools.partial(_rounded, encoding=rules.encoding),
-                                            weights=weights)
+                                            weights=by)
         sent = Payload(tensors=merged.tensors, encoding=rules.encoding)
     else:
-        merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip, weights=weights)
+        merged, factors = aggregate_clipped(payloads, topk=rules.topk, clip=rules.clip, weights=by)
         tensors = {}
         for name, c in merged.tensors.items():
             val, scale = quantize(c.val.float(), rules.encoding)

@@ -162,6 +162,8 @@ def test_a_payload_claiming_a_billion_samples_does_not_dominate_the_merge() -> N
     equal = merge([*honest, liar], step=0, rules=rules, expected=expected, samples=[8, 8, 8, 8])
     unweighted = merge([*honest, liar], step=0, rules=rules, expected=expected)
     assert unweighted.weights == () and torch.equal(equal.payload.tensors["w"].val, unweighted.payload.tensors["w"].val)
+    twelve = merge([*honest, liar], step=0, rules=rules, expected=expected, samples=[12, 12, 12, 12])
+    assert twelve.data == unweighted.data  # equal samples merge as unweighted, whatever the count: the same bytes
     off = merge([*honest, liar], step=0, rules=MergeRules(topk=64, encoding="fp32", clip=False, max_sample_ratio=0),
                 expected=expected, samples=[8, 8, 8, 10**9])
     assert off.weights == () and torch.equal(off.payload.tensors["w"].val, unweighted.payload.tensors["w"].val)
