@@ -204,11 +204,15 @@ class NetConfig:
     """Reject a payload whose values' L2 norm exceeds this (0: no bound); honest payloads are
     orders of magnitude below."""
     round_s: float = 0.0
-    """Rounds by the clock (docs/coordinator.md#mixed-speed-peers): each peer trains micro-batches until its
+    """The round length (docs/coordinator.md#mixed-speed-peers). Each peer trains micro-batches until its
     cut-off, this long after it starts the round less its own predicted compress, upload and apply time, at
-    least one and at most `max_micro_batches`, then compresses once; a slow peer sends fewer samples in time
-    instead of holding the round. 0: lockstep, every peer trains its fixed micro-batches and rounds wait for
-    the slowest (up to `round_timeout_s`)."""
+    least one and at most `max_micro_batches`, then compresses once: a slow peer sends fewer samples in time
+    instead of holding the round. 0: automatic, from what the members report of their speed: lockstep while
+    they are alike, else long enough for the median member's own round and the slowest one's one
+    micro-batch (coordinator mode; DHT mode: lockstep)."""
+    lockstep: bool = False
+    """Every round waits for every active member's own micro-batches (up to `round_timeout_s`), however the
+    speeds differ: the behaviour without rounds by the clock, for comparison. Excludes `round_s`."""
     max_micro_batches: int = 16
     """With `round_s`: the most micro-batches a peer trains in one round."""
     max_sample_ratio: float = 16.0
@@ -251,7 +255,8 @@ class NetConfig:
         _check(self.aggregate_encoding in ("fp32", "bf16", "fp16"), "aggregate_encoding should be fp32, bf16 or fp16")
         _check(self.max_payload_norm >= 0, "max_payload_norm should be >= 0")
         _check(self.overlap in (0, 1), f"overlap should be 0 or 1, got {self.overlap!r}")
-        _check(self.round_s >= 0, f"round_s should be >= 0 (0: lockstep), got {self.round_s}")
+        _check(self.round_s >= 0, f"round_s should be >= 0 (0: automatic), got {self.round_s}")
+        _check(not (self.lockstep and self.round_s), "lockstep and a fixed round_s exclude each other: set one")
         _check(self.round_s <= self.round_timeout_s,
                f"round_s ({self.round_s}) should be <= round_timeout_s ({self.round_timeout_s})")
         _check(self.max_micro_batches >= 1, f"max_micro_batches should be >= 1, got {self.max_micro_batches}")

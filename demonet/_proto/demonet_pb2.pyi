@@ -254,7 +254,7 @@ class ParametersRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SubmitPart(_message.Message):
-    __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature", "digest_follows", "samples")
+    __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature", "digest_follows", "samples", "need_s", "least_s")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +263,8 @@ class SubmitPart(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NEED_S_FIELD_NUMBER: _ClassVar[int]
+    LEAST_S_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     param_digest: str
@@ -271,7 +273,9 @@ class SubmitPart(_message.Message):
     signature: bytes
     digest_follows: bool
     samples: int
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., digest_follows: bool = ..., samples: _Optional[int] = ...) -> None: ...
+    need_s: float
+    least_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., digest_follows: bool = ..., samples: _Optional[int] = ..., need_s: _Optional[float] = ..., least_s: _Optional[float] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted", "reason", "resync", "refusal", "open_round")
@@ -298,14 +302,16 @@ class AggregateRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., submitting: bool = ...) -> None: ...
 
 class AggregateHeader(_message.Message):
-    __slots__ = ("round", "aborted", "contributors")
+    __slots__ = ("round", "aborted", "contributors", "next_round_s")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_S_FIELD_NUMBER: _ClassVar[int]
     round: int
     aborted: bool
     contributors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., aborted: bool = ..., contributors: _Optional[_Iterable[str]] = ...) -> None: ...
+    next_round_s: float
+    def __init__(self, round: _Optional[int] = ..., aborted: bool = ..., contributors: _Optional[_Iterable[str]] = ..., next_round_s: _Optional[float] = ...) -> None: ...
 
 class AggregateTrailer(_message.Message):
     __slots__ = ("param_digest",)

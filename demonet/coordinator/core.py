@@ -25,6 +25,7 @@ from demonet.transport import JoinInfo
 
 from .inbox import Inbox
 from .metrics import Metrics
+from .pace import RoundPace
 from .persist import HandOff, Persister
 from .rounds import ClosedRound, RoundConfig, Rounds
 from .state import CanonicalState, ClosedAggregate
@@ -72,6 +73,9 @@ class RoundCore:
                                      heartbeat_timeout_s=net.heartbeat_timeout_s, start_peers=net.start_peers,
                                      max_idle_rounds=net.max_idle_rounds)
         self.rounds = Rounds(cfg=self.round_cfg, now=_now())
+        self.pace = RoundPace(fixed_s=net.round_s, lockstep=net.lockstep, max_micro_batches=net.max_micro_batches,
+                              round_timeout_s=net.round_timeout_s)
+        """The length of the next round, announced with each aggregate (lockstep, fixed or automatic)."""
         self.aggregates: OrderedDict[int, ClosedAggregate] = OrderedDict()
         self.inbox = Inbox(lambda: self.rounds, metrics)
         """The open round's payloads, and the refusals and resyncs counted (what adapters refuse goes there)."""
@@ -204,6 +208,7 @@ class RoundCore:
                 self.metrics.refused(s.peer_id, s.round, "resync", reason)
                 raise SubmitRejected(reason, Refusal.RESYNC)
             self.inbox.accept(s)
+            self.pace.report(s.peer_id, s.need_s, s.least_s)
             self._changed()
             return self.rounds.round
 
@@ -305,6 +310,7 @@ class RoundCore:
         members, opened_at = tuple(r.members), r.opened_at  # for the dashboard's record, before they change
         decided = r.close(_now())
         self.inbox.clear()  # with the close, not before the merge: see `Inbox.clear`
+        closed = replace(closed, next_round_s=self._next_round_s(r))
         if self.on_open is not None:
             self.on_open(r.round)
         assert decided.round == outcome.round, "the round changed while it was merged; calls should wait on `cond`"
@@ -329,6 +335,16 @@ class RoundCore:
         extra = {"rounds": r.state_dict(), "counters": self.metrics.counters(),
                  **(self.state_extra() if self.state_extra is not None else {})}
         return self._advance(closed, applied, extra, close_s)
+
+    def _next_round_s(self, r: Rounds) -> float:
+        """At a close: the next round's length (`RoundPace`), and how long that round waits for its members."""
+        was = self.pace.round_s
+        now_s = self.pace.close(r.members)
+        r.limit_s = self.pace.deadline_s(self.cfg.net.round_timeout_s)
+        if self.pace.automatic and (was == 0.0) != (now_s == 0.0):
+            logger.info("[coordinator round=%d] %s", r.round, f"rounds by the clock: {now_s:.2f} s (the members' "
+                        "speeds differ)" if now_s else "lockstep rounds again (the members are alike)")
+        return now_s
 
     async def _advance(self, closed: ClosedAggregate, applied: Payload | None, extra: dict[str, Any],
                        close_s: float) -> None:

@@ -28,6 +28,7 @@ from demonet.transport import (
     Expected,
     JoinInfo,
     NotMember,
+    Pace,
     Resync,
     RoundResult,
     StaleRound,
@@ -146,7 +147,7 @@ class LocalClient:
         return got, tensors, len(blob)
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
-                     samples: int = 1) -> RoundResult:
+                     samples: int = 1, pace: Pace | None = None) -> RoundResult:
         """Submit through the wire format, wait for the round to close, decode the aggregate; the canonical
         digest follows (`RoundResult.digest_later`), as the gRPC coordinator's trailer does. A payload sent
         ahead (its digest to come) is encoded and decoded at once, and counted once its digest is known."""
@@ -159,7 +160,8 @@ class LocalClient:
                                              rules=core.state.rules)
         submission = Submission(peer_id=self.peer_id, round=round, payload=decoded,
                                 payload_digest=hashlib.sha256(data).digest(), param_digest=await param_digest.known(),
-                                loss=loss, size=len(data), samples=samples)
+                                loss=loss, size=len(data), samples=samples,
+                                need_s=pace.need_s if pace else 0.0, least_s=pace.least_s if pace else 0.0)
         try:
             await core.submit(submission)
         except SubmitRejected as e:
@@ -180,7 +182,8 @@ class LocalClient:
             later.add_done_callback(_retrieved)
         return RoundResult(round=round, aggregate=aggregate, contributors=closed.contributors,
                            param_digest=closed.param_digest, aborted=closed.aborted, bytes_up=len(data),
-                           bytes_down=len(closed.data), data=closed.data, digest_later=later)
+                           bytes_down=len(closed.data), data=closed.data, next_round_s=closed.next_round_s,
+                           digest_later=later)
 
     async def _digest(self, round: int) -> str:
         try:

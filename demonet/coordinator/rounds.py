@@ -79,13 +79,16 @@ class Rounds:
     started: bool = False  # the first round has opened
     missed: dict[str, int] = field(default_factory=dict)  # member -> consecutive closed rounds without its payload
     idle: set[str] = field(default_factory=set)  # members the round does not wait for (see the class docstring)
+    limit_s: float = 0.0
+    """How long the open round waits for its members (`deadline`); 0: `round_timeout_s`. Rounds by the
+    automatic clock wait about twice their length (`demonet.coordinator.pace.RoundPace.deadline_s`)."""
 
     def __post_init__(self) -> None:
         self.opened_at = self.now
 
     @property
     def deadline(self) -> float:
-        return self.opened_at + self.cfg.round_timeout_s
+        return self.opened_at + (self.limit_s or self.cfg.round_timeout_s)
 
     def seconds_left(self, now: float) -> float:
         return max(0.0, self.deadline - now)

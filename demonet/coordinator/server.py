@@ -202,7 +202,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except PeerUnavailable as e:
             await self._waited(e, context)
         yield pb.AggregateChunk(header=pb.AggregateHeader(round=closed.round, aborted=closed.aborted,
-                                                          contributors=list(closed.contributors)))
+                                                          contributors=list(closed.contributors),
+                                                          next_round_s=closed.next_round_s))
         self.metrics.add("bytes_down", len(closed.data), peer=request.peer_id)
         if closed.data:
             for part in wire.split(closed.data):

@@ -47,3 +47,8 @@ class Submission:
     """How long its bytes took to arrive (the sender's link speed, for the dashboard)."""
     samples: int = 1
     """How many samples it was computed from: its weight in the merge (capped there)."""
+    need_s: float = 0.0
+    """The seconds the peer needs for a round of its own micro-batches, exchange included (0: not measured;
+    the automatic round length, `demonet.coordinator.pace`)."""
+    least_s: float = 0.0
+    """The same for a round of one micro-batch."""

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from demonet.optim import Payload
-from demonet.transport import Digest, NotMember, Resync, RoundResult
+from demonet.transport import Digest, NotMember, Pace, Resync, RoundResult
 from demonet.wire.identity import Identity
 
 from . import rules
@@ -187,7 +187,7 @@ class DhtGatherer:
         return encode
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
-                     samples: int = 1) -> RoundResult:
+                     samples: int = 1, pace: Pace | None = None) -> RoundResult:
         """Announce, freeze the membership, reduce-scatter the payload's slices, all-gather the merged slices.
 
         See `demonet.transport.Gatherer.gather`. `RoundResult.param_digest` is empty: in DHT mode the

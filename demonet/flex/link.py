@@ -21,7 +21,7 @@ import torch.distributed as dist
 from demonet import errors, transport, wire
 from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload
-from demonet.transport import Digest, Expected, JoinInfo, Parameters, RoundResult
+from demonet.transport import Digest, Expected, JoinInfo, Pace, Parameters, RoundResult
 from demonet.transport.coordinated import CoordinatorMembership
 
 from .shard import join_shards
@@ -131,7 +131,7 @@ class NodeLink:
     # -- Gatherer ------------------------------------------------------------------------------------
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
-                     samples: int = 1) -> RoundResult:
+                     samples: int = 1, pace: Pace | None = None) -> RoundResult:
         """Submit the node's payload (its ranks' shards joined on rank 0) and wait for the round's outcome.
 
         Every rank gets the outcome: the aggregate as rank 0 received and validated it, decoded from

@@ -28,6 +28,7 @@ from demonet.transport import (
     Gatherer,
     JoinInfo,
     Membership,
+    Pace,
     Parameters,
     Resync,
     RoundResult,
@@ -75,11 +76,17 @@ class RoundLoop:
     overlap: int = 0
     lookahead: bool = True
     round_s: float = 0.0
-    """Rounds by the clock (`[net] round_s`): each round trains micro-batches until `cutoff`; 0: the replica's
-    fixed micro-batches (lockstep)."""
+    """Rounds by the clock: each round trains micro-batches until `cutoff`; 0: the replica's fixed
+    micro-batches (lockstep). `[net] round_s` at the start; then what the coordinator announces with each
+    aggregate (`RoundResult.next_round_s`: the fixed length, the automatic one, or 0)."""
     exchange_s: float = 0.0
     """This peer's predicted exchange of a round: its compress, its upload and its settle (an average of the
     recent rounds), which the cut-off leaves room for."""
+    micro_batch_s: float = 0.0
+    """This peer's recent micro-batches' mean time (0: none measured yet)."""
+    own_micro_batches: int = 1
+    """The micro-batches of this peer's own lockstep round (`--accumulate`), as its last lockstep round trained."""
+    _warned_slow: bool = field(default=False, init=False)
     round: int = 0
     digest: str = ""
     resyncs: int = 0
@@ -166,6 +173,31 @@ class RoundLoop:
             return None
         return time.perf_counter() + self.round_s - self.exchange_s
 
+    def pace(self) -> Pace | None:
+        """This peer's speed for the coordinator's automatic round length: its own round and a round of one
+        micro-batch, exchange included (None before its first round is measured)."""
+        if not self.micro_batch_s:
+            return None
+        return Pace(need_s=self.own_micro_batches * self.micro_batch_s + self.exchange_s,
+                    least_s=self.micro_batch_s + self.exchange_s)
+
+    def _paced(self, flight: InFlight, exchange_s: float, next_round_s: float | None) -> None:
+        """After a round: this peer's micro-batch and exchange times, and the next round's length."""
+        if flight.micro_batches and flight.train_s:
+            took = flight.train_s / flight.micro_batches
+            self.micro_batch_s = took if not self.micro_batch_s else 0.7 * self.micro_batch_s + 0.3 * took
+        if not self.round_s:
+            self.own_micro_batches = flight.micro_batches
+        self.exchange_s = exchange_s if not self.exchange_s else 0.7 * self.exchange_s + 0.3 * exchange_s
+        if next_round_s is not None:
+            self.round_s = next_round_s
+        least_s = self.micro_batch_s + self.exchange_s
+        if self.round_s and least_s > self.round_s and not self._warned_slow:
+            self._warned_slow = True
+            self.log.warning("one micro-batch and the exchange take this peer %.2f s, over the round's %.2f s: it "
+                             "trains one micro-batch a round and is late to rounds that do not wait for it "
+                             "(docs/coordinator.md#mixed-speed-peers)", least_s, self.round_s)
+
     def go(self, next_round: int) -> bool:
         """Whether to train `next_round`: no stop asked, and the run has it."""
         return not self.stop.is_set() and (not self.total_rounds or next_round < self.total_rounds)
@@ -230,7 +262,7 @@ class RoundLoop:
         follow (`InFlight.digest`; the gatherer must have `digest_follows`)."""
         sent, ready = staged
         round, digest = self.round + ahead, Digest.to_follow() if ahead else None
-        gather = asyncio.create_task(self._gather(round, sent, ready, loss=loss, samples=samples,
+        gather = asyncio.create_task(self._gather(round, sent, ready, loss=loss, samples=samples, pace=self.pace(),
                                                   param_digest=Digest(self.digest) if digest is None else digest))
         return InFlight(round, payload, loss, gather, started, compute_s, digest, samples=samples)
 
@@ -246,10 +278,11 @@ class RoundLoop:
             flight.digest.cancel()
 
     async def _gather(self, round: int, payload: Payload, ready: torch.cuda.Event | None, *, loss: float,
-                      param_digest: Digest, samples: int) -> RoundResult:
+                      param_digest: Digest, samples: int, pace: Pace | None) -> RoundResult:
         if ready is not None:  # the host copy is made on a side stream: wait for it, not for the training
             await asyncio.to_thread(ready.synchronize)
-        return await self.gatherer.gather(round, payload, loss=loss, param_digest=param_digest, samples=samples)
+        return await self.gatherer.gather(round, payload, loss=loss, param_digest=param_digest, samples=samples,
+                                          pace=pace)
 
     def _settle(self, payload: Payload, result: RoundResult) -> str:
         """Restore and apply by the outcome, then the new digest (one trip to a worker thread)."""
@@ -305,11 +338,10 @@ class RoundLoop:
         t1 = time.perf_counter()
         self.digest = await asyncio.to_thread(self._settle, flight.payload, result)
         settled = time.perf_counter()
-        if self.round_s:  # what this round's exchange cost this peer: the next cut-off leaves room for it
-            cost_s = flight.compute_s - flight.train_s + settled - t1
-            if not self.overlap:  # an overlapped round's upload runs beside the next round's training
-                cost_s += result.phases.get("encode", 0.0) + result.phases.get("submit", 0.0)
-            self.exchange_s = cost_s if not self.exchange_s else 0.7 * self.exchange_s + 0.3 * cost_s
+        cost_s = flight.compute_s - flight.train_s + settled - t1  # this round's exchange: the cut-off leaves room
+        if not self.overlap:  # an overlapped round's upload runs beside the next round's training
+            cost_s += result.phases.get("encode", 0.0) + result.phases.get("submit", 0.0)
+        self._paced(flight, cost_s, result.next_round_s)
         row = MetricsRow(
             round=self.round, peer=self.peer_id, loss=flight.loss, bytes_up=result.bytes_up,
             bytes_down=result.bytes_down, param_digest=self.digest, round_time_s=settled - flight.started,

@@ -21,9 +21,9 @@ import torch
 from demonet.errors import DemonetError, NotMember, PeerUnavailable, Rejected, Resync, StaleRound
 from demonet.optim import Expected, Payload
 
-__all__ = ["Digest", "EncodesAhead", "Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Parameters",
-           "Rejected", "Resync", "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s", "keep_alive",
-           "refusal_error"]
+__all__ = ["Digest", "EncodesAhead", "Expected", "Gatherer", "JoinInfo", "Membership", "NotMember", "Pace",
+           "Parameters", "Rejected", "Resync", "RoundResult", "StaleRound", "catch_up", "catch_up_timeout_s",
+           "keep_alive", "refusal_error"]
 
 class Digest:
     """A peer's parameter digest at the start of a round: known when the payload leaves, or to follow it (an
@@ -115,6 +115,17 @@ class JoinInfo:
 
 
 @dataclass(frozen=True)
+class Pace:
+    """What a peer tells the coordinator of its speed with a payload, from which the coordinator sets the
+    automatic round length (`demonet.coordinator.pace`); zeros: not measured yet."""
+
+    need_s: float = 0.0
+    """Seconds for a round of this peer's own micro-batches: training, compress, upload and apply."""
+    least_s: float = 0.0
+    """The same for a round of one micro-batch."""
+
+
+@dataclass(frozen=True)
 class Parameters:
     """Downloaded parameters at the start of a round."""
 
@@ -150,6 +161,9 @@ class RoundResult:
     phases: Mapping[str, float] = field(default_factory=dict)
     """Where the round's time went in the transport (name -> seconds, or a count), for the metrics rows;
     empty: not measured (DHT mode: docs/dht.md#where-the-time-goes)."""
+    next_round_s: float | None = None
+    """The next round's length, as the coordinator announced it with the aggregate (0: lockstep, each peer
+    trains its own micro-batches); None: the transport does not say (the peer's own `[net] round_s` holds)."""
     digest_later: asyncio.Task[str] | None = field(default=None, repr=False, compare=False)
     """The canonical digest when it comes after the aggregate (coordinator mode: the GetAggregate stream's
     trailer, sent once the coordinator applied the round); `param_digest` is "" then. Settle first, then
@@ -174,7 +188,7 @@ class Gatherer(Protocol):
     calls `gather` only once the digest is known."""
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
-                     samples: int = 1) -> RoundResult:
+                     samples: int = 1, pace: Pace | None = None) -> RoundResult:
         """Send `payload` for `round` and wait for the round to close.
 
         Args:
@@ -186,6 +200,7 @@ class Gatherer(Protocol):
                 before: the call is then cancelled too).
             samples: how many samples the payload was computed from: its weight in the merge (DHT mode
                 does not weight yet: every payload weighs the same there).
+            pace: this peer's speed, for the automatic round length (the coordinator's; None: not measured).
 
         Raises:
             Rejected: the payload was not taken (see its subclasses for what to do).

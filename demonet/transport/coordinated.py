@@ -16,7 +16,7 @@ import torch
 from demonet.errors import DemonetError
 from demonet.optim import Payload
 
-from . import Digest, Expected, JoinInfo, Parameters, RoundResult, catch_up, catch_up_timeout_s
+from . import Digest, Expected, JoinInfo, Pace, Parameters, RoundResult, catch_up, catch_up_timeout_s
 
 __all__ = ["CoordinatorClient", "CoordinatorMembership"]
 
@@ -36,7 +36,7 @@ class CoordinatorClient(Protocol):
     digest_follows: bool
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
-                     samples: int = 1) -> RoundResult: ...
+                     samples: int = 1, pace: Pace | None = None) -> RoundResult: ...
     async def close(self) -> None: ...
 
 

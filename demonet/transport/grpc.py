@@ -33,7 +33,7 @@ from demonet.wire.signed import (
     submit_parts,
 )
 
-from . import Digest, JoinInfo, NotMember, Rejected, RoundResult, StaleRound, grpc_retry, refusal_error
+from . import Digest, JoinInfo, NotMember, Pace, Rejected, RoundResult, StaleRound, grpc_retry, refusal_error
 from .grpc_replies import (
     CoordinatorStatus,
     StreamedAggregate,
@@ -267,7 +267,7 @@ class GrpcClient:
         return got, tensors, len(data)
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
-                     samples: int = 1) -> RoundResult:
+                     samples: int = 1, pace: Pace | None = None) -> RoundResult:
         """Submit this peer's payload for `round`, then wait for the round's aggregate.
 
         See `demonet.transport.Gatherer.gather`. The aggregate is validated against the payload's
@@ -297,7 +297,8 @@ class GrpcClient:
         try:
             if not beside and round - 1 in self._submitted:
                 await self._submitted[round - 1].wait()
-            param_digest = await self._submit(round, data, loss=loss, param_digest=param_digest, samples=samples)
+            param_digest = await self._submit(round, data, loss=loss, param_digest=param_digest, samples=samples,
+                                              pace=pace)
         except BaseException:
             if early is not None:
                 drop_early(early)
@@ -317,7 +318,7 @@ class GrpcClient:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt < _RESUBMITS:
                     # A restarted coordinator lost this payload: send it again rather than lose the round.
                     logger.info("[%s] GetAggregate(%d): %s; submitting again", self.peer_id, round, e.details())
-                    await self._submit(round, data, loss=loss, param_digest=param_digest, samples=samples)
+                    await self._submit(round, data, loss=loss, param_digest=param_digest, samples=samples, pace=pace)
                     continue
                 if e.code() not in _LOST_CODES:
                     raise
@@ -331,7 +332,8 @@ class GrpcClient:
                   "download": got.parts_at - got.header_at, "decode": got.decoded_at - got.parts_at}
         return RoundResult(round=round, aggregate=got.aggregate, contributors=tuple(got.header.contributors),
                            param_digest="", aborted=bool(got.header.aborted), bytes_up=len(data),
-                           bytes_down=len(got.data), data=got.data, phases=phases, digest_later=got.trailer)
+                           bytes_down=len(got.data), data=got.data, phases=phases,
+                           next_round_s=float(got.header.next_round_s), digest_later=got.trailer)
 
     async def _lost(self, round: int, reason: str) -> Rejected:
         """What a lost round (its aggregate is gone) means for this peer, asked with a heartbeat."""
@@ -341,7 +343,7 @@ class GrpcClient:
         return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
 
     async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: Digest,
-                      samples: int = 1) -> Digest:
+                      samples: int = 1, pace: Pace | None = None) -> Digest:
         """One payload's Submit, tried again while BUSY; returns the digest it went with.
 
         Raises:
@@ -350,7 +352,8 @@ class GrpcClient:
         timeout_s, digest = self.submit_timeout_s, param_digest
         parts = submit_parts(self.identity, self._session, self.peer_id, round, data,
                              param_digest="" if digest.follows else digest.value, loss=loss,
-                             digest_follows=digest.follows, samples=samples)
+                             digest_follows=digest.follows, samples=samples,
+                             need_s=pace.need_s if pace else 0.0, least_s=pace.least_s if pace else 0.0)
 
         replied = asyncio.Event()  # a reply (a refusal) before the digest: the stream has nothing more to send
 

@@ -196,5 +196,6 @@ def parameters_statement(session: bytes, peer_id: str, round: int, resync: bool)
 
 
 def submit_statement(session: bytes, peer_id: str, round: int, payload_digest: bytes, param_digest: str,
-                     loss: float, samples: int = 1) -> bytes:
-    return statement("submit", session, peer_id, round, payload_digest, param_digest, float(loss), int(samples))
+                     loss: float, samples: int = 1, need_s: float = 0.0, least_s: float = 0.0) -> bytes:
+    return statement("submit", session, peer_id, round, payload_digest, param_digest, float(loss), int(samples),
+                     float(need_s), float(least_s))

@@ -32,12 +32,12 @@ ROUNDS = 6
 FAULTY = "p1"
 
 
-def _cfg() -> Config:
+def _cfg(**net: Any) -> Config:
     return load_config(None, {}, {
         "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16},
         "train": {"seq_len": 16, "batch_size": 2},
         "optim": {"compression_topk": 4, "compression_chunk": 8},
-        "net": {"start_peers": 2, "round_timeout_s": 20.0, "heartbeat_timeout_s": 60.0}})
+        "net": {"start_peers": 2, "round_timeout_s": 20.0, "heartbeat_timeout_s": 60.0, **net}})
 
 
 @pytest.fixture(params=[0, 1], ids=["plain", "overlap"])
@@ -49,10 +49,12 @@ class _Run:
     """Two peers and their coordinator; `restored[peer]` lists the rounds whose whole payload went back."""
 
     def __init__(self, tmp_path: Path, faults: dict[tuple[str, int], str], *, overlap: int,
-                 stop_at: int | None = None, hold: int | None = None, wrap: Any = None, round_s: float = 0.0) -> None:
+                 stop_at: int | None = None, hold: int | None = None, wrap: Any = None, round_s: float = 0.0,
+                 lockstep: bool = False) -> None:
         self.tmp_path, self.stop_at, self.overlap, self.hold, self.wrap = tmp_path, stop_at, overlap, hold, wrap
         self.round_s = round_s
-        self.hub = LocalCoordinator(_cfg(), total_rounds=ROUNDS, faults=faults, on_close=self._closed)
+        self.hub = LocalCoordinator(_cfg(round_s=round_s, lockstep=lockstep), total_rounds=ROUNDS, faults=faults,
+                                    on_close=self._closed)
         self.loops: dict[str, RoundLoop] = {}
         self.trainers: dict[str, Trainer] = {}
         self.restored: dict[str, list[int]] = {}
@@ -405,3 +407,35 @@ async def test_rounds_by_the_clock_size_each_peers_work_and_weight_its_payload(t
     assert all(r["samples"] == 2 * r["micro_batches"] >= 2 for r in fast + slow_rows)  # batch_size 2
     micro = {p: sorted(r["micro_batches"] for r in rows) for p, rows in (("p0", fast), (FAULTY, slow_rows))}
     assert micro[FAULTY][len(micro[FAULTY]) // 2] < micro["p0"][len(micro["p0"]) // 2], micro
+
+
+@pytest.mark.parametrize("lockstep", [False, True], ids=["automatic", "lockstep"])
+async def test_the_automatic_round_length_turns_to_the_clock_for_a_slow_peer(tmp_path: Path, lockstep: bool) -> None:
+    """No `round_s` set: the faulty peer's micro-batches take 0.4 s, p0's a few ms. After the first round, which
+    measures them, the coordinator announces rounds by the clock: p0 trains more micro-batches while the slow one
+    trains its one, both in every round. With `lockstep` set, every round is one micro-batch each."""
+    import time
+
+    def slow(client: Any) -> None:
+        trainer = run.trainers[FAULTY]
+        loss = trainer.loss
+
+        def sleeping(model: Any, batch: Any) -> Any:
+            time.sleep(0.4)
+            return loss(model, batch)
+
+        trainer.loss = sleeping
+
+    run = _Run(tmp_path, {}, overlap=0, wrap=slow, lockstep=lockstep)
+    await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    fast, slow_rows = run.rows("p0"), run.rows(FAULTY)
+    assert all(r["contributors"] == 2 for r in fast + slow_rows)
+    assert [r["micro_batches"] for r in slow_rows] == [1] * ROUNDS
+    if lockstep:
+        assert [r["micro_batches"] for r in fast] == [1] * ROUNDS
+        assert run.hub.core.pace.round_s == 0.0
+    else:
+        assert fast[0]["micro_batches"] == 1  # the first round measures
+        assert max(r["micro_batches"] for r in fast[2:]) > 1, [r["micro_batches"] for r in fast]
+        assert run.hub.core.pace.round_s > 0.4

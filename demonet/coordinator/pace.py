@@ -1,0 +1,102 @@
+"""The round length: lockstep, a fixed `[net] round_s`, or the automatic length from what the peers report.
+
+Pure logic: no clock, no asyncio. The coordinator feeds it each accepted payload's report (`need_s`: the
+seconds the peer needs for a round of its own micro-batches, compress, upload and apply included; `least_s`:
+the same for one micro-batch) and reads the next round's length at each close (docs/coordinator.md#mixed-speed-peers).
+
+The automatic policy, per close, over the latest report of every member:
+- While the members are alike (the slowest `need_s` within `ALIKE` times the median, or within `MIN_GAP_S` of
+  it), rounds stay lockstep (length 0): every peer trains its own micro-batches, as a run of equal peers always
+  did, bit for bit; a round of milliseconds is not turned over by a scheduling hiccup.
+- Otherwise rounds go by the clock: long enough for the median member's own round and for the slowest
+  member's one micro-batch, so every member is in every round and the faster ones train more micro-batches
+  meanwhile. A member whose one micro-batch needs more than `max_micro_batches` median rounds (or half the
+  round timeout) is not waited for: the round is not stretched to it.
+- Back to lockstep once the slowest is within `ALIKE_OFF` times the median again (hysteresis: no flapping).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["ALIKE", "ALIKE_OFF", "MIN_GAP_S", "RoundPace"]
+
+ALIKE = 1.5
+"""Rounds go by the clock once the slowest member's round is over this many times the median member's."""
+ALIKE_OFF = 1.25
+"""...and back to lockstep once it is under this many times again."""
+MIN_GAP_S = 0.25
+"""...and over it by more than this many seconds."""
+SMOOTHING = 0.5
+"""Each close moves the automatic length this far toward the newly computed one."""
+
+
+@dataclass
+class RoundPace:
+    """The length of the next round a coordinator announces with each aggregate (`next_round_s`).
+
+    Args:
+        fixed_s: `[net] round_s`: > 0, every round is this long; 0: automatic (or lockstep).
+        lockstep: `[net] lockstep`: every round waits for every active member's own micro-batches (length 0).
+        max_micro_batches: `[net] max_micro_batches`: the most a peer trains in one round.
+        round_timeout_s: `[net] round_timeout_s`: the automatic length stays under half of it.
+    """
+
+    fixed_s: float = 0.0
+    lockstep: bool = False
+    max_micro_batches: int = 16
+    round_timeout_s: float = 30.0
+    round_s: float = 0.0
+    """The next round's length (0: lockstep)."""
+    reports: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Each member's latest (need_s, least_s)."""
+
+    def __post_init__(self) -> None:
+        if self.fixed_s and self.lockstep:
+            raise ValueError("a fixed round_s and lockstep exclude each other")
+        if self.fixed_s:
+            self.round_s = self.fixed_s
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the length follows the reports (neither fixed nor lockstep)."""
+        return not self.fixed_s and not self.lockstep
+
+    def report(self, peer_id: str, need_s: float, least_s: float) -> None:
+        """A member's report, from its accepted payload; zeros (not measured yet) are ignored."""
+        if need_s > 0 and least_s > 0:
+            self.reports[peer_id] = (need_s, least_s)
+
+    def close(self, members: Iterable[str]) -> float:
+        """At a round's close: the next round's length, from the latest reports of the current `members`."""
+        if not self.automatic:
+            return self.round_s
+        members = set(members)
+        self.reports = {p: r for p, r in self.reports.items() if p in members}
+        if not self.reports:
+            return self.round_s
+        target = self._target(list(self.reports.values()))
+        if target == 0.0 or self.round_s == 0.0:
+            self.round_s = target
+        else:
+            self.round_s += SMOOTHING * (target - self.round_s)
+        return self.round_s
+
+    def _target(self, reports: list[tuple[float, float]]) -> float:
+        needs = [need for need, _ in reports]
+        median = statistics.median_low(needs)  # of two members: the faster one
+        slowest = max(needs)
+        if slowest < (ALIKE_OFF if self.round_s else ALIKE) * median or slowest - median < MIN_GAP_S:
+            return 0.0
+        cap = min(self.round_timeout_s / 2, self.max_micro_batches * median)
+        covered = [least for _, least in reports if least <= cap]
+        return min(cap, max([median, *covered]))
+
+    def deadline_s(self, round_timeout_s: float) -> float:
+        """How long after it opens an automatic clock round stops waiting for members: twice its length and a
+        second, within the round timeout (lockstep and fixed rounds: the round timeout)."""
+        if not self.automatic or not self.round_s:
+            return round_timeout_s
+        return min(round_timeout_s, 2 * self.round_s + 1.0)

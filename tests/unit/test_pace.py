@@ -1,0 +1,85 @@
+"""The round length a coordinator announces (`demonet.coordinator.pace.RoundPace`): pure logic."""
+
+from __future__ import annotations
+
+import pytest
+
+from demonet.coordinator.pace import MIN_GAP_S, RoundPace
+from demonet.coordinator.rounds import RoundConfig, Rounds
+
+
+def _pace(**kw: float) -> RoundPace:
+    return RoundPace(max_micro_batches=16, round_timeout_s=30.0, **kw)  # type: ignore[arg-type]
+
+
+def test_alike_members_stay_lockstep() -> None:
+    pace = _pace()
+    for peer, need in (("a", 1.0), ("b", 1.1), ("c", 1.2), ("d", 1.4)):
+        pace.report(peer, need, need)
+    assert pace.close("abcd") == 0.0
+    assert pace.deadline_s(30.0) == 30.0  # lockstep rounds wait up to the round timeout
+
+
+def test_a_hiccup_of_milliseconds_does_not_turn_rounds_over() -> None:
+    pace = _pace()
+    for peer, need in (("a", 0.01), ("b", 0.01), ("c", 0.05)):  # 5x the median, but 40 ms
+        pace.report(peer, need, need)
+    assert pace.close("abc") == 0.0
+    assert 0.05 - 0.01 < MIN_GAP_S
+
+
+def test_a_slow_member_turns_rounds_to_the_clock_long_enough_for_its_one_micro_batch() -> None:
+    """Three peers of 0.25 s a micro-batch and one of 1.0 s (each exchange 0.1 s, one micro-batch each): the round
+    is the slow one's one micro-batch and exchange, so it is in every round and the others train four."""
+    pace = _pace()
+    for peer in "abc":
+        pace.report(peer, 0.35, 0.35)
+    pace.report("slow", 1.1, 1.1)
+    assert pace.close(["a", "b", "c", "slow"]) == pytest.approx(1.1)
+    assert pace.deadline_s(30.0) == pytest.approx(3.2)  # twice the length and a second
+    # The next close moves halfway toward a new target (the slow one got slower), never jumps.
+    pace.report("slow", 2.1, 2.1)
+    assert pace.close(["a", "b", "c", "slow"]) == pytest.approx(1.6)
+
+
+def test_a_member_too_slow_for_any_round_is_not_waited_for() -> None:
+    """One micro-batch of 100 s, over 16 median rounds of 0.35 s (5.6 s): the round is not stretched toward it."""
+    pace = _pace()
+    for peer in "abc":
+        pace.report(peer, 0.35, 0.35)
+    pace.report("glacial", 100.0, 100.0)
+    assert pace.close(["a", "b", "c", "glacial"]) == pytest.approx(0.35)
+
+
+def test_rounds_go_back_to_lockstep_once_the_slow_member_leaves() -> None:
+    pace = _pace()
+    for peer in "abc":
+        pace.report(peer, 0.35, 0.35)
+    pace.report("slow", 1.1, 1.1)
+    assert pace.close(["a", "b", "c", "slow"]) > 0
+    assert pace.close(["a", "b", "c"]) == 0.0  # its report goes with its membership
+
+
+def test_fixed_and_lockstep_ignore_the_reports() -> None:
+    fixed, lockstep = _pace(fixed_s=2.0), RoundPace(lockstep=True)
+    for pace in (fixed, lockstep):
+        pace.report("a", 0.1, 0.1)
+        pace.report("slow", 5.0, 5.0)
+    assert fixed.close(["a", "slow"]) == 2.0 and fixed.deadline_s(30.0) == 30.0
+    assert lockstep.close(["a", "slow"]) == 0.0
+    with pytest.raises(ValueError, match="exclude"):
+        RoundPace(fixed_s=1.0, lockstep=True)
+
+
+def test_unmeasured_reports_are_ignored() -> None:
+    pace = _pace()
+    pace.report("a", 0.0, 0.0)
+    assert pace.close(["a"]) == 0.0 and not pace.reports
+
+
+def test_the_round_waits_for_its_members_as_long_as_its_limit() -> None:
+    rounds = Rounds(cfg=RoundConfig(round_timeout_s=30.0), now=0.0)
+    rounds.join("a", 0.0)
+    assert rounds.deadline == 30.0
+    rounds.limit_s = 3.2
+    assert rounds.deadline == pytest.approx(3.2)
