@@ -1,20 +1,22 @@
 """Benchmark: a swarm whose peers differ in speed, coordinator mode on loopback (docs/coordinator.md#mixed-speed-peers).
 
 Four peers train the example CNN (`examples/custom_task.py`); each micro-batch's loss sleeps a peer's time, as
-a slower or faster accelerator would (--sleeps-s, default 0.25,0.25,0.25,1.0: one peer 4x slower). Three systems
+a slower or faster accelerator would (--sleeps-s, default 0.25,0.25,0.25,1.0: one peer 4x slower). Four systems
 run one after the other, each a real coordinator and peer processes:
 
-- `lockstep`: `[net] round_s = 0`, every peer trains one micro-batch a round; rounds wait for the slowest;
-- `adaptive`: `[net] round_s = --round-s`, every peer trains as many micro-batches as fit before its cut-off,
-  the merge weights each payload by its samples;
-- `fast-only`: the three fast peers alone, adaptive.
+- `lockstep`: `[net] lockstep = true`, every peer trains one micro-batch a round; rounds wait for the slowest;
+- `automatic`: nothing set (the default): the coordinator sets the round length from the peers' reports, every
+  peer trains as many micro-batches as fit before its cut-off, the merge weights each payload by its samples;
+- `fixed`: `[net] round_s = --round-s`, otherwise as `automatic`;
+- `fast-only`: the three fast peers alone, nothing set (alike: lockstep).
 
 It prints, for each, the rounds per second, the samples computed and applied per second (the samples of the
 payloads in the rounds' aggregates over the wall-clock time of those rounds), each peer's median micro-batches a
 round, and the final loss; then the ratios the goals are stated in:
-- adaptive samples/s against the ideal: the fast peers' rate plus the slow one's own, one micro-batch per its
-  sleep each (goal >= 0.95x); lockstep against the three fast alone (what adding the slow peer costs today);
-- adaptive samples/s against the three fast alone.
+- automatic (and fixed) samples/s against the ideal: the fast peers' rate plus the slow one's own, one
+  micro-batch per its sleep each (goal >= 0.95x); lockstep against the three fast alone (what adding the slow
+  peer costs in lockstep);
+- automatic samples/s against the three fast alone.
 Rounds before --skip are left out (first-call costs). Run from the repo root: `python bench/mixed_speed.py`.
 `--smoke`: short sleeps and 4 rounds, a check that the script runs.
 """
@@ -54,12 +56,15 @@ def task(**table: Any) -> Any:
     return demonet.Task(model=t.model, batches=t.batches, loss=loss)
 
 
-def _config(round_s: float, max_micro: int) -> str:
+def _config(round_s: float | None, max_micro: int) -> str:
+    """The run's config: `round_s` None is lockstep, 0 the automatic length."""
+    pace = "lockstep = true" if round_s is None else f"round_s = {round_s}"
     return "\n".join(["[optim]", "lr = 0.03", "[task]", "batch_size = 16", "[net]", "round_timeout_s = 60.0",
-                      f"round_s = {round_s}", f"max_micro_batches = {max_micro}", "heartbeat_timeout_s = 60.0"]) + "\n"
+                      pace, f"max_micro_batches = {max_micro}", "heartbeat_timeout_s = 60.0"]) + "\n"
 
 
-def run(sleeps: list[float], round_s: float, steps: int, max_micro: int, tmp: Path) -> dict[str, list[dict[str, Any]]]:
+def run(sleeps: list[float], round_s: float | None, steps: int, max_micro: int, tmp: Path
+        ) -> dict[str, list[dict[str, Any]]]:
     """One swarm: a coordinator and a peer per sleep; returns each peer's metrics rows."""
     (tmp / "run.toml").write_text(_config(round_s, max_micro))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'bench'}", "DEMONET_TOKEN": TOKEN,
@@ -120,7 +125,7 @@ def summarize(rows: dict[str, list[dict[str, Any]]], skip: int) -> dict[str, Any
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sleeps-s", default="0.25,0.25,0.25,1.0", help="seconds each peer's micro-batch sleeps")
-    parser.add_argument("--round-s", type=float, default=2.0, help="the adaptive system's [net] round_s")
+    parser.add_argument("--round-s", type=float, default=2.2, help="the fixed system's [net] round_s")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip", type=int, default=2, help="rounds left out at the start")
     parser.add_argument("--max-micro-batches", type=int, default=16)
@@ -132,7 +137,9 @@ def main() -> int:
     slow = max(sleeps)
     fast = [s for s in sleeps if s < slow] or sleeps[:-1]
     batch = 16
-    systems = {"lockstep": (sleeps, 0.0), "adaptive": (sleeps, args.round_s), "fast-only": (fast, args.round_s)}
+    systems: dict[str, tuple[list[float], float | None]] = {
+        "lockstep": (sleeps, None), "automatic": (sleeps, 0.0), "fixed": (sleeps, args.round_s),
+        "fast-only": (fast, 0.0)}
     results = {}
     for name, (peer_sleeps, round_s) in systems.items():
         with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +149,7 @@ def main() -> int:
             results[name]["wall_s"] = time.perf_counter() - t0
     ideal = batch * sum(1.0 / s for s in sleeps)  # every peer busy, one micro-batch per its sleep, no exchange
     fast_alone = results["fast-only"]["samples_per_s"]
-    print(f"mixed-speed swarm: sleeps {sleeps} s a micro-batch of {batch}; adaptive round_s = {args.round_s} s; "
+    print(f"mixed-speed swarm: sleeps {sleeps} s a micro-batch of {batch}; fixed round_s = {args.round_s} s; "
           f"rounds {args.skip}-{args.steps - 1}")
     print(f"{'system':10} {'rounds/s':>9} {'samples/s':>10} {'loss':>7} {'incomplete':>10} {'digests':>8}  "
           f"micro-batches a round (median, per peer)")
@@ -150,13 +157,13 @@ def main() -> int:
         print(f"{name:10} {r['rounds_per_s']:9.2f} {r['samples_per_s']:10.1f} {r['loss']:7.3f} "
               f"{r['incomplete_rounds']:10d} {'agree' if r['digests_agree'] else 'DIFFER':>8}  "
               f"{' '.join(f'{m:g}' for m in r['micro'].values())}")
-    adaptive = results["adaptive"]["samples_per_s"]
     print(f"lockstep / fast-only samples/s: {results['lockstep']['samples_per_s'] / fast_alone:.2f}x "
           "(what adding the slow peer costs in lockstep)")
-    print(f"adaptive / fast-only samples/s: {adaptive / fast_alone:.2f}x")
-    met = adaptive / ideal >= GOAL_IDEAL
-    print(f"adaptive / ideal ({ideal:.1f} samples/s: every peer busy, no exchange): {adaptive / ideal:.2f}x "
-          f"(goal >= {GOAL_IDEAL}: {'met' if met else 'not met'})")
+    for name in ("automatic", "fixed"):
+        rate = results[name]["samples_per_s"]
+        met = rate / ideal >= GOAL_IDEAL
+        print(f"{name} / fast-only samples/s: {rate / fast_alone:.2f}x; {name} / ideal ({ideal:.1f} samples/s: every "
+              f"peer busy, no exchange): {rate / ideal:.2f}x (goal >= {GOAL_IDEAL}: {'met' if met else 'not met'})")
     return 0 if all(r["digests_agree"] for r in results.values()) else 1
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -35,8 +36,11 @@ PEERS = {"fast-0": 0.0, "fast-1": 0.0, "slow": 0.3}
 """peer id -> the seconds its task sleeps per micro-batch."""
 
 
-def test_a_slow_peer_trains_fewer_micro_batches_and_is_in_every_round(tmp_path: Path) -> None:
-    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=20.0, round_s=1.0, max_micro_batches=6))
+@pytest.mark.parametrize("round_s", [1.0, 0.0], ids=["fixed", "automatic"])
+def test_a_slow_peer_trains_fewer_micro_batches_and_is_in_every_round(tmp_path: Path, round_s: float) -> None:
+    """`round_s` 1.0 s, or nothing set: the coordinator measures the first round, finds the slow peer's round
+    over the others', and announces rounds by the clock long enough for its one micro-batch."""
+    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=20.0, round_s=round_s, max_micro_batches=6))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DEMONET_TOKEN": TOKEN}
     out, procs, logs = tmp_path / "out", {}, {}
     try:
@@ -80,18 +84,21 @@ async def test_a_claim_of_a_billion_samples_is_capped_and_one_of_zero_is_refused
     async with coordinator_in_process(tmp_path, token=TOKEN, steps=4) as (address, _):
         a, b = await _a_and_b(address)  # a trained round 0 alone; both are members of 1
 
-        def parts(peer: Peer, samples: int) -> list[pb.SubmitPart]:
+        def parts(peer: Peer, samples: int, need_s: float = 0.0) -> list[pb.SubmitPart]:
             x, y = next(peer.batches)
             peer.model(x, y)[1].backward()
             payload = peer.opt.compress()
             return submit_parts(peer.identity, peer.session, peer.peer_id, 1, wire.encode(payload, step=1),
-                                param_digest=peer.digest(), loss=1.0, samples=samples)
+                                param_digest=peer.digest(), loss=1.0, samples=samples, need_s=need_s)
 
         before = await a.status()
         zero = await a.stub.Submit(iter(parts(a, 0)), metadata=a.md, timeout=30)
         assert not zero.accepted and zero.refusal == pb.REFUSAL_INVALID and "samples should be" in zero.reason
+        for need_s in (-1.0, math.nan, math.inf):  # a round time no peer can have: refused the same way
+            odd = await a.stub.Submit(iter(parts(a, 2, need_s)), metadata=a.md, timeout=30)
+            assert not odd.accepted and odd.refusal == pb.REFUSAL_INVALID and "need_s" in odd.reason
         after = await a.status()
-        assert (after.submitted, after.round, after.rejected) == (before.submitted, before.round, before.rejected + 1)
+        assert (after.submitted, after.round, after.rejected) == (before.submitted, before.round, before.rejected + 4)
         with pytest.raises(grpc.aio.AioRpcError) as bad_signature:  # samples are signed: another count is a lie
             lied = parts(a, 2)
             lied[0].samples = 10**9

@@ -413,7 +413,8 @@ async def test_rounds_by_the_clock_size_each_peers_work_and_weight_its_payload(t
 async def test_the_automatic_round_length_turns_to_the_clock_for_a_slow_peer(tmp_path: Path, lockstep: bool) -> None:
     """No `round_s` set: the faulty peer's micro-batches take 0.4 s, p0's a few ms. After the first round, which
     measures them, the coordinator announces rounds by the clock: p0 trains more micro-batches while the slow one
-    trains its one, both in every round. With `lockstep` set, every round is one micro-batch each."""
+    trains its one, both in every round. With `lockstep` set, every round is one micro-batch each. (The case
+    where the slow member sets the length is tests/integration/test_mixed_speed.py's and bench/mixed_speed.py's.)"""
     import time
 
     def slow(client: Any) -> None:
@@ -431,11 +432,15 @@ async def test_the_automatic_round_length_turns_to_the_clock_for_a_slow_peer(tmp
     assert run.codes == {"p0": 0, FAULTY: 0}
     fast, slow_rows = run.rows("p0"), run.rows(FAULTY)
     assert all(r["contributors"] == 2 for r in fast + slow_rows)
-    assert [r["micro_batches"] for r in slow_rows] == [1] * ROUNDS
     if lockstep:
+        assert [r["micro_batches"] for r in slow_rows] == [1] * ROUNDS
         assert [r["micro_batches"] for r in fast] == [1] * ROUNDS
         assert run.hub.core.pace.round_s == 0.0
     else:
         assert fast[0]["micro_batches"] == 1  # the first round measures
-        assert max(r["micro_batches"] for r in fast[2:]) > 1, [r["micro_batches"] for r in fast]
-        assert run.hub.core.pace.round_s > 0.4
+        assert max(r["micro_batches"] for r in fast[2:]) > max(r["micro_batches"] for r in slow_rows[2:]), (
+            [r["micro_batches"] for r in fast], [r["micro_batches"] for r in slow_rows])
+        # p0's micro-batch of a few ms is the median: 16 of them are shorter than the slow one's, so the round is
+        # not stretched to it (`RoundPace`), and it is in every round by the round's deadline (twice the length
+        # and a second).
+        assert run.hub.core.pace.round_s > 0
