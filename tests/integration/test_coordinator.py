@@ -30,7 +30,7 @@ from demonet.transport.grpc import GrpcClient
 from demonet.wire import params as wire_params
 from demonet.wire.digest import param_digest
 from demonet.wire.identity import Identity
-from demonet.wire.signed import join_request, parameters_request, submit_parts
+from demonet.wire.signed import aggregate_request, join_request, parameters_request, submit_parts
 from tests.integration.common import tiny_config
 from tests.procs import Reaper, free_port
 
@@ -103,6 +103,11 @@ class Peer:
         self.md = (("authorization", f"Bearer {TOKEN}"),)
         self.identity = identity or Identity.generate()
         self.session = b""
+        self.counter = 0  # the session's last counter: each counted request takes the next
+
+    def next(self) -> int:
+        self.counter += 1
+        return self.counter
 
     async def join(self, *, load: bool = True) -> int:
         """Join the run; then (with `load`) download the parameters of the round it joins at, which waits
@@ -112,7 +117,7 @@ class Peer:
                                               metadata=self.md, timeout=10)
         reply = await self.stub.Join(join_request(self.identity, self.peer_id, challenge.nonce), metadata=self.md,
                                      timeout=10)
-        self.session = reply.session
+        self.session, self.counter = reply.session, 0
         cfg = Config.from_dict(json.loads(reply.run_config))
         self.model = GPT(cfg.model)
         self.opt = DeMo(self.model.named_parameters(), lr=cfg.optim.lr)
@@ -125,7 +130,7 @@ class Peer:
     async def load_parameters(self, round_: int) -> int:
         parts = wire.Reassembler()
         data = None
-        request = parameters_request(self.identity, self.session, self.peer_id, round_)
+        request = parameters_request(self.identity, self.session, self.peer_id, round_, self.next())
         async for part in self.stub.GetParameters(request, metadata=self.md, timeout=30):
             data = parts.add(part)
         expected = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
@@ -162,7 +167,8 @@ class Peer:
 
     async def aggregate(self, round_: int, *, submitting: bool = False) -> tuple[Closed, object]:
         header, data, digest, parts = None, None, None, wire.Reassembler()
-        request = pb.AggregateRequest(peer_id=self.peer_id, round=round_, submitting=submitting)
+        request = aggregate_request(self.identity, self.session, self.peer_id, round_, self.next(),
+                                    submitting=submitting)
         async for chunk in self.stub.GetAggregate(request, metadata=self.md, timeout=60):
             kind = chunk.WhichOneof("kind")
             if kind == "header":
