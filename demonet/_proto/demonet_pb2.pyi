@@ -208,14 +208,16 @@ class JoinReply(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "signature")
+    __slots__ = ("peer_id", "round", "signature", "counter")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    counter: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("round", "member")
@@ -226,14 +228,16 @@ class HeartbeatReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., member: bool = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "signature")
+    __slots__ = ("peer_id", "round", "signature", "counter")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    counter: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ("left",)
@@ -242,16 +246,18 @@ class LeaveReply(_message.Message):
     def __init__(self, left: bool = ...) -> None: ...
 
 class ParametersRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "resync", "signature")
+    __slots__ = ("peer_id", "round", "resync", "signature", "counter")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     resync: bool
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ..., signature: _Optional[bytes] = ...) -> None: ...
+    counter: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class SubmitPart(_message.Message):
     __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature", "digest_follows", "samples", "need_s", "least_s")
@@ -292,14 +298,18 @@ class SubmitReply(_message.Message):
     def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., resync: bool = ..., refusal: _Optional[_Union[Refusal, str]] = ..., open_round: _Optional[int] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "submitting")
+    __slots__ = ("peer_id", "round", "submitting", "signature", "counter")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SUBMITTING_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     submitting: bool
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., submitting: bool = ...) -> None: ...
+    signature: bytes
+    counter: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., submitting: bool = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class AggregateHeader(_message.Message):
     __slots__ = ("round", "aborted", "contributors", "next_round_s")

@@ -142,10 +142,10 @@ async def test_a_download_loop_is_limited_and_an_honest_peer_still_trains(
     with pytest.raises(PeerUnavailable, match="limits this peer's calls"):
         await client.get_parameters(0, expected)
     await client.close()
-    # Joins: a burst of 5, then RESOURCE_EXHAUSTED.
-    for i in range(6):
-        call = looper.stub.Join(pb.JoinRequest(peer_id="churn", probe=True), metadata=looper.md, timeout=10)
-        if i < 5:
+    # Probes: a burst of 32 from one address (whatever id they name), then RESOURCE_EXHAUSTED.
+    for i in range(33):
+        call = looper.stub.Join(pb.JoinRequest(peer_id=f"churn{i % 2}", probe=True), metadata=looper.md, timeout=10)
+        if i < 32:
             await call
         else:
             with pytest.raises(grpc.aio.AioRpcError) as err:
