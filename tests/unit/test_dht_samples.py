@@ -129,3 +129,14 @@ async def test_a_parts_sample_count_is_covered_by_its_signature() -> None:
     assert await streams._check_sender(msg, unknown_ok=False) == ""
     msg.samples = 10**9  # another count than the one signed
     assert (await streams._check_sender(msg, unknown_ok=False)).startswith("bad signature")
+
+
+def test_a_dht_peers_dashboard_counts_the_claims_it_capped() -> None:
+    from demonet.dht.view import DhtView
+
+    view = DhtView("a", total_rounds=10, window_s=5.0)
+    assert view.document()["run"]["capped"] == 0
+    view.verified(4, disagreed=[], excluded=[], capped=["c"], max_ratio=16.0)
+    doc = view.document()
+    assert doc["run"]["capped"] == 1
+    assert [(r["peer"], r["kind"]) for r in doc["refusals"]] == [("c", "samples_capped")], doc["refusals"]
