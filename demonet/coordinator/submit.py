@@ -25,7 +25,7 @@ from demonet._proto import demonet_pb2 as pb
 from demonet.errors import Busy, InvalidPayload, NotJoined, PeerUnavailable, Refusal, SubmitRejected
 from demonet.optim import Payload
 from demonet.wire.identity import submit_statement
-from demonet.wire.merge import decode_contribution
+from demonet.wire.merge import check_samples, decode_contribution
 
 from .admission import Admission, caller_address
 from .core import RoundCore
@@ -171,10 +171,7 @@ class SubmitReader:
         if head.digest_follows and head.param_digest:
             raise InvalidPayload("the first part carries a parameter digest although it was to follow")
         await self._check_signature(head, head.signature, head.param_digest, context)
-        most = self.core.cfg.net.max_samples_per_round
-        if not 1 <= head.samples <= most:
-            raise InvalidPayload(f"samples should be between 1 and the run's max_samples_per_round ({most}), "
-                                 f"got {head.samples}")
+        check_samples(head.samples, self.core.cfg.net.max_samples_per_round)
         if not all(0.0 <= s <= _MOST_S for s in (head.need_s, head.least_s)):  # NaN fails too
             raise InvalidPayload(f"need_s and least_s should be seconds between 0 and {_MOST_S:g}, got "
                                  f"{head.need_s!r} and {head.least_s!r}")
