@@ -164,7 +164,7 @@ class GrpcClient:
         """Join the run (again: a reconnect returns the round to resume at); `probe`: only learn its config
         and parameters, without being admitted (to build and check a model first)."""
         async def attempt() -> Any:
-            request = pb.JoinRequest(peer_id=self.peer_id, probe=True)
+            request = pb.JoinRequest(peer_id=self.peer_id, probe=True, protocol=wire_params.PROTOCOL)
             if not probe:  # answer a fresh challenge with this key (a retry asks for a new one)
                 public = self.identity.public
                 challenge = await self._stub.Challenge(pb.ChallengeRequest(peer_id=self.peer_id, public_key=public),
@@ -172,7 +172,16 @@ class GrpcClient:
                 request = join_request(self.identity, self.peer_id, challenge.nonce)
             return await self._stub.Join(request, metadata=self._metadata, timeout=self.call_timeout_s)
 
-        reply = await self._call("Join", attempt)
+        try:
+            reply = await self._call("Join", attempt)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # refused for its protocol version
+                raise
+            raise PermissionError(f"Join: the coordinator at {self.address} refused this peer: {e.details()}") from None
+        if reply.protocol != wire_params.PROTOCOL:  # a probe comes first: nobody was admitted
+            why = wire_params.protocol_mismatch(reply.protocol, sender=f"the coordinator at {self.address}",
+                                                receiver="this peer")
+            raise PermissionError(f"Join: {why}")
         if not probe:
             self._session = reply.session
         self.round_timeout_s = reply.round_timeout_s

@@ -16,6 +16,7 @@ from .identity import (
     parameters_statement,
     submit_statement,
 )
+from .params import PROTOCOL
 from .parts import DEFAULT_PART_BYTES, split
 
 __all__ = ["digest_part", "heartbeat_request", "join_request", "leave_request", "parameters_request", "submit_parts"]
@@ -23,7 +24,7 @@ __all__ = ["digest_part", "heartbeat_request", "join_request", "leave_request", 
 
 def join_request(identity: Identity, peer_id: str, nonce: bytes) -> pb.JoinRequest:
     """The Join that answers the Challenge which gave `nonce`."""
-    return pb.JoinRequest(peer_id=peer_id, public_key=identity.public, nonce=nonce,
+    return pb.JoinRequest(peer_id=peer_id, public_key=identity.public, nonce=nonce, protocol=PROTOCOL,
                           signature=identity.sign(join_statement(nonce, peer_id, identity.public)))
 
 
