@@ -32,7 +32,8 @@ def _value(item: dict[str, Any]) -> Any:
 
 
 def _field(value: Any) -> bytes:
-    """One field as docs/protocol.md writes it: a type tag, a 4-byte little-endian length, the bytes."""
+    """One field as docs/protocol.md writes it: a type tag, a 4-byte little-endian length, the bytes (written out
+    here, not imported, so that the page's rule is checked against the code)."""
     if isinstance(value, bool):
         tag, data = b"b", bytes([value])
     elif isinstance(value, int):
