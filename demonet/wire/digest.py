@@ -56,7 +56,8 @@ def param_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for name, tensor in named_tensors:
         t = _raw(tensor)
-        h.update(tensor_header(name, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()))
+        # str(): a caller's own checks may name tensors by position (`enumerate(params)`); on the wire names are text
+        h.update(tensor_header(str(name), dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()))
         if t.numel():
             h.update(t.view(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()[:32]
