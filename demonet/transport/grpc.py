@@ -178,14 +178,11 @@ class GrpcClient:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # refused for its protocol version
                 raise
             raise PermissionError(f"Join: the coordinator at {self.address} refused this peer: {e.details()}") from None
-        if reply.protocol != wire_params.PROTOCOL:  # a probe comes first: nobody was admitted
-            why = wire_params.protocol_mismatch(reply.protocol, sender=f"the coordinator at {self.address}",
-                                                receiver="this peer")
-            raise PermissionError(f"Join: {why}")
+        info = join_info(reply, self.peer_id, self.address)  # another protocol refused here, before the session
         if not probe:
             self._session = reply.session
         self.round_timeout_s = reply.round_timeout_s
-        return join_info(reply, self.peer_id)
+        return info
 
     async def heartbeat(self, round: int) -> tuple[int, bool]:
         """Tell the coordinator this peer works on `round`.
