@@ -172,21 +172,23 @@ class ChallengeReply(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("peer_id", "probe", "public_key", "nonce", "signature")
+    __slots__ = ("peer_id", "probe", "public_key", "nonce", "signature", "protocol")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     probe: bool
     public_key: bytes
     nonce: bytes
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., probe: bool = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    protocol: int
+    def __init__(self, peer_id: _Optional[str] = ..., probe: bool = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds", "param_specs", "session")
+    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds", "param_specs", "session", "protocol")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +198,7 @@ class JoinReply(_message.Message):
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PARAM_SPECS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     run_config: str
@@ -205,7 +208,8 @@ class JoinReply(_message.Message):
     total_rounds: int
     param_specs: str
     session: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
+    protocol: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ..., session: _Optional[bytes] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("peer_id", "round", "signature", "counter")

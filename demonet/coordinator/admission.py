@@ -116,6 +116,12 @@ class Admission:
                                 f"{rates.every_s:g} s); try again in {wait_s:.1f} s",
                                 trailing_metadata=(("retry-after-s", f"{wait_s:.3f}"),))
 
+    async def refuse_protocol(self, peer_id: str, reason: str, context: Context) -> None:
+        """Refuse (FAILED_PRECONDITION) a Join of another protocol version; counted and logged."""
+        self.metrics.refused(peer_id, None, "protocol", reason)
+        logger.warning("[coordinator round=%d] refused a join as %s: %s", self.round_of(), peer_id, reason)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
+
     async def challenge(self, peer_id: str, public_key: bytes, context: Context) -> bytes:
         """A nonce for `public_key` to sign as `peer_id`, or PERMISSION_DENIED."""
         try:

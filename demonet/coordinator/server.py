@@ -23,6 +23,7 @@ from demonet._proto import demonet_pb2_grpc as pb_grpc
 from demonet.config import Config
 from demonet.errors import AggregateGone, NotJoined, PeerUnavailable, SubmitRejected
 from demonet.wire.identity import aggregate_statement, heartbeat_statement, leave_statement, parameters_statement
+from demonet.wire.params import PROTOCOL, protocol_mismatch
 
 from . import weights
 from .admission import Admission, caller_address
@@ -138,6 +139,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Join(self, request: pb.JoinRequest, context: Context) -> pb.JoinReply:
         await self.admission.admit(request, context)
         peer_id = await self.admission.peer_id(request.peer_id, context)
+        if request.protocol != PROTOCOL:  # before any state changes: another version misreads the digests
+            await self.admission.refuse_protocol(peer_id, protocol_mismatch(
+                request.protocol, sender=f"peer {peer_id!r}", receiver="the coordinator"), context)
         session = b""
         if request.probe:  # a probe admits nobody: no key needed to read the run's config, limited per address
             await self.admission.limit(self.limits.probes, f"probe/{caller_address(context)}", "Join", context)
@@ -149,7 +153,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.JoinReply(peer_id=peer_id, round=info.round, run_config=json.dumps(info.run_config),
                             data_seed=info.data_seed, round_timeout_s=info.round_timeout_s,
                             heartbeat_interval_s=info.heartbeat_interval_s, total_rounds=info.total_rounds,
-                            param_specs=self._param_specs, session=session)
+                            param_specs=self._param_specs, session=session, protocol=PROTOCOL)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatReply:
         await self.admission.admit(request, context)

@@ -172,7 +172,7 @@ class GrpcClient:
         """Join the run (again: a reconnect returns the round to resume at); `probe`: only learn its config
         and parameters, without being admitted (to build and check a model first)."""
         async def attempt() -> Any:
-            request = pb.JoinRequest(peer_id=self.peer_id, probe=True)
+            request = pb.JoinRequest(peer_id=self.peer_id, probe=True, protocol=wire_params.PROTOCOL)
             if not probe:  # answer a fresh challenge with this key (a retry asks for a new one)
                 public = self.identity.public
                 challenge = await self._stub.Challenge(pb.ChallengeRequest(peer_id=self.peer_id, public_key=public),
@@ -180,11 +180,17 @@ class GrpcClient:
                 request = join_request(self.identity, self.peer_id, challenge.nonce)
             return await self._stub.Join(request, metadata=self._metadata, timeout=self.call_timeout_s)
 
-        reply = await self._call("Join", attempt)
+        try:
+            reply = await self._call("Join", attempt)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # refused for its protocol version
+                raise
+            raise PermissionError(f"Join: the coordinator at {self.address} refused this peer: {e.details()}") from None
+        info = join_info(reply, self.peer_id, self.address)  # another protocol refused here, before the session
         if not probe:
             self._session, self._counter = reply.session, 0
         self.round_timeout_s = reply.round_timeout_s
-        return join_info(reply, self.peer_id)
+        return info
 
     async def heartbeat(self, round: int) -> tuple[int, bool]:
         """Tell the coordinator this peer works on `round`.

@@ -17,6 +17,7 @@ from .identity import (
     parameters_statement,
     submit_statement,
 )
+from .params import PROTOCOL
 from .parts import DEFAULT_PART_BYTES, split
 
 __all__ = ["aggregate_request", "digest_part", "heartbeat_request", "join_request", "leave_request",
@@ -25,7 +26,7 @@ __all__ = ["aggregate_request", "digest_part", "heartbeat_request", "join_reques
 
 def join_request(identity: Identity, peer_id: str, nonce: bytes) -> pb.JoinRequest:
     """The Join that answers the Challenge which gave `nonce`."""
-    return pb.JoinRequest(peer_id=peer_id, public_key=identity.public, nonce=nonce,
+    return pb.JoinRequest(peer_id=peer_id, public_key=identity.public, nonce=nonce, protocol=PROTOCOL,
                           signature=identity.sign(join_statement(nonce, peer_id, identity.public)))
 
 

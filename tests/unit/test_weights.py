@@ -17,7 +17,7 @@ from demonet.config import Config, load_config
 from demonet.coordinator.state import STATE_FILE, CanonicalState
 from demonet.coordinator.weights import export, read_init, read_state
 from demonet.errors import WeightsFileError
-from demonet.wire.digest import param_digest
+from demonet.wire.digest import legacy_param_digest, param_digest
 
 _TINY = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32}, "train": {"seq_len": 32}}
 
@@ -126,6 +126,13 @@ def test_read_state_gives_the_saved_round_and_digest(cfg: Config, tmp_path: Path
     state = _saved_state(cfg, tmp_path, round=3)
     saved = read_state(tmp_path)
     assert (saved.round, saved.digest, list(saved.params)) == (3, state.digest, list(state.params))
+
+
+def test_read_state_of_protocol_1_gives_the_digest_recomputed(cfg: Config, tmp_path: Path) -> None:
+    state = _saved_state(cfg, tmp_path, round=3)
+    body = torch.load(tmp_path / STATE_FILE, map_location="cpu", weights_only=False)
+    torch.save({**body, "digest": legacy_param_digest(state.params.items())}, tmp_path / STATE_FILE)
+    assert read_state(tmp_path).digest == state.digest == param_digest(state.params.items())
 
 
 def test_read_init_accepts_an_exact_match_in_the_model_order(cfg: Config, tmp_path: Path) -> None:
