@@ -18,9 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from demonet.config import TOKEN_ENV, load_token
 from demonet.errors import DemonetError
-from demonet.transport.grpc import GrpcClient
 
 __all__ = ["add_arguments", "format_status", "run"]
 
@@ -34,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--coordinator", help="HOST:PORT of the coordinator (gRPC, with the run token)")
     where.add_argument("--dashboard", metavar="URL",
                        help="a dashboard's address, e.g. http://HOST:PORT/ (a coordinator's or a DHT peer's; no token)")
-    parser.add_argument("--token-file", help=f"file holding the run token (default: the {TOKEN_ENV} env var)")
+    parser.add_argument("--token-file", help="file holding the run token (default: the DEMONET_TOKEN env var)")
     parser.add_argument("--tls-root-cert", help="PEM file to verify a TLS coordinator (default: plaintext)")
     parser.add_argument("--json", action="store_true", help="print the document as JSON (docs/dashboard.md)")
     parser.add_argument("--rounds", type=int, default=5, help="recent rounds to list (5)")
@@ -49,6 +47,8 @@ def _fetch(url: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run `demonet status`; returns the exit code (2: bad flags or files, 1: no answer)."""
+    from demonet.config import load_token  # with the optimizer's settings, torch: not for --help or --dashboard
+
     try:
         if args.coordinator:
             token = load_token(args.token_file, os.environ)
@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _ask(address: str, token: str, root_cert: bytes | None) -> dict[str, Any]:
+    from demonet.transport.grpc import GrpcClient
+
     client = GrpcClient(address, token=token, root_cert=root_cert, reconnect_timeout_s=10.0)
     try:
         return await client.status_document()

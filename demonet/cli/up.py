@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import signal
@@ -27,7 +28,7 @@ from demonet.errors import DemonetError
 from demonet.loop.runfolder import merge_metrics, plot_loss, plot_pipeline, summarize_run, to_json
 from demonet.transport.grpc import GrpcClient
 
-__all__ = ["run"]
+__all__ = ["bar_figures", "run"]
 
 
 logger = logging.getLogger(__name__)
@@ -126,11 +127,18 @@ async def _watch(address: str, token: str, coordinator: _Child, peers: list[_Chi
                     pass
                 else:
                     bar.update(min(status.rounds_closed, steps) - bar.n)
-                    bar.set_postfix(loss=f"{status.last_loss:.3f}", peers=len(status.members))
+                    bar.set_postfix(bar_figures(status.last_loss, len(status.members)))
             await asyncio.sleep(0.5)
     finally:
         bar.close()
         await client.close()
+
+
+def bar_figures(last_loss: float, members: int) -> dict[str, str]:
+    """The progress bar's figures: the loss once a round reported one, the peers once any joined."""
+    figures = {"loss": f"{last_loss:.3f}"} if math.isfinite(last_loss) else {}
+    figures["peers"] = str(members) if members else "joining"
+    return figures
 
 
 def _interrupt(signum: int, frame: object) -> None:

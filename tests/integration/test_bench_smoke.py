@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
 
 SCRIPTS = {
+    "cli_start.py": r"^\| demonet --help \| \d+\.\d+ \| no \| (met|NOT met) \|$",
     "coordinator_scale.py": r"^\s+4\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+$",
     "dht_exchange_cpu.py": r"^\| 4 \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \| [\d,]+ \| [\d,]+ \|$",
     "dht_round.py": r"^\| dht verify=0\.25 \| 2 \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+x \|.*\| yes \|",
