@@ -86,6 +86,8 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     up.add_argument("--config", help="TOML file with the run's [model], [optim], [train] and [net] tables")
     up.add_argument("--task", metavar="MODULE:FUNCTION", help="the model, data and loss to train, a demonet.Task "
                                                               "(default: the built-in byte-level GPT)")
+    up.add_argument("--lr", type=float, help="learning rate, the run's [optim] lr (default 3e-3, for the built-in "
+                                              "GPT; examples.custom_task wants 0.03)")
     up.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens")
     up.add_argument("--state-every-s", type=float, default=0.0,
                     help="the coordinator writes its state at most this often (0: after every round it can)")

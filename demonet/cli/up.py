@@ -30,6 +30,9 @@ from demonet.transport.grpc import GrpcClient
 
 __all__ = ["bar_figures", "run"]
 
+_LR_ENV = "DEMONET_OPTIM_LR"
+"""`--lr` reaches the run's config through the variable of `[optim] lr` (docs/configuration.md)."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +155,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.state_every_s >= 0:  # NaN too
         print(f"demonet up: --state-every-s should be >= 0, got {args.state_every_s}", file=sys.stderr)
         return 2
+    if args.lr is not None and not args.lr > 0:
+        print(f"demonet up: --lr should be > 0, got {args.lr}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(24)
     env = {**os.environ, TOKEN_ENV: token}  # never on a command line, where `ps` shows it
+    if args.lr is not None:  # above --config's [optim] lr (CLI > env > TOML), for the coordinator and DHT peers alike
+        env[_LR_ENV] = repr(args.lr)
     token_file = out / "token"  # for `demonet status --coordinator ADDR --token-file OUT/token` while it runs
     token_file.touch(mode=0o600)
     token_file.chmod(0o600)
