@@ -114,11 +114,16 @@ def _command_module(command: str) -> Any:
     return importlib.import_module(f"demonet.cli.{command}")
 
 
+def _parser_for(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser of a command line: with the flags of its subcommand (the first word that is not a flag)."""
+    return _parser(next((a for a in argv if not a.startswith("-")), None))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `demonet` command; returns the process exit code."""
     setup_logging()
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser(next((a for a in argv if not a.startswith("-")), None))
+    parser = _parser_for(argv)
     args, rest = parser.parse_known_args(argv)
     if args.command == "coordinator":
         return _coordinator(rest)
