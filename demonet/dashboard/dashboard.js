@@ -51,7 +51,8 @@ function clock(t) {
   return new Date(t * 1000).toLocaleTimeString();
 }
 
-// The top of a y axis that a few outliers do not flatten: the largest value at most OUTLIER_X times the median.
+// The top of a y axis that a few outliers do not flatten: the largest value at most OUTLIER_X times the median
+// (and a tenth more where some are above it).
 // Round 0's bytes hold every peer's parameter download, some 70 times a round's payloads.
 const OUTLIER_X = 4;
 function axisTop(values) {
@@ -59,7 +60,8 @@ function axisTop(values) {
   const median = sorted[Math.floor((sorted.length - 1) / 2)];
   if (!(median > 0)) return sorted[sorted.length - 1];
   const inside = sorted.filter((v) => v <= OUTLIER_X * median);
-  return inside[inside.length - 1];
+  const top = inside[inside.length - 1];
+  return inside.length < sorted.length ? 1.1 * top : top; // room under the edge, where the outliers are named
 }
 
 // A line chart of one or more series [{cls, points: [[x, y], ...]}] into an <svg>; the number of points
