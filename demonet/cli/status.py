@@ -77,6 +77,23 @@ async def _ask(address: str, token: str, root_cert: bytes | None) -> dict[str, A
 
 # -- the tables ----------------------------------------------------------------------------------------
 
+_PACE_ROUNDS = 20
+"""The pace is taken over the last this many rounds closed (the dashboard's too)."""
+
+
+def _pace(doc: dict[str, Any]) -> str:
+    """", N rounds/s, about T left" from the rounds' close times; "" before two rounds closed."""
+    recent = doc["rounds"][-(_PACE_ROUNDS + 1):]
+    if len(recent) < 2 or not recent[-1]["time"] > recent[0]["time"]:
+        return ""
+    per_s = (len(recent) - 1) / (recent[-1]["time"] - recent[0]["time"])
+    total, round = doc["run"]["total_rounds"], doc["run"]["round"]
+    if not total:
+        return f", {per_s:.2f} rounds/s"
+    left_s = max(0, total - round) / per_s
+    left = f"{left_s:.0f} s" if left_s < 90 else f"{left_s / 60:.1f} min" if left_s < 5400 else f"{left_s / 3600:.1f} h"
+    return f", {per_s:.2f} rounds/s, about {left} left"
+
 
 def _v(x: Any, digits: int = 0) -> str:
     if x is None:
@@ -108,9 +125,9 @@ def format_status(doc: dict[str, Any], *, rounds: int = 5, refusals: int = 10) -
     run = doc["run"]
     who = "coordinator" if doc["mode"] == "coordinator" else f"DHT peer {doc['source']}"
     total = f" of {run['total_rounds']}" if run["total_rounds"] else ""
-    left = f", {run['seconds_left']:.1f} s left" if run["seconds_left"] is not None else ""
-    lines = [f"{who}: round {run['round']}{total}, {run['phase']}{left}; {run['rounds_closed']} rounds closed, "
-             f"{run['rounds_aborted']} aborted; {run['members']} members"
+    left = f", round deadline in {run['seconds_left']:.1f} s" if run["seconds_left"] is not None else ""
+    lines = [f"{who}: round {run['round']}{total}, {run['phase']}{left}{_pace(doc)}; "
+             f"{run['rounds_closed']} rounds closed, {run['rounds_aborted']} aborted; {run['members']} members"
              + (f" ({run['idle']} idle)" if run.get("idle") else ""),
              f"last loss {_v(run['last_loss'], 4)}; {_bytes(run['bytes_up'])} in, {_bytes(run['bytes_down'])} out; "
              f"{run['resyncs']} resyncs, {_v(run['rejected'])} rejected; digest {run['param_digest'][:12] or '-'}"]

@@ -259,3 +259,22 @@ def test_the_progress_bar_of_up_shows_no_loss_before_a_round() -> None:
     assert bar_figures(math.nan, 0) == {"peers": "joining"}  # it opened with `loss=nan, peers=0`
     assert bar_figures(math.nan, 3) == {"peers": "3"}
     assert bar_figures(4.12345, 4) == {"loss": "4.123", "peers": "4"}
+
+
+def test_status_gives_the_pace_and_calls_the_deadline_a_deadline() -> None:
+    # "29.9 s left" read as the run's time left while rounds took 0.5 s: it is the open round's deadline.
+    rounds = Rounds(cfg=RoundConfig(), now=0.0)
+    metrics = Metrics()
+    for r in range(30):
+        metrics.record.round_closed(r, members=["a"], contributors=["a"], aborted=False, loss=1.0, round_s=0.5,
+                                    close_s=0.01, bytes_up=1, bytes_down=1)
+    doc = status_document(rounds, metrics, now=0.0, param_digest="", total_rounds=200)
+    doc["run"].update(round=30, seconds_left=29.9)
+    for i, row in enumerate(doc["rounds"]):
+        row["time"] = 1000.0 + 0.5 * i  # 2 rounds a second
+    head = format_status(doc).splitlines()[0]
+    assert "round deadline in 29.9 s, 2.00 rounds/s, about 85 s left;" in head, head
+    doc["run"]["total_rounds"] = 0
+    assert ", 2.00 rounds/s;" in format_status(doc).splitlines()[0]
+    doc["rounds"] = doc["rounds"][:1]
+    assert "rounds/s" not in format_status(doc)
