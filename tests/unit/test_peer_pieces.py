@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
@@ -87,31 +86,6 @@ def test_plot_is_a_png(tmp_path: Path) -> None:
     rows = _rows(_row(r, p, 5.0 - 0.1 * r) for r in range(5) for p in ("a", "b"))
     runfolder.plot_loss(rows, tmp_path / "loss.png")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_the_plots_say_what_they_show() -> None:
-    # loss.png had no title, and compute_wait.png's only title was a small "overlap = 0".
-    rows = _rows({**_row(r, p, 5.0 - 0.1 * r), "overlap": 0} for r in range(5) for p in ("a", "b"))
-    loss, pipeline = runfolder.loss_figure(rows), runfolder.pipeline_figure(rows)
-    try:
-        assert loss.axes[0].get_title() == "Training loss by round: 2 peers, 5 rounds"
-        title = pipeline.axes[0].get_title()
-        assert title == "Time per round: compute and wait for the network (overlap = 0)"
-        assert pipeline.axes[0].title.get_fontsize() >= loss.axes[0].title.get_fontsize()
-    finally:
-        import matplotlib.pyplot as plt
-
-        plt.close(loss)
-        plt.close(pipeline)
-
-
-def test_logging_leaves_out_matplotlibs_font_cache_line() -> None:
-    # The first run printed `INFO matplotlib.font_manager: generated new fontManager` among the run's lines.
-    from demonet.log import setup_logging
-
-    setup_logging()
-    assert not logging.getLogger("matplotlib.font_manager").isEnabledFor(logging.INFO)
-    assert logging.getLogger("matplotlib.font_manager").isEnabledFor(logging.WARNING)
 
 
 def test_compute_and_wait_per_peer_and_their_plot(tmp_path: Path) -> None:
