@@ -62,6 +62,28 @@ def test_export_round_trip_is_bit_exact(cfg: Config, tmp_path: Path, capsys: pyt
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "state"]  # no temp file left
 
 
+def test_export_to_a_name_without_the_suffix_writes_a_folder(cfg: Config, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # `--out hfdir` looks like a folder: it is one, with model.safetensors in it (the name from_pretrained reads).
+    state = _saved_state(cfg, tmp_path / "state")
+    out = tmp_path / "hfdir"
+    argv = ["export", "--state-dir", str(tmp_path / "state"), "--out", str(out)]
+    assert demonet(argv) == 0
+    assert str(out / "model.safetensors") in capsys.readouterr().out
+    assert out.is_dir() and os.listdir(out) == ["model.safetensors"]
+    loaded = load_file(str(out / "model.safetensors"))
+    assert param_digest((n, loaded[n]) for n in state.params) == state.digest
+    assert demonet(argv) == 2 and "exists; --force" in capsys.readouterr().err  # the file in it is kept
+    assert demonet([*argv, "--force"]) == 0
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"keep me")
+    assert demonet([*argv[:-1], str(afile)]) == 2
+    assert "is a file" in capsys.readouterr().err and afile.read_bytes() == b"keep me"
+    missing = tmp_path / "new" / "dir"
+    assert demonet(["export", "--state-dir", str(tmp_path / "nope"), "--out", str(missing)]) == 2
+    assert not (tmp_path / "new").exists()  # a bad state makes no folder
+
+
 def test_export_refuses_to_overwrite_without_force(cfg: Config, tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     state = _saved_state(cfg, tmp_path / "state")
