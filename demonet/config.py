@@ -62,7 +62,14 @@ class OptimConfig:
     compression_decay: float = 0.999
     """Momentum decay beta, in [0, 1)."""
     compression_topk: int = 32
-    """DCT coefficients kept per chunk."""
+    """DCT coefficients kept per chunk: the most a payload may send (a larger k is refused), and the k of every
+    payload where `adaptive_topk` is off."""
+    adaptive_topk: bool = True
+    """In rounds by the clock, each peer sends as many coefficients per chunk as its measured uplink carries in
+    a quarter of the round, between `min_compression_topk` and `compression_topk` (docs/coordinator.md#links);
+    off, or in lockstep rounds: `compression_topk`."""
+    min_compression_topk: int = 0
+    """The floor of an adapted k (a smaller one is refused); 0: compression_topk / 8, rounded up."""
     compression_chunk: int = 64
     """Target chunk side."""
     weight_decay: float = 0.0
@@ -86,10 +93,18 @@ class OptimConfig:
     decay_rounds: int = 0
     """The cosine's length in rounds; 0: the rest of the run (train.steps - warmup_rounds)."""
 
+    @property
+    def topk_floor(self) -> int:
+        """The smallest k a payload may send (`min_compression_topk`, or its default)."""
+        return self.min_compression_topk or -(-self.compression_topk // 8)
+
     def __post_init__(self) -> None:
         check_lr(self.lr)  # the optimizer's own rule
         _check(0 <= self.compression_decay < 1, "compression_decay should be in [0, 1)")
         _check(self.compression_topk > 0, "compression_topk should be > 0")
+        _check(0 <= self.min_compression_topk <= self.compression_topk,
+               f"min_compression_topk should be in [0, compression_topk = {self.compression_topk}] (0: "
+               f"compression_topk / 8), got {self.min_compression_topk}")
         _check(self.compression_chunk > 0, "compression_chunk should be > 0")
         _check(self.weight_decay >= 0, "weight_decay should be >= 0")
         _check(self.base in BASES, f"base should be one of {BASES}")

@@ -68,9 +68,9 @@ class _Handoff(Trainer):
         self.pace.trained(1, samples)
         return float(loss)
 
-    def compress(self, undoable: bool = False) -> Payload:
+    def compress(self, undoable: bool = False, topk: int | None = None) -> Payload:
         """The user's gradients into the momentum, and the round's payload (the user's loop zeroes them)."""
-        return self.opt.compress(undoable=undoable)
+        return self.opt.compress(undoable=undoable, topk=topk)
 
 
 def _no_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:

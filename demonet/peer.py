@@ -22,6 +22,7 @@ from demonet.errors import KeyFileError, PeerUnavailable
 from demonet.log import setup_logging
 from demonet.loop import RoundLoop
 from demonet.loop.lifecycle import stop_on_signals, warm_up
+from demonet.loop.link import LinkPace
 from demonet.train.task import first_difference, param_specs
 from demonet.train.trainer import Trainer
 from demonet.transport.coordinated import CoordinatorMembership
@@ -91,7 +92,9 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
             info = await membership.join()
             loop = RoundLoop(trainer, membership, membership.client, peer_id, out / f"metrics-{peer_id}.jsonl",
                              checkpoint_every, stop, overlap=cfg.net.overlap, lookahead=cfg.net.lookahead,
-                             round_s=cfg.net.round_s)
+                             round_s=cfg.net.round_s,
+                             link=LinkPace(max_k=cfg.optim.compression_topk, min_k=cfg.optim.topk_floor,
+                                           adaptive=cfg.optim.adaptive_topk))
             # kernels that differ between peers are what makes them resync
             loop.log.info("joined %s as key %s: %d parameters, %d rounds in the run; CPU kernels %s, %d threads",
                           coordinator, identity.fingerprint, trainer.num_params(), info.total_rounds,

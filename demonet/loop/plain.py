@@ -12,7 +12,7 @@ from typing import TextIO
 
 import torch
 
-from demonet.optim import Payload, to_host
+from demonet.optim import Payload
 
 from .state import LoopSteps, RoundOutcome
 
@@ -69,8 +69,7 @@ def _train_step(loop: LoopSteps, until: float | None, encode: Callable[[Payload]
     t0 = time.perf_counter()
     loss = loop.replica.forward_backward(until)
     train_s = time.perf_counter() - t0
-    payload = loop.replica.compress()
-    staged = to_host(payload)
+    payload, staged = loop.compress(loop.replica, False)
     if encode is None:
         return loss, payload, staged, 0.0, train_s
     t0 = time.perf_counter()

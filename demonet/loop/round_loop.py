@@ -36,6 +36,7 @@ from demonet.transport import (
     keep_alive,
 )
 
+from .link import LinkPace
 from .overlapped import overlapped_rounds
 from .plain import plain_round
 from .rows import MetricsRow
@@ -84,6 +85,8 @@ class RoundLoop:
     recent rounds), which the cut-off leaves room for."""
     micro_batch_s: float = 0.0
     """This peer's recent micro-batches' mean time (0: none measured yet)."""
+    link: LinkPace | None = None
+    """This peer's uplink and the k it sends (`[optim] adaptive_topk`); None: `compression_topk` always."""
     own_micro_batches: int = 1
     """The micro-batches of this peer's own lockstep round (`--accumulate`), as its last lockstep round trained."""
     _warned_slow: bool = field(default=False, init=False)
@@ -178,8 +181,11 @@ class RoundLoop:
         micro-batch, exchange included (None before its first round is measured)."""
         if not self.micro_batch_s:
             return None
-        return Pace(need_s=self.own_micro_batches * self.micro_batch_s + self.exchange_s,
-                    least_s=self.micro_batch_s + self.exchange_s)
+        exchange_s = self.exchange_s  # at the full k: the length is set by the payloads a lockstep run sends
+        if self.link is not None and self.link.k:
+            exchange_s += max(0.0, self.link.upload_s(self.link.max_k) - self.link.upload_s(self.link.k))
+        return Pace(need_s=self.own_micro_batches * self.micro_batch_s + exchange_s,
+                    least_s=self.micro_batch_s + exchange_s)
 
     def _paced(self, flight: InFlight, exchange_s: float, next_round_s: float | None) -> None:
         """After a round: this peer's micro-batch and exchange times, and the next round's length."""
@@ -294,11 +300,14 @@ class RoundLoop:
         should stop (SIGTERM)."""
         return await plain_round(self, metrics)
 
-    @staticmethod
-    def compress(replica: Replica, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
-        """The round's payload and its host copy on its way (`to_host`: on a GPU the exchange must not wait
-        for the next round's kernels)."""
-        payload = replica.compress(undoable=undoable)
+    def compress(self, replica: Replica, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:
+        """The round's payload, at the k this peer's uplink carries in its share of the round (`LinkPace`), and
+        its host copy on its way (`to_host`: on a GPU the exchange must not wait for the next round's kernels)."""
+        topk = None
+        if self.link is not None:
+            k = self.link.choose(self.round_s)
+            topk = k if k != self.link.max_k else None
+        payload = replica.compress(undoable=undoable, topk=topk)
         return payload, to_host(payload)
 
     async def land(self, flight: InFlight, metrics: TextIO | None, *, defer: bool = False) -> RoundOutcome:
@@ -341,13 +350,16 @@ class RoundLoop:
         cost_s = flight.compute_s - flight.train_s + settled - t1  # this round's exchange: the cut-off leaves room
         if not self.overlap:  # an overlapped round's upload runs beside the next round's training
             cost_s += result.phases.get("encode", 0.0) + result.phases.get("submit", 0.0)
+        sent_k = max((int(c.idx.shape[-1]) for c in flight.payload.tensors.values()), default=0)
+        if self.link is not None:
+            self.link.sent(sent_k, result.bytes_up, result.phases.get("submit", 0.0))
         self._paced(flight, cost_s, result.next_round_s)
         row = MetricsRow(
             round=self.round, peer=self.peer_id, loss=flight.loss, bytes_up=result.bytes_up,
             bytes_down=result.bytes_down, param_digest=self.digest, round_time_s=settled - flight.started,
             compute_s=flight.compute_s + settled - t1, wait_s=wait_s + flight.checked_s,
             contributors=len(result.contributors), aborted=result.aborted, overlap=self.overlap, time=time.time(),
-            phases=dict(result.phases), samples=flight.samples, micro_batches=flight.micro_batches,
+            phases=dict(result.phases), samples=flight.samples, micro_batches=flight.micro_batches, topk=sent_k,
             extra=dict(self.row_extra))
         if flight.checked_s:  # the wait, after this round's backward, for the round before's canonical digest
             row.phases["check"] = flight.checked_s

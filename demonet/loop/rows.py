@@ -59,6 +59,8 @@ class MetricsRow:
     """How many samples the round's payload was computed from: its weight in the merge (0: not recorded)."""
     micro_batches: int = 0
     """How many micro-batches the peer trained in the round (0: not recorded)."""
+    topk: int = 0
+    """The coefficients per chunk the round's payload sent (its largest tensor's; 0: not recorded)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -158,7 +158,7 @@ class DeMo(OverlapState, RoundOutcome, torch.optim.Optimizer):
         return {s.name: (s.shape, (self._bucket_of[s.name].h, self._bucket_of[s.name].w)) for s in self._slots}
 
     @torch.no_grad()
-    def compress(self, undoable: bool = False) -> Payload:
+    def compress(self, undoable: bool = False, topk: int | None = None) -> Payload:
         """Update the momentum with the current gradients and extract its fast components.
 
         Per parameter: ``m = beta*m + lr*DCT(g)`` (a missing grad counts as zero), keep the top-k
@@ -169,10 +169,14 @@ class DeMo(OverlapState, RoundOutcome, torch.optim.Optimizer):
             undoable: keep a copy of the momentum first, so that `undo_compress` can put it back to the
                 bit (an overlapped peer compresses round r+1 before it knows round r's outcome); until
                 `commit_compress` or `undo_compress`, each `restore` goes into the copy as well.
+            topk: the coefficients kept per chunk this time (a peer on a slow uplink sends fewer: what it
+                does not send stays in its momentum); None: `compression_topk`.
 
         Returns:
             this peer's payload: one `Compressed` per trainable parameter.
         """
+        if topk is not None and topk < 1:
+            raise ValueError(f"topk should be >= 1, got {topk}")
         if undoable:
             self._keep_momentum()
         out: dict[str, Compressed] = {}
@@ -198,7 +202,7 @@ class DeMo(OverlapState, RoundOutcome, torch.optim.Optimizer):
             m_BN = bucket.momentum_BN
             d_h, d_wt = bucket.bases
             encode(x_BHW, d_h, d_wt, t_BHW, m_BN.view_as(x_BHW), beta=self.compression_decay, alpha=lr)
-            k = min(self.compression_topk, bucket.h * bucket.w)
+            k = min(topk or self.compression_topk, bucket.h * bucket.w)
             idx_BK = topk_abs(m_BN, k, abs_BHW.view_as(m_BN), bucket.w)
             val_BK = m_BN.gather(1, idx_BK)
             exact = self.options.encoding == "fp32" and self.options.alpha == 1.0

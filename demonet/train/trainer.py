@@ -167,12 +167,12 @@ class DeMoSteps:
     def forward_backward(self, until: float | None = None) -> float:
         raise NotImplementedError
 
-    def compress(self, undoable: bool = False) -> Payload:
+    def compress(self, undoable: bool = False, topk: int | None = None) -> Payload:
         """Clip the gradient's norm (DTensors too), fold it into the momentum and take the round's payload;
-        zero the gradients. `undoable`: until `commit_compress`, `undo_compress` can take it back
-        (`DeMo.compress`)."""
+        zero the gradients. `undoable`: until `commit_compress`, `undo_compress` can take it back; `topk`: this
+        round's k (`DeMo.compress`)."""
         clip_grads(self.model.parameters(), self.options.max_grad_norm)
-        payload = self.opt.compress(undoable=undoable)
+        payload = self.opt.compress(undoable=undoable, topk=topk)
         self.opt.zero_grad(set_to_none=True)
         return payload
 

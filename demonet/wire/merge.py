@@ -53,6 +53,10 @@ class MergeRules:
     """Weight each payload by its samples, at most this many times the median of the others' (0: unweighted)."""
     max_samples: int = 1 << 32
     """A payload claiming more samples than this is refused (`check_samples`; `[net] max_samples_per_round`)."""
+    min_k: int = 1
+    """An inbound payload's coefficients per chunk may not be fewer (`[optim] min_compression_topk`)..."""
+    max_k: int = 0
+    """...nor more (`[optim] compression_topk`; 0: no bound); a chunk of fewer coefficients sends them all."""
 
     def __post_init__(self) -> None:
         if self.topk < 1:
@@ -65,6 +69,9 @@ class MergeRules:
             raise ValueError(f"max_sample_ratio should be 0 (off) or >= 1, got {self.max_sample_ratio}")
         if self.max_samples < 1:
             raise ValueError(f"max_samples should be >= 1, got {self.max_samples}")
+        if not (1 <= self.min_k and (self.max_k == 0 or self.min_k <= self.max_k)):
+            raise ValueError(f"min_k and max_k should be 1 <= min_k <= max_k (or max_k 0), got {self.min_k}, "
+                             f"{self.max_k}")
 
     @classmethod
     def from_config(cls, cfg: Any) -> MergeRules:
@@ -72,7 +79,8 @@ class MergeRules:
         net = cfg.net
         return cls(topk=net.aggregate_topk or cfg.optim.compression_topk, encoding=net.aggregate_encoding,
                    clip=net.clip_to_median_norm, max_norm=net.max_payload_norm or None,
-                   max_sample_ratio=net.max_sample_ratio, max_samples=net.max_samples_per_round)
+                   max_sample_ratio=net.max_sample_ratio, max_samples=net.max_samples_per_round,
+                   min_k=cfg.optim.topk_floor, max_k=cfg.optim.compression_topk)
 
 
 @dataclass(frozen=True)
@@ -122,8 +130,17 @@ def check_samples(samples: int, most: int) -> None:
 
 
 def decode_contribution(data: bytes, *, expected: Mapping[str, Any], rules: MergeRules) -> tuple[int, Payload]:
-    """Validate and decode a peer's payload (or its part of a slice) for a merge; raises `InvalidPayload`."""
-    return wire.decode(data, expected=expected, max_norm=rules.max_norm)
+    """Validate and decode a peer's payload (or its part of a slice) for a merge, its k per chunk within
+    `rules`' range included; raises `InvalidPayload`."""
+    step, payload = wire.decode(data, expected=expected, max_norm=rules.max_norm)
+    for name, c in payload.tensors.items():
+        n = c.chunk[0] * c.chunk[1]
+        low, high = min(rules.min_k, n), min(rules.max_k or n, n)
+        k = int(c.idx.shape[-1])
+        if not low <= k <= high:
+            raise InvalidPayload(f"{name}: {k} coefficients a chunk, outside the run's {low} to {high} "
+                                 "([optim] min_compression_topk to compression_topk)")
+    return step, payload
 
 
 def merge(payloads: Sequence[Payload], *, step: int, rules: MergeRules, expected: Mapping[str, Any],

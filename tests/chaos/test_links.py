@@ -107,3 +107,29 @@ def test_a_late_joiner_over_a_slow_link_downloads_the_parameters_while_rounds_go
         "rounds_lost": sum(1 for r in cluster.canonical().values() if r[2]), "first_round": first,
         "rounds_during_join": went_on, "parameter_bytes": size, "time_to_first_round_s": round(join_s, 2),
         "since_release_s": round(time.monotonic() - t0, 1)})
+
+
+def test_a_peer_behind_a_slow_link_sends_a_smaller_k_and_is_in_every_round(cluster: CoordinatorCluster) -> None:
+    """Nothing set but the model: two peers at 100 Mbit/s and one at 2 Mbit/s, whose payload of 2048 coefficients
+    a chunk (about 240 kB) takes a second to upload. The first round is lockstep and measures; from then on the
+    coordinator announces rounds by the clock, and the slow peer sends the k its uplink carries in a quarter of
+    the round (`LinkPace`): fewer coefficients, in every round, on the canonical digest."""
+    rounds = 10
+    cluster.start(run_config(round_timeout_s=20.0, model="small", topk=2048, heartbeat_interval_s=0.5,
+                             heartbeat_timeout_s=12.0), steps=rounds, start_peers=3, delay_ms=10)
+    rates = {"a": 100, "b": 100, "slow": 2}
+    procs = [cluster.peer(name, mbit=mbit) for name, mbit in rates.items()]
+    cluster.finish(procs, timeout_s=rounds * 20 + 60)
+
+    by_round = cluster.by_round(list(rates))  # every round on the coordinator's digest
+    assert sorted(by_round) == list(range(rounds))
+    for n, rows in by_round.items():
+        assert set(rows) == set(rates) and all(r["contributors"] == 3 for r in rows.values()), (n, rows)
+    slow_k = [r["topk"] for r in cluster.rows("slow")]
+    fast_k = [r["topk"] for p in ("a", "b") for r in cluster.rows(p)]
+    assert set(fast_k) == {2048}, fast_k
+    assert slow_k[0] == 2048 and max(slow_k[2:]) < 2048 and min(slow_k) >= 2048 // 8, slow_k
+    slow_bytes = [r["bytes_up"] for r in cluster.rows("slow")]
+    assert max(slow_bytes[2:]) < slow_bytes[0], slow_bytes
+    report("slow_link_smaller_k", {"rounds": rounds, "slow_k": slow_k, "slow_bytes_up": slow_bytes,
+                                   "fast_bytes_up": [r["bytes_up"] for r in cluster.rows("a")]})
