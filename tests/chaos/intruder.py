@@ -58,7 +58,7 @@ else:
 _gather = Gatherer.gather
 
 
-async def gather(self, round, payload, *, loss, param_digest, samples=1):
+async def gather(self, round, payload, *, loss, param_digest, samples=1, pace=None):
     g = torch.Generator().manual_seed(round)
     tensors = {}
     for name, c in payload.tensors.items():
@@ -69,7 +69,7 @@ async def gather(self, round, payload, *, loss, param_digest, samples=1):
             val = torch.randn(c.val.shape, generator=g) * rms * 1000
         tensors[name] = Compressed(idx=c.idx, val=val.float(), shape=c.shape, chunk=c.chunk)
     return await _gather(self, round, Payload(tensors=tensors, encoding="fp32"), loss=loss,
-                         param_digest=param_digest, samples=samples)
+                         param_digest=param_digest, samples=samples, pace=pace)
 
 
 Gatherer.gather = gather

@@ -29,9 +29,12 @@ def test_rules_come_from_the_run_config_and_refuse_bad_values() -> None:
     cfg = load_config(None, {}, overrides={"optim": {"compression_topk": 7},
                                            "net": {"aggregate_encoding": "fp16", "clip_to_median_norm": False,
                                                    "max_payload_norm": 0.0}})
-    assert MergeRules.from_config(cfg) == MergeRules(topk=7, encoding="fp16", clip=False, max_norm=None)
+    assert MergeRules.from_config(cfg) == MergeRules(topk=7, encoding="fp16", clip=False, max_norm=None, min_k=1,
+                                                     max_k=7)  # the floor: 7 / 8, rounded up
     with pytest.raises(ValueError, match="topk"):
         MergeRules(topk=0)
+    with pytest.raises(ValueError, match="min_k"):
+        MergeRules(topk=4, min_k=5, max_k=4)
     with pytest.raises(ValueError, match="encoding"):
         MergeRules(topk=4, encoding="int8")
 

@@ -495,7 +495,7 @@ class _FakeClient:
     digest_follows = False
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Any,
-                     samples: int = 1) -> RoundResult:
+                     samples: int = 1, pace: Any = None) -> RoundResult:
         outcome = self.outcomes.pop(0)
         if isinstance(outcome, Exception):
             raise outcome

@@ -262,9 +262,9 @@ async def test_a_canonical_digest_that_comes_after_the_aggregate_is_checked_befo
             backwards[0] += 1
             return loss
 
-        def recorded(undoable: bool = False) -> Payload:
+        def recorded(undoable: bool = False, topk: int | None = None) -> Payload:
             compressed_from[run.loops[FAULTY].round] = _momentum(trainer)
-            return compress(undoable)
+            return compress(undoable, topk)
 
         trainer.forward_backward, trainer.compress = counted, recorded  # type: ignore[method-assign]
 

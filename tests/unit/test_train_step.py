@@ -72,10 +72,10 @@ def _grad_norm_at_compress(trainer: Trainer) -> list[float]:
     seen: list[float] = []
     compress = trainer.opt.compress
 
-    def spy(undoable: bool = False) -> Payload:
+    def spy(undoable: bool = False, topk: int | None = None) -> Payload:
         seen.append(float(torch.linalg.vector_norm(torch.stack(
             [p.grad.norm() for p in trainer.model.parameters() if p.grad is not None]))))
-        return compress(undoable=undoable)
+        return compress(undoable=undoable, topk=topk)
 
     trainer.opt.compress = spy  # type: ignore[method-assign]
     return seen
