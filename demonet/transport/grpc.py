@@ -128,6 +128,7 @@ class GrpcClient:
         """From the JoinReply: what this key's signatures cover."""
         self._counter = 0
         """The last counter this session signed (a counted request takes the next; a join starts again)."""
+        self._joining = asyncio.Lock()
         self._submitted: dict[int, asyncio.Event] = {}
         """Round -> set once this client's Submit for it has ended: a payload sent ahead waits for the one
         before it, so that the two never share the link."""
@@ -162,9 +163,24 @@ class GrpcClient:
 
     async def _call(self, what: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
         """`grpc_retry.call` on this client's channel: retried while the coordinator is unreachable, for up to
-        reconnect_timeout_s from the first failure, and after the waits a call over its rate is told."""
-        return await grpc_retry.call(what, attempt, channel=self._channel, address=self.address,
-                                     peer_id=self.peer_id, reconnect_timeout_s=self.reconnect_timeout_s)
+        reconnect_timeout_s from the first failure, and after the waits a call over its rate is told.
+
+        A call signed in a session that a join of this client replaced meanwhile (the heartbeats and a catch-up
+        run beside each other) is refused PERMISSION_DENIED: it is signed again in the new session (each
+        attempt signs anew), and a Submit, whose parts are signed once, is refused as from a non-member (its
+        round is the old membership's). A refusal within the current session stays final."""
+        while True:
+            session = self._session
+            try:
+                return await grpc_retry.call(what, attempt, channel=self._channel, address=self.address,
+                                             peer_id=self.peer_id, reconnect_timeout_s=self.reconnect_timeout_s)
+            except grpc_retry.CallRefused as e:
+                if e.code != grpc.StatusCode.PERMISSION_DENIED or not session or self._session == session:
+                    raise
+                if what.startswith("Submit"):
+                    raise NotMember(f"{what}: signed in a session this peer's join replaced") from None
+                logger.info("[%s] %s: signed in a session a join replaced meanwhile; signing it again",
+                            self.peer_id, what)
 
     # -- unary calls -----------------------------------------------------------------------------------
 
@@ -181,14 +197,15 @@ class GrpcClient:
             return await self._stub.Join(request, metadata=self._metadata, timeout=self.call_timeout_s)
 
         try:
-            reply = await self._call("Join", attempt)
+            async with self._joining:  # one join at a time: the session kept is the coordinator's latest
+                reply = await self._call("Join", attempt)
+                info = join_info(reply, self.peer_id, self.address)  # another protocol: refused here, first
+                if not probe:
+                    self._session, self._counter = reply.session, 0
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # refused for its protocol version
                 raise
             raise PermissionError(f"Join: the coordinator at {self.address} refused this peer: {e.details()}") from None
-        info = join_info(reply, self.peer_id, self.address)  # another protocol refused here, before the session
-        if not probe:
-            self._session, self._counter = reply.session, 0
         self.round_timeout_s = reply.round_timeout_s
         return info
 

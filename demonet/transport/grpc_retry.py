@@ -19,7 +19,7 @@ import tenacity
 
 from demonet.errors import PeerUnavailable
 
-__all__ = ["AUTH_CODES", "BACKOFF_CAP_S", "BACKOFF_FIRST_S", "RETRY_CODES", "call"]
+__all__ = ["AUTH_CODES", "BACKOFF_CAP_S", "BACKOFF_FIRST_S", "RETRY_CODES", "CallRefused", "call"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,16 @@ RETRY_CODES = (
     grpc.StatusCode.CANCELLED,  # a coordinator that stops with a grace period cancels the calls still open
 )
 AUTH_CODES = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+class CallRefused(PermissionError):
+    """The coordinator refused the call for who makes it (a token or a signature): `code` says which."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 BACKOFF_FIRST_S = 0.2
 """The first wait before a call is tried again; each next one doubles, up to BACKOFF_CAP_S."""
 BACKOFF_CAP_S = 5.0
@@ -137,8 +147,8 @@ async def _call_once(what: str, attempt: Callable[[], Awaitable[_T]], channel: g
                 result = await attempt()
     except grpc.aio.AioRpcError as e:
         if e.code() in AUTH_CODES:
-            raise PermissionError(f"{what}: the coordinator at {address} refused the call "
-                                  f"({e.code().name}: {e.details()})") from None
+            raise CallRefused(f"{what}: the coordinator at {address} refused the call "
+                              f"({e.code().name}: {e.details()})", e.code()) from None
         raise
     if give_up_at:
         logger.info("[%s] %s: the coordinator answers again", peer_id or "-", what)

@@ -134,3 +134,34 @@ async def test_a_getaggregate_flood_is_held_to_the_public_rate_outside_every_pee
     assert document["run"]["bytes_down"] > 0
     kinds = _kinds(document)
     assert kinds == {"rate": len(document["refusals"])} and kinds["rate"] >= 1, kinds  # the bounded list: all rate
+
+
+async def test_a_request_signed_before_the_peers_own_rejoin_is_signed_again_not_fatal(tmp_path: Path) -> None:
+    """The heartbeats and a catch-up run beside each other: a join may land while a heartbeat signed in the
+    session before it is on its way. The coordinator refuses that one (the old session is void, as against a
+    replay); the client signs it again in its new session, instead of ending the peer as for a bad key."""
+    from tests.integration.common import coordinator_in_process
+
+    async with coordinator_in_process(tmp_path, token=TOKEN, steps=4) as (address, _):
+        client = GrpcClient(address, token=TOKEN, peer_id="a")
+        try:
+            await client.join()
+            beat, rejoined = client._stub.Heartbeat, []
+
+            async def rejoin_first(request: pb.HeartbeatRequest, **kwargs: Any) -> Any:
+                if not rejoined:  # the request is signed in the first session: the second replaces it
+                    rejoined.append(await client.join())
+                return await beat(request, **kwargs)
+
+            client._stub.Heartbeat = rejoin_first
+            round_, member = await client.heartbeat(0)
+            assert rejoined and member and round_ == 0
+            async with grpc.aio.insecure_channel(address) as channel:
+                from demonet._proto import demonet_pb2_grpc as pbg
+                stub = pbg.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
+                status = await stub.Status(pb.StatusRequest(detail=True),
+                                           metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=10)
+            refusals = json.loads(status.detail_json)["refusals"]
+            assert [r["kind"] for r in refusals if r["peer"] == "a"] == ["signature"], refusals
+        finally:
+            await client.close()
