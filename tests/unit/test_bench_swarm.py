@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from demonet.lab.evidence import Run, Swarm
+from demonet.lab.evidence import Run, Swarm, slowdown
 from demonet.lab.evidence.cli import main
 from demonet.lab.evidence.report import mixed_table, swarm_figures
 from demonet.lab.evidence.slowdown import ENV, gpt, slow_down
@@ -76,7 +76,7 @@ def test_values_that_are_not_positive_numbers_are_refused(tmp_path: Path, capsys
 
 
 class _Sleepy(torch.nn.Module):
-    """A forward that takes 30 ms (and a backward that takes next to nothing)."""
+    """A forward that takes at least 30 ms (and a backward that takes next to nothing)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,25 +87,41 @@ class _Sleepy(torch.nn.Module):
         return (self.w * x).sum()
 
 
-def _forward_backward_s(model: torch.nn.Module) -> float:
-    t0 = time.perf_counter()
-    model(torch.ones(3)).backward()
-    return time.perf_counter() - t0
+@pytest.fixture
+def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every `time.sleep` the slowdown asks for, in seconds (each still sleeps)."""
+    calls: list[float] = []
+    real = time.sleep
+
+    def sleep(seconds: float) -> None:
+        calls.append(seconds)
+        real(seconds)
+
+    monkeypatch.setattr(slowdown.time, "sleep", sleep)
+    return calls
 
 
-def test_a_slowdown_makes_each_forward_and_backward_take_that_many_times_as_long() -> None:
+def test_a_slowdown_makes_each_forward_and_backward_take_that_many_times_as_long(slept: list[float]) -> None:
     plain, slowed = _Sleepy(), _Sleepy()
     slow_down(plain, 1.0)
     slow_down(slowed, 3.0)
     for _ in range(2):  # every backward, not the first only
-        assert _forward_backward_s(plain) < 0.06
-        assert _forward_backward_s(slowed) >= 3 * 0.03
+        slept.clear()
+        plain(torch.ones(3)).backward()
+        assert slept == [0.03]  # the forward's own sleep, none added
+        slept.clear()
+        t0 = time.perf_counter()
+        slowed(torch.ones(3)).backward()
+        took_s = time.perf_counter() - t0
+        assert slept[0] == 0.03 and len(slept) == 2 and slept[1] >= 2 * 0.03  # twice the forward and backward
+        assert took_s >= 3 * 0.03
     assert slowed.w.grad is not None and torch.equal(slowed.w.grad, torch.full((3,), 2.0))  # gradients untouched
     with pytest.raises(ValueError, match="a slowdown should be >= 1, got 0.5"):
         slow_down(_Sleepy(), 0.5)
 
 
-def test_the_slowdown_task_is_the_builtin_gpt_slowed_by_its_process_factor(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_slowdown_task_is_the_builtin_gpt_slowed_by_its_process_factor(monkeypatch: pytest.MonkeyPatch,
+                                                                           slept: list[float]) -> None:
     model = {"vocab_size": 256, "seq_len": 16, "d_model": 32, "n_layers": 1, "n_heads": 2}
     monkeypatch.setenv(ENV, "4")
     task = gpt(batch_size=2, batch_seq_len=16, **model)
@@ -113,12 +129,14 @@ def test_the_slowdown_task_is_the_builtin_gpt_slowed_by_its_process_factor(monke
     assert x_BT.shape == (2, 16)
     t0 = time.perf_counter()
     task.loss(task.model, (x_BT, y_BT)).backward()
-    slowed_s = time.perf_counter() - t0
+    took_s = time.perf_counter() - t0
+    # the sleep is 3x the forward and backward before it: the whole took at least 4/3 of the sleep
+    assert len(slept) == 1 and 0 < slept[0] and took_s >= slept[0] * 4 / 3
     monkeypatch.delenv(ENV)
+    slept.clear()
     plain = gpt(batch_size=2, batch_seq_len=16, **model)
-    t0 = time.perf_counter()
     plain.loss(plain.model, (x_BT, y_BT)).backward()
-    assert slowed_s > 2 * (time.perf_counter() - t0)
+    assert slept == []
 
 
 def _records(times: list[float], **fields: Any) -> list[dict[str, Any]]:

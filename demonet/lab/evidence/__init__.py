@@ -2,8 +2,8 @@
 
 A bench package: starts every system as real processes in a `demonet.lab.netlab` lab (4 peers by default, each link
 shaped with tbf to its peer's speed, each peer slowed by its factor: a `Swarm`), samples the links' kernel byte
-counters, and hands the step records to `report`. Each system is one launcher function in `SYSTEMS`; a new system
-is one more entry.
+counters, and hands the step records to `report` (`sweep` runs every system on every swarm). Each system is one
+launcher function in `SYSTEMS`; a new system is one more entry.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from .slowdown import ENV as SLOWDOWN_ENV
 from .slowdown import TASK as SLOWDOWN_TASK
 from .swarm import Swarm
 
-__all__ = ["EVIDENCE_MODEL", "SYSTEMS", "BenchSetup", "Run", "Swarm", "System", "load_runs", "run_bench",
-           "run_system", "save_run"]
+__all__ = ["EVIDENCE_MODEL", "SYSTEMS", "BenchSetup", "Run", "Swarm", "System", "run_system"]
 
 EVIDENCE_MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_layers=4, n_heads=4)
 """3.2M parameters: a 13 MB fp32 gradient costs DDP seconds per step at 10 Mbit/s, while a forward and
@@ -375,43 +374,3 @@ def run_system(system: System, setup: BenchSetup, swarm: Swarm, out: Path, *,
             _sample(lab, run.samples)  # one after the last step, however soon the run ended after it
             run.ended_at = time.time()
     return run
-
-
-def run_bench(setup: BenchSetup, systems: list[str], swarms: list[Swarm], out: Path,
-              progress: bool = True) -> list[Run]:
-    """Every system on every swarm, one after the other, each in its own lab."""
-    from tqdm import tqdm
-
-    runs = []
-    for swarm in swarms:
-        for name in systems:
-            bar = tqdm(total=setup.steps, desc=f"{name} @ {swarm.label}", unit="step", disable=not progress)
-
-            def update(done: int, bar: Any = bar) -> None:
-                bar.update(max(0, min(done, setup.steps) - bar.n))
-
-            try:
-                run = run_system(SYSTEMS[name], setup, swarm, out / f"{name}-{swarm.folder}", on_step=update)
-            finally:
-                bar.close()
-            save_run(run)
-            runs.append(run)
-    return runs
-
-
-def save_run(run: Run) -> None:
-    """``<run.out>/run.json``: the records and samples, so the report can be made again (`load_runs`)."""
-    data = dataclasses.asdict(run)
-    data.update(out=str(run.out), final_params=str(run.final_params) if run.final_params else None)
-    (run.out / "run.json").write_text(json.dumps(data))
-
-
-def load_runs(out: Path) -> list[Run]:
-    """The runs `run_bench` saved under `out`, in the order they ran."""
-    runs = []
-    for path in out.glob("*/run.json"):
-        data = json.loads(path.read_text())
-        data.update(out=Path(data["out"]), final_params=Path(data["final_params"]) if data["final_params"] else None,
-                    samples={h: [tuple(x) for x in v] for h, v in data["samples"].items()})
-        runs.append(Run(**data))
-    return sorted(runs, key=lambda r: r.launched_at)

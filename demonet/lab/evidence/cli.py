@@ -16,7 +16,8 @@ from pathlib import Path
 
 from demonet.lab import netlab
 
-from . import SYSTEMS, BenchSetup, Swarm, load_runs, run_bench
+from . import SYSTEMS, BenchSetup, Swarm
+from .sweep import load_runs, run_bench
 
 __all__ = ["add_arguments", "main", "run"]
 
