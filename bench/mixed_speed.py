@@ -1,24 +1,27 @@
-"""Benchmark: a swarm whose peers differ in speed, coordinator mode on loopback (docs/coordinator.md#mixed-speed-peers).
+"""Benchmark: a swarm whose peers differ in speed, on loopback (docs/coordinator.md#mixed-speed-peers), in coordinator
+mode or, with --dht, in DHT mode (docs/dht.md#mixed-speed-peers).
 
 Four peers train the example CNN (`examples/custom_task.py`); each micro-batch's loss sleeps a peer's time, as
-a slower or faster accelerator would (--sleeps-s, default 0.25,0.25,0.25,1.0: one peer 4x slower). Four systems
-run one after the other, each a real coordinator and peer processes:
+a slower or faster accelerator would (--sleeps-s, default 0.25,0.25,0.25,1.0: one peer 4x slower). The systems
+run one after the other, each a real coordinator and peer processes (with --dht: `demonet peer --dht` processes on
+a hivemind DHT, no coordinator):
 
 - `lockstep`: `[net] lockstep = true`, every peer trains one micro-batch a round; rounds wait for the slowest;
-- `automatic`: nothing set (the default): the coordinator sets the round length from the peers' reports, every
-  peer trains as many micro-batches as fit before its cut-off, the merge weights each payload by its samples;
+- `automatic` (coordinator mode): nothing set (the default): the coordinator sets the round length from the
+  peers' reports, every peer trains as many micro-batches as fit before its cut-off, the merge weights each
+  payload by its samples;
 - `fixed`: `[net] round_s = --round-s`, otherwise as `automatic`;
 - `fast-only`: the three fast peers alone, nothing set (alike: lockstep).
 
 It prints, for each, the rounds per second, the samples computed and applied per second (the samples of the
 payloads in the rounds' aggregates over the wall-clock time of those rounds), each peer's median micro-batches a
 round, and the final loss; then the ratios the goals are stated in:
-- automatic (and fixed) samples/s against the ideal: the fast peers' rate plus the slow one's own, one
-  micro-batch per its sleep each (goal >= 0.95x); lockstep against the three fast alone (what adding the slow
-  peer costs in lockstep);
-- automatic samples/s against the three fast alone.
-Rounds before --skip are left out (first-call costs). Run from the repo root: `python bench/mixed_speed.py`.
-`--smoke`: short sleeps and 4 rounds, a check that the script runs.
+- automatic and fixed samples/s against the ideal: the fast peers' rate plus the slow one's own, one micro-batch
+  per its sleep each (goal >= 0.95x); lockstep against the three fast alone (what adding the slow peer costs in
+  lockstep);
+- automatic and fixed samples/s against the three fast alone.
+Rounds before --skip are left out (first-call costs). Run from the repo root: `python bench/mixed_speed.py`
+(`--dht` for DHT mode). `--smoke`: short sleeps and 4 rounds, a check that the script runs.
 """
 
 from __future__ import annotations
@@ -63,34 +66,61 @@ def _config(round_s: float | None, max_micro: int) -> str:
                       pace, f"max_micro_batches = {max_micro}", "heartbeat_timeout_s = 60.0"]) + "\n"
 
 
-def run(sleeps: list[float], round_s: float | None, steps: int, max_micro: int, tmp: Path
+def _coordinator(tmp: Path, steps: int, peers: int, env: dict[str, str], procs: list[subprocess.Popen[bytes]]
+                 ) -> list[str]:
+    """Start the run's coordinator; returns the `demonet peer` flags that reach it."""
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--config",
+         str(tmp / "run.toml"), "--task", "mixed_speed:task", "--steps", str(steps), "--start-peers",
+         str(peers)], stdout=subprocess.PIPE, stderr=open(tmp / "coordinator.log", "wb"), env=env, cwd=ROOT,
+        start_new_session=True)
+    procs.append(coordinator)
+    assert coordinator.stdout is not None
+    line = coordinator.stdout.readline().decode()
+    if not line.startswith("listening on"):
+        raise SystemExit(f"the coordinator did not start: {line!r}\n{(tmp / 'coordinator.log').read_text()}")
+    return ["--coordinator", line.split()[-1]]
+
+
+def _dht_flags(tmp: Path, steps: int, peers: int) -> list[str]:
+    """The `demonet peer` flags of a DHT peer of the run (the first one's multiaddr added for the others)."""
+    return ["--dht", "--run", "mixed-speed", "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--config", str(tmp / "run.toml"),
+            "--task", "mixed_speed:task", "--steps", str(steps), "--start-peers", str(peers)]
+
+
+def _first_maddr(log: Path, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> str:
+    """The multiaddr the first DHT peer prints once its node runs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("dht listening on "):
+                return line.removeprefix("dht listening on ").strip()
+        time.sleep(0.2)
+    raise SystemExit(f"the first DHT peer did not start:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def run(sleeps: list[float], round_s: float | None, steps: int, max_micro: int, tmp: Path, dht: bool = False
         ) -> dict[str, list[dict[str, Any]]]:
-    """One swarm: a coordinator and a peer per sleep; returns each peer's metrics rows."""
+    """One swarm: a coordinator and a peer per sleep (`dht`: a DHT peer per sleep); returns each peer's metrics rows."""
     (tmp / "run.toml").write_text(_config(round_s, max_micro))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'bench'}", "DEMONET_TOKEN": TOKEN,
            "OMP_NUM_THREADS": "1"}
     procs: list[subprocess.Popen[bytes]] = []
     out = tmp / "out"
     try:
-        coordinator = subprocess.Popen(
-            [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--config",
-             str(tmp / "run.toml"), "--task", "mixed_speed:task", "--steps", str(steps), "--start-peers",
-             str(len(sleeps))], stdout=subprocess.PIPE, stderr=open(tmp / "coordinator.log", "wb"), env=env, cwd=ROOT,
-            start_new_session=True)
-        procs.append(coordinator)
-        assert coordinator.stdout is not None
-        line = coordinator.stdout.readline().decode()
-        if not line.startswith("listening on"):
-            raise SystemExit(f"the coordinator did not start: {line!r}\n{(tmp / 'coordinator.log').read_text()}")
-        address = line.split()[-1]
+        reach = _dht_flags(tmp, steps, len(sleeps)) if dht else _coordinator(tmp, steps, len(sleeps), env, procs)
+        peers = []
         for i, sleep_s in enumerate(sleeps):
             log = open(tmp / f"peer-{i}.log", "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "demonet", "peer", "--coordinator", address, "--peer-id", f"peer-{i}",
+            peers.append(subprocess.Popen(
+                [sys.executable, "-m", "demonet", "peer", *reach, "--peer-id", f"peer-{i}",
                  "--out", str(out), "--threads", "1", "--checkpoint-every", "0"], stdin=subprocess.DEVNULL,
                 stdout=log, stderr=log, env={**env, "DEMONET_BENCH_SLEEP_S": str(sleep_s)}, cwd=ROOT,
                 start_new_session=True))
-        for i, proc in enumerate(procs[1:]):
+            procs.append(peers[-1])
+            if dht and i == 0:  # the others find the DHT through the first one
+                reach = [*reach, "--initial-peers", _first_maddr(tmp / "peer-0.log", peers[0])]
+        for i, proc in enumerate(peers):
             if proc.wait(timeout=600) != 0:
                 raise SystemExit(f"peer-{i} failed:\n{(tmp / f'peer-{i}.log').read_text()[-3000:]}")
     finally:
@@ -130,6 +160,7 @@ def main() -> int:
     parser.add_argument("--skip", type=int, default=2, help="rounds left out at the start")
     parser.add_argument("--max-micro-batches", type=int, default=16)
     parser.add_argument("--smoke", action="store_true", help="short sleeps and 4 rounds: a check that it runs")
+    parser.add_argument("--dht", action="store_true", help="DHT mode: peers on a hivemind DHT, no coordinator")
     args = parser.parse_args()
     if args.smoke:
         args.sleeps_s, args.round_s, args.steps, args.skip = "0.02,0.02,0.02,0.08", 0.4, 4, 1
@@ -137,19 +168,21 @@ def main() -> int:
     slow = max(sleeps)
     fast = [s for s in sleeps if s < slow] or sleeps[:-1]
     batch = 16
-    systems: dict[str, tuple[list[float], float | None]] = {
-        "lockstep": (sleeps, None), "automatic": (sleeps, 0.0), "fixed": (sleeps, args.round_s),
-        "fast-only": (fast, 0.0)}
+    systems: dict[str, tuple[list[float], float | None]] = {"lockstep": (sleeps, None)}
+    if not args.dht:  # DHT mode has no automatic length: its round_s = 0 is lockstep
+        systems["automatic"] = (sleeps, 0.0)
+    systems.update({"fixed": (sleeps, args.round_s), "fast-only": (fast, 0.0)})
     results = {}
     for name, (peer_sleeps, round_s) in systems.items():
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            results[name] = summarize(run(peer_sleeps, round_s, args.steps, args.max_micro_batches, Path(tmp)),
-                                      args.skip)
+            results[name] = summarize(run(peer_sleeps, round_s, args.steps, args.max_micro_batches, Path(tmp),
+                                          dht=args.dht), args.skip)
             results[name]["wall_s"] = time.perf_counter() - t0
     ideal = batch * sum(1.0 / s for s in sleeps)  # every peer busy, one micro-batch per its sleep, no exchange
     fast_alone = results["fast-only"]["samples_per_s"]
-    print(f"mixed-speed swarm: sleeps {sleeps} s a micro-batch of {batch}; fixed round_s = {args.round_s} s; "
+    print(f"mixed-speed swarm, {'DHT' if args.dht else 'coordinator'} mode: sleeps {sleeps} s a micro-batch of "
+          f"{batch}; fixed round_s = {args.round_s} s; "
           f"rounds {args.skip}-{args.steps - 1}")
     print(f"{'system':10} {'rounds/s':>9} {'samples/s':>10} {'loss':>7} {'incomplete':>10} {'digests':>8}  "
           f"micro-batches a round (median, per peer)")
@@ -160,6 +193,8 @@ def main() -> int:
     print(f"lockstep / fast-only samples/s: {results['lockstep']['samples_per_s'] / fast_alone:.2f}x "
           "(what adding the slow peer costs in lockstep)")
     for name in ("automatic", "fixed"):
+        if name not in results:
+            continue
         rate = results[name]["samples_per_s"]
         met = rate / ideal >= GOAL_IDEAL
         print(f"{name} / fast-only samples/s: {rate / fast_alone:.2f}x; {name} / ideal ({ideal:.1f} samples/s: every "

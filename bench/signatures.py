@@ -48,7 +48,7 @@ def main() -> None:
                                                                           2.5), args.repeat)),
         ("sign it (peer)", _median_us(lambda: key.sign(message), args.repeat)),
         ("verify it (coordinator)", _median_us(lambda: verify(key.public, signature, message), args.repeat)),
-        ("heartbeat: build + sign (peer)", _median_us(lambda: key.sign(heartbeat_statement(session, "peer-0", 1234)),
+        ("heartbeat: build + sign (peer)", _median_us(lambda: key.sign(heartbeat_statement(session, "peer-0", 1234, 1)),
                                                       args.repeat)),
     ]
     print("| step | median us |")

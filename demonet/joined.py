@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from demonet.config import Config, load_config, load_token
+from demonet.config import TOKEN_ENV, Config, load_config
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.joining import RunTransport, open_coordinator, open_dht
 from demonet.loop import RoundLog, RoundLoop
@@ -336,7 +336,9 @@ def join(coordinator: str | None = None, *, token: str | None = None, peer_id: s
     """
     if (coordinator is None) == (dht_initial_peers is None):
         raise ValueError("give either coordinator='HOST:PORT' or dht_initial_peers=[...] (DHT mode)")
-    token = token if token is not None else load_token(None, os.environ)
+    token = token if token is not None else os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(f"no token: pass token=... or set {TOKEN_ENV}")
     peer_id = peer_id or f"{socket.gethostname()}-{os.getpid()}"
     folder = Path(out) if out is not None else None
     key_file = Path(key) if key is not None else folder / f"peer-{peer_id}.key" if folder is not None else None

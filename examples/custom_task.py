@@ -2,8 +2,11 @@
 
 Train it with any demonet command, from the folder that holds `examples/`:
 
-    demonet train --task examples.custom_task:task --peers 2 --steps 50
-    demonet up --task examples.custom_task:task --peers 2 --steps 50 --out runs/cnn
+    demonet train --task examples.custom_task:task --peers 2 --steps 100 --lr 0.03
+    demonet up --task examples.custom_task:task --peers 4 --steps 200 --lr 0.03 --out runs/cnn
+
+It wants a learning rate of 0.03: the default 3e-3 suits the built-in GPT, and moves this network's loss
+little from ln 4 in 200 rounds.
 
 With a run config, its `[task]` table is the function's keyword arguments (`size = 16`, `classes = 4`).
 """

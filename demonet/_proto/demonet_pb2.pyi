@@ -172,21 +172,23 @@ class ChallengeReply(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("peer_id", "probe", "public_key", "nonce", "signature")
+    __slots__ = ("peer_id", "probe", "public_key", "nonce", "signature", "protocol")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     probe: bool
     public_key: bytes
     nonce: bytes
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., probe: bool = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    protocol: int
+    def __init__(self, peer_id: _Optional[str] = ..., probe: bool = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds", "param_specs", "session")
+    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds", "param_specs", "session", "protocol")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +198,7 @@ class JoinReply(_message.Message):
     TOTAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PARAM_SPECS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     run_config: str
@@ -205,17 +208,20 @@ class JoinReply(_message.Message):
     total_rounds: int
     param_specs: str
     session: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
+    protocol: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ..., session: _Optional[bytes] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "signature")
+    __slots__ = ("peer_id", "round", "signature", "counter")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    counter: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("round", "member")
@@ -226,14 +232,16 @@ class HeartbeatReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., member: bool = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "signature")
+    __slots__ = ("peer_id", "round", "signature", "counter")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    counter: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ("left",)
@@ -242,16 +250,18 @@ class LeaveReply(_message.Message):
     def __init__(self, left: bool = ...) -> None: ...
 
 class ParametersRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "resync", "signature")
+    __slots__ = ("peer_id", "round", "resync", "signature", "counter")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     resync: bool
     signature: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ..., signature: _Optional[bytes] = ...) -> None: ...
+    counter: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class SubmitPart(_message.Message):
     __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature", "digest_follows", "samples", "need_s", "least_s")
@@ -292,14 +302,18 @@ class SubmitReply(_message.Message):
     def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., resync: bool = ..., refusal: _Optional[_Union[Refusal, str]] = ..., open_round: _Optional[int] = ...) -> None: ...
 
 class AggregateRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "submitting")
+    __slots__ = ("peer_id", "round", "submitting", "signature", "counter")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SUBMITTING_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     submitting: bool
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., submitting: bool = ...) -> None: ...
+    signature: bytes
+    counter: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., submitting: bool = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class AggregateHeader(_message.Message):
     __slots__ = ("round", "aborted", "contributors", "next_round_s")
@@ -368,7 +382,7 @@ class StatusReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., phase: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., submitted: _Optional[int] = ..., seconds_left: _Optional[float] = ..., param_digest: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., last_loss: _Optional[float] = ..., rounds_closed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., rejected: _Optional[int] = ..., resyncs: _Optional[int] = ..., detail_json: _Optional[str] = ...) -> None: ...
 
 class DhtMessage(_message.Message):
-    __slots__ = ("run", "round", "sender", "kind", "slice", "num_slices", "members_digest", "contributors", "error", "sent_at", "part", "signature", "mac", "call", "ahead")
+    __slots__ = ("run", "round", "sender", "kind", "slice", "num_slices", "members_digest", "contributors", "error", "sent_at", "part", "signature", "mac", "call", "ahead", "samples")
     RUN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +398,7 @@ class DhtMessage(_message.Message):
     MAC_FIELD_NUMBER: _ClassVar[int]
     CALL_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     run: str
     round: int
     sender: str
@@ -399,4 +414,5 @@ class DhtMessage(_message.Message):
     mac: bytes
     call: int
     ahead: bool
-    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., kind: _Optional[_Union[DhtKind, str]] = ..., slice: _Optional[int] = ..., num_slices: _Optional[int] = ..., members_digest: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., call: _Optional[int] = ..., ahead: bool = ...) -> None: ...
+    samples: int
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., kind: _Optional[_Union[DhtKind, str]] = ..., slice: _Optional[int] = ..., num_slices: _Optional[int] = ..., members_digest: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., call: _Optional[int] = ..., ahead: bool = ..., samples: _Optional[int] = ...) -> None: ...

@@ -7,27 +7,23 @@ Reads configuration (demonet.config) and hands explicit arguments to the library
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-import torch
-
-from demonet import health, peer
-from demonet.config import load_config
-from demonet.dht import peer as peer_dht
 from demonet.log import setup_logging
-from demonet.train.tokens import TokenFile
-
-from . import data, export, keygen, status, up
 
 __all__ = ["main"]
 
 logger = logging.getLogger(__name__)
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command's parser. Only `command`'s own flags are added (its module imported), so that `demonet --help`
+    and the light subcommands do not import torch (bench/cli_start.py)."""
     parser = argparse.ArgumentParser(prog="demonet", description="Decentralized training with DeMo.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
@@ -55,26 +51,32 @@ def _parser() -> argparse.ArgumentParser:
     peer_parser = sub.add_parser("peer", help="train as one peer of a coordinator's run (or of a DHT run: --dht)",
                                  description="Join a coordinator, download its parameters, train its rounds; or, "
                                              "with --dht, meet the other peers on a hivemind DHT.")
-    peer.add_arguments(peer_parser)
-    peer_dht.add_arguments(peer_parser)
-    data.add_arguments(sub.add_parser("data", help="prepare training data: tokenize text into a token file",
-                                      description="Prepare training data (docs/data.md)."))
+    data_parser = sub.add_parser("data", help="prepare training data: tokenize text into a token file",
+                                 description="Prepare training data (docs/data.md).")
     sub.add_parser("bench", add_help=False, help="compare with AdamW-DDP and hivemind over shaped links (root)")
-    status.add_arguments(sub.add_parser(
+    status_parser = sub.add_parser(
         "status", help="print a run's status: the run, recent rounds, members, refusals (--json: as JSON)",
         description="Ask a coordinator (gRPC, with the run token) or a dashboard (HTTP, e.g. a DHT peer's) for the "
-                    "run's status document (docs/dashboard.md) and print it as tables, or as JSON with --json."))
-    health.add_arguments(sub.add_parser("health", help="exit 0 if a coordinator's gRPC health service serves",
-                                        description="Ask a coordinator's standard gRPC health service (no "
-                                                    "token needed); exit 0 on SERVING, 1 otherwise."))
-    export.add_arguments(sub.add_parser(
+                    "run's status document (docs/dashboard.md) and print it as tables, or as JSON with --json.")
+    health_parser = sub.add_parser("health", help="exit 0 if a coordinator's gRPC health service serves",
+                                   description="Ask a coordinator's standard gRPC health service (no "
+                                               "token needed); exit 0 on SERVING, 1 otherwise.")
+    export_parser = sub.add_parser(
         "export", help="write a coordinator's saved parameters as a safetensors file",
         description="Read DIR/coordinator-state.pt (a coordinator's --state-dir) and write its canonical "
-                    "parameters, by name, as a safetensors file (needs the extra: pip install 'demonet[hf]')."))
-    keygen.add_arguments(sub.add_parser(
+                    "parameters, by name, as a safetensors file (needs the extra: pip install 'demonet[hf]').")
+    keygen_parser = sub.add_parser(
         "keygen", help="write a peer's Ed25519 key file and print its allowlist line",
         description="Write a new Ed25519 key (a peer's identity in coordinator mode; `demonet peer --key`) and print "
-                    "its public key as the line an allowlist file takes (docs/security.md)."))
+                    "its public key as the line an allowlist file takes (docs/security.md).")
+    parsers = {"peer": peer_parser, "data": data_parser, "status": status_parser, "health": health_parser,
+               "export": export_parser, "keygen": keygen_parser}
+    if command in parsers:
+        _command_module(command).add_arguments(parsers[command])
+    if command == "peer":
+        from demonet.dht import peer as peer_dht
+
+        peer_dht.add_arguments(peer_parser)
     up = sub.add_parser("up", help="a coordinator and N peers on this machine, as processes",
                         description="Start a coordinator and N peers on localhost, show the progress, then "
                                     "write metrics.jsonl, loss.png and summary.json into the run folder.")
@@ -84,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--config", help="TOML file with the run's [model], [optim], [train] and [net] tables")
     up.add_argument("--task", metavar="MODULE:FUNCTION", help="the model, data and loss to train, a demonet.Task "
                                                               "(default: the built-in byte-level GPT)")
+    up.add_argument("--lr", type=float, help="learning rate, the run's [optim] lr (default 3e-3, for the built-in "
+                                              "GPT; examples.custom_task wants 0.03)")
     up.add_argument("--round-timeout-s", type=float, help="close a round this long after it opens")
     up.add_argument("--state-every-s", type=float, default=0.0,
                     help="the coordinator writes its state at most this often (0: after every round it can)")
@@ -97,10 +101,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_module(command: str) -> Any:
+    """The module of a subcommand (its `add_arguments` and `run`), imported now."""
+    if command == "peer":
+        from demonet import peer
+
+        return peer
+    if command == "health":
+        from demonet import health
+
+        return health
+    return importlib.import_module(f"demonet.cli.{command}")
+
+
+def _parser_for(argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser of a command line: with the flags of its subcommand (the first word that is not a flag)."""
+    return _parser(next((a for a in argv if not a.startswith("-")), None))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `demonet` command; returns the process exit code."""
     setup_logging()
-    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser_for(argv)
     args, rest = parser.parse_known_args(argv)
     if args.command == "coordinator":
         return _coordinator(rest)
@@ -112,25 +135,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "train":
         return _train(args)
-    if args.command == "peer":
-        return peer_dht.run(args) if args.dht else peer.run(args)
-    if args.command == "status":
-        return status.run(args)
-    if args.command == "health":
-        return health.run(args)
-    if args.command == "up":
-        return up.run(args)
-    if args.command == "keygen":
-        return keygen.run(args)
-    if args.command == "export":
-        return export.run(args)
-    if args.command == "data":
-        return data.run(args)
-    return 2  # unreachable: argparse requires a command
+    if args.command == "peer" and args.dht:
+        from demonet.dht import peer as peer_dht
+
+        return int(peer_dht.run(args))
+    return int(_command_module(args.command).run(args))
 
 
 def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from demonet.config import load_config
     from demonet.loop.local import run_local
+    from demonet.train.tokens import TokenFile
 
     try:
         cfg = load_config(args.config, os.environ, {

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from demonet.errors import KeyFileError
-from demonet.wire.identity import Identity, public_text
 
 __all__ = ["add_arguments", "run"]
 
@@ -21,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write (or with --show read) the key; print ``ed25519:<hex> [peer_id]`` on stdout, the fingerprint on stderr."""
+    from demonet.wire.identity import Identity, public_text  # the wire package loads torch: not for --help
+
     path = Path(args.out)
     try:
         if args.show:

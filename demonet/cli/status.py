@@ -18,9 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from demonet.config import TOKEN_ENV, load_token
 from demonet.errors import DemonetError
-from demonet.transport.grpc import GrpcClient
 
 __all__ = ["add_arguments", "format_status", "run"]
 
@@ -34,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--coordinator", help="HOST:PORT of the coordinator (gRPC, with the run token)")
     where.add_argument("--dashboard", metavar="URL",
                        help="a dashboard's address, e.g. http://HOST:PORT/ (a coordinator's or a DHT peer's; no token)")
-    parser.add_argument("--token-file", help=f"file holding the run token (default: the {TOKEN_ENV} env var)")
+    parser.add_argument("--token-file", help="file holding the run token (default: the DEMONET_TOKEN env var)")
     parser.add_argument("--tls-root-cert", help="PEM file to verify a TLS coordinator (default: plaintext)")
     parser.add_argument("--json", action="store_true", help="print the document as JSON (docs/dashboard.md)")
     parser.add_argument("--rounds", type=int, default=5, help="recent rounds to list (5)")
@@ -49,6 +47,8 @@ def _fetch(url: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run `demonet status`; returns the exit code (2: bad flags or files, 1: no answer)."""
+    from demonet.config import load_token  # with the optimizer's settings, torch: not for --help or --dashboard
+
     try:
         if args.coordinator:
             token = load_token(args.token_file, os.environ)
@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _ask(address: str, token: str, root_cert: bytes | None) -> dict[str, Any]:
+    from demonet.transport.grpc import GrpcClient
+
     client = GrpcClient(address, token=token, root_cert=root_cert, reconnect_timeout_s=10.0)
     try:
         return await client.status_document()
@@ -74,6 +76,23 @@ async def _ask(address: str, token: str, root_cert: bytes | None) -> dict[str, A
 
 
 # -- the tables ----------------------------------------------------------------------------------------
+
+_PACE_ROUNDS = 20
+"""The pace is taken over the last this many rounds closed (the dashboard's too)."""
+
+
+def _pace(doc: dict[str, Any]) -> str:
+    """", N rounds/s, about T left" from the rounds' close times; "" before two rounds closed."""
+    recent = doc["rounds"][-(_PACE_ROUNDS + 1):]
+    if len(recent) < 2 or not recent[-1]["time"] > recent[0]["time"]:
+        return ""
+    per_s = (len(recent) - 1) / (recent[-1]["time"] - recent[0]["time"])
+    total, round = doc["run"]["total_rounds"], doc["run"]["round"]
+    if not total:
+        return f", {per_s:.2f} rounds/s"
+    left_s = max(0, total - round) / per_s
+    left = f"{left_s:.0f} s" if left_s < 90 else f"{left_s / 60:.1f} min" if left_s < 5400 else f"{left_s / 3600:.1f} h"
+    return f", {per_s:.2f} rounds/s, about {left} left"
 
 
 def _v(x: Any, digits: int = 0) -> str:
@@ -106,9 +125,9 @@ def format_status(doc: dict[str, Any], *, rounds: int = 5, refusals: int = 10) -
     run = doc["run"]
     who = "coordinator" if doc["mode"] == "coordinator" else f"DHT peer {doc['source']}"
     total = f" of {run['total_rounds']}" if run["total_rounds"] else ""
-    left = f", {run['seconds_left']:.1f} s left" if run["seconds_left"] is not None else ""
-    lines = [f"{who}: round {run['round']}{total}, {run['phase']}{left}; {run['rounds_closed']} rounds closed, "
-             f"{run['rounds_aborted']} aborted; {run['members']} members"
+    left = f", round deadline in {run['seconds_left']:.1f} s" if run["seconds_left"] is not None else ""
+    lines = [f"{who}: round {run['round']}{total}, {run['phase']}{left}{_pace(doc)}; "
+             f"{run['rounds_closed']} rounds closed, {run['rounds_aborted']} aborted; {run['members']} members"
              + (f" ({run['idle']} idle)" if run.get("idle") else ""),
              f"last loss {_v(run['last_loss'], 4)}; {_bytes(run['bytes_up'])} in, {_bytes(run['bytes_down'])} out; "
              f"{run['resyncs']} resyncs, {_v(run['rejected'])} rejected; digest {run['param_digest'][:12] or '-'}"]

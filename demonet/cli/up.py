@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import secrets
 import signal
@@ -27,7 +28,10 @@ from demonet.errors import DemonetError
 from demonet.loop.runfolder import merge_metrics, plot_loss, plot_pipeline, summarize_run, to_json
 from demonet.transport.grpc import GrpcClient
 
-__all__ = ["run"]
+__all__ = ["bar_figures", "run"]
+
+_LR_ENV = "DEMONET_OPTIM_LR"
+"""`--lr` reaches the run's config through the variable of `[optim] lr` (docs/configuration.md)."""
 
 
 logger = logging.getLogger(__name__)
@@ -126,11 +130,18 @@ async def _watch(address: str, token: str, coordinator: _Child, peers: list[_Chi
                     pass
                 else:
                     bar.update(min(status.rounds_closed, steps) - bar.n)
-                    bar.set_postfix(loss=f"{status.last_loss:.3f}", peers=len(status.members))
+                    bar.set_postfix(bar_figures(status.last_loss, len(status.members)))
             await asyncio.sleep(0.5)
     finally:
         bar.close()
         await client.close()
+
+
+def bar_figures(last_loss: float, members: int) -> dict[str, str]:
+    """The progress bar's figures: the loss once a round reported one, the peers once any joined."""
+    figures = {"loss": f"{last_loss:.3f}"} if math.isfinite(last_loss) else {}
+    figures["peers"] = str(members) if members else "joining"
+    return figures
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -144,11 +155,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.state_every_s >= 0:  # NaN too
         print(f"demonet up: --state-every-s should be >= 0, got {args.state_every_s}", file=sys.stderr)
         return 2
+    if args.lr is not None and not args.lr > 0:
+        print(f"demonet up: --lr should be > 0, got {args.lr}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(24)
     env = {**os.environ, TOKEN_ENV: token}  # never on a command line, where `ps` shows it
+    if args.lr is not None:  # above --config's [optim] lr (CLI > env > TOML), for the coordinator and DHT peers alike
+        env[_LR_ENV] = repr(args.lr)
     token_file = out / "token"  # for `demonet status --coordinator ADDR --token-file OUT/token` while it runs
     token_file.touch(mode=0o600)
     token_file.chmod(0o600)

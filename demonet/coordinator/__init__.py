@@ -35,7 +35,9 @@ __all__ = ["CoordinatorOptions", "HttpPorts", "add_arguments", "main", "run", "s
 logger = logging.getLogger(__name__)
 
 SERVICE = "demonet.v1.Coordinator"
-_MESSAGE_BYTES = 16 * 2**20  # parts are at most 2 MiB; room for headers
+_SEND_MESSAGE_BYTES = 16 * 2**20  # parts are at most 2 MiB; room for headers
+_STREAMS_PER_CONNECTION = 16
+"""HTTP/2 streams one connection may have open (a peer has a few: a heartbeat, two Submits, GetAggregate)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,8 +99,11 @@ async def serve(cfg: Config, opts: CoordinatorOptions, *, listen: str = "127.0.0
     servicer = CoordinatorServicer(cfg, opts, metrics)  # before any port opens: it may refuse --init's file
     host = listen.rsplit(":", 1)[0]
     web = await _start_http(servicer, http, host)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", _MESSAGE_BYTES)])
+    # The largest message read is one part of the largest payload of this run (limits.LimitsConfig): grpc
+    # refuses a longer one from its length prefix, before it holds the rest.
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", servicer.limits.cfg.max_message_bytes),
+                                      ("grpc.max_send_message_length", _SEND_MESSAGE_BYTES),
+                                      ("grpc.max_concurrent_streams", _STREAMS_PER_CONNECTION)])
     add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

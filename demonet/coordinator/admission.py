@@ -19,12 +19,12 @@ import grpc
 
 from demonet.errors import NotJoined, Refused
 
-from .identities import Identities, read_allowlist
+from .identities import Identities, Replayed, read_allowlist
 from .limits import Limits, RateLimits
 from .metrics import Metrics
 from .parts import Malformed
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "caller_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,14 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 def _now() -> float:
     return time.monotonic()
+
+
+def caller_address(context: Context) -> str:
+    """The caller's network address without its port ("ipv4:10.0.0.7", "ipv6:[::1]"): what limits are keyed
+    by where no verified key is (a probe, a Submit stream before its first part), never a name in a request."""
+    peer = str(context.peer() or "")
+    host, sep, port = peer.rpartition(":")
+    return host if sep and port.isdigit() and host not in ("ipv4", "ipv6") else peer
 
 
 class Admission:
@@ -80,19 +88,21 @@ class Admission:
                                 "peer_id should be 1-128 characters of letters, digits, '.', '_', '-'")
         return peer_id
 
-    async def signed(self, peer_id: str, signature: bytes, message: bytes, context: Context) -> None:
-        """Refuse (PERMISSION_DENIED) a request that `peer_id`'s key did not sign.
+    async def signed(self, peer_id: str, signature: bytes, message: bytes, context: Context,
+                     counter: int | None = None) -> None:
+        """Refuse (PERMISSION_DENIED) a request that `peer_id`'s key did not sign, or (a counted request) whose
+        `counter` its session had used (counted as "replay").
 
         Raises:
             NotJoined: no key joined as `peer_id` (the caller answers so that the peer joins).
         """
         try:
-            self.identities.check(peer_id, signature, message)
+            self.identities.check(peer_id, signature, message, counter)
         except NotJoined:
             raise
         except Refused as e:
             self.metrics.add("unauthorized")
-            self.metrics.refused(peer_id, None, "signature", str(e))
+            self.metrics.refused(peer_id, None, "replay" if isinstance(e, Replayed) else "signature", str(e))
             logger.warning("[coordinator round=%d] refused a request as %s: %s", self.round_of(), peer_id, e)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
 
@@ -105,6 +115,12 @@ class Admission:
                                 f"{what}: {key} is over its rate ({rates.burst} at once, then one per "
                                 f"{rates.every_s:g} s); try again in {wait_s:.1f} s",
                                 trailing_metadata=(("retry-after-s", f"{wait_s:.3f}"),))
+
+    async def refuse_protocol(self, peer_id: str, reason: str, context: Context) -> None:
+        """Refuse (FAILED_PRECONDITION) a Join of another protocol version; counted and logged."""
+        self.metrics.refused(peer_id, None, "protocol", reason)
+        logger.warning("[coordinator round=%d] refused a join as %s: %s", self.round_of(), peer_id, reason)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reason)
 
     async def challenge(self, peer_id: str, public_key: bytes, context: Context) -> bytes:
         """A nonce for `public_key` to sign as `peer_id`, or PERMISSION_DENIED."""
@@ -129,6 +145,30 @@ class Admission:
             raise  # not reached: abort raises
         await self.limit(self.limits.joins, peer_id, "Join", context)
         return session
+
+    def newcomers_due(self, now: float | None = None) -> list[str]:
+        """Let go the peers bound longer than `newcomer_s` that never had a payload accepted (their keys and
+        sessions; their ids are free again); returns them, for the caller to drop from the membership."""
+        now = _now() if now is None else now
+        due = [p for p in self.identities.newcomers()
+               if now - self.identities.bound_at.get(p, now) >= self.limits.cfg.newcomer_s]
+        for peer_id in due:
+            self.identities.forget(peer_id)
+        if due:
+            logger.info("[coordinator round=%d] let go %d peers that sent no accepted payload in %.0f s since "
+                        "they joined: %s", self.round_of(), len(due), self.limits.cfg.newcomer_s, ", ".join(due[:10]))
+        return due
+
+    async def room_for(self, peer_id: str, context: Context) -> None:
+        """RESOURCE_EXHAUSTED for a new peer id while `max_newcomers` bound peers have never contributed."""
+        newcomers = self.identities.newcomers()
+        if peer_id in self.identities.bindings or len(newcomers) < self.limits.cfg.max_newcomers:
+            return
+        self.metrics.refused(peer_id, None, "newcomers", "too many peers without an accepted payload")
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{len(newcomers)} peers joined and have not had a payload accepted yet, the most "
+                            f"this coordinator admits; try again later",
+                            trailing_metadata=(("retry-after-s", f"{self.limits.cfg.newcomer_s / 4:.3f}"),))
 
     def reload_allowlist(self) -> list[str] | None:
         """Read the allowlist file again (SIGHUP); the peers whose keys left it (None: nothing reloaded)."""

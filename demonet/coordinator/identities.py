@@ -1,12 +1,13 @@
 """Who may speak for which peer id: keys, join challenges, sessions and the admission policy. Pure logic.
 
 A peer proves that it holds its Ed25519 key by signing a fresh, single-use challenge the coordinator
-issued (`challenge`, then `join`). The first key that joins under a peer id owns that id for the run;
-another key is refused under it. A join gives the binding a session (random bytes, the same for every
-later join of that key, persisted with the state), and every later request that changes state or
-carries a payload is signed over the session, the peer id, the round and what it carries
-(`demonet.wire.identity.statement`): a signature from another run, session, round or request kind
-does not verify, and one payload per peer per round refuses a replay in the same round.
+issued (`challenge`, then `join`). The first key that joins under a peer id owns that id for the run
+(until it is `forget`-ten: a member that never contributed); another key is refused under it. Every join
+gives the binding a new session (random bytes, persisted with the state), and every later request that
+changes state or carries a payload is signed over the session, the peer id, the round and what it carries
+(`demonet.wire.identity.statement`): a signature from another run, session, round or request kind does
+not verify. Heartbeat, Leave, GetParameters and a member's GetAggregate also sign a counter, each number
+taken once per session (`Counters`); one payload per peer per round refuses a replayed Submit.
 
 Admission policies (`[net] admission`):
 - ``token``: the run token admits any new key; each key speaks only for itself.
@@ -27,7 +28,7 @@ from typing import Any
 from demonet.errors import NotJoined, Refused
 from demonet.wire.identity import KEY_BYTES, fingerprint, join_statement, read_allowlist, verify
 
-__all__ = ["ADMISSIONS", "Binding", "Identities", "read_allowlist"]
+__all__ = ["ADMISSIONS", "Binding", "Counters", "Identities", "Replayed", "read_allowlist"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,39 @@ MAX_CHALLENGES = 4096
 """Outstanding challenges kept; the oldest is forgotten first (a flood of requests costs memory only up to here)."""
 NONCE_BYTES = 32
 SESSION_BYTES = 16
+COUNTER_WINDOW = 1024
+"""A counter may arrive this far below the session's highest one (requests overtaking one another); older
+ones are refused, as are numbers taken already."""
+
+
+class Replayed(Refused):
+    """A counted request whose counter its session had used: a replay (or a client that counts wrong)."""
+
+
+@dataclass
+class Counters:
+    """The counters one session has used: each number once, none at or below `floor` (a resumed state's
+    highest), none `COUNTER_WINDOW` or more below the highest."""
+
+    floor: int = 0
+    high: int = 0
+    taken: set[int] = field(default_factory=set)
+
+    def take(self, n: int) -> None:
+        """Use `n`.
+
+        Raises:
+            Refused: `n` is not >= 1, was used, or is too old.
+        """
+        if n < 1:
+            raise Refused(f"counter {n}: a counted request carries a counter >= 1")
+        if n in self.taken or n <= max(self.floor, self.high - COUNTER_WINDOW):
+            raise Replayed(f"counter {n} was used already or is too old in this session (a replayed request?)")
+        self.taken.add(n)
+        if n > self.high:
+            self.high = n
+            if len(self.taken) > 2 * COUNTER_WINDOW:
+                self.taken = {m for m in self.taken if m > self.high - COUNTER_WINDOW}
 
 
 @dataclass(frozen=True)
@@ -67,6 +101,12 @@ class Identities:
     allowed: dict[bytes, str | None] | None = None
     """With ``allowlist``: key -> the peer id it may use (None: any)."""
     bindings: dict[str, Binding] = field(default_factory=dict)
+    counters: dict[str, Counters] = field(default_factory=dict)
+    """Peer -> the counters its session has used."""
+    contributed: set[str] = field(default_factory=set)
+    """Peers that had a payload accepted since they were bound."""
+    bound_at: dict[str, float] = field(default_factory=dict)
+    """Peer -> when its key was bound (a resumed state: when it was loaded)."""
     _challenges: OrderedDict[bytes, _Challenge] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
@@ -105,7 +145,8 @@ class Identities:
         return nonce
 
     def join(self, peer_id: str, public: bytes, nonce: bytes, signature: bytes, now: float) -> Binding:
-        """Check the answer to a challenge and bind `peer_id` to `public` (a new binding gets a session).
+        """Check the answer to a challenge and bind `peer_id` to `public`, with a new session (what any earlier
+        session signed is void: a replay of it does not verify).
 
         Raises:
             Refused: an unknown, used, expired or other peer's challenge, a signature that does not
@@ -120,24 +161,39 @@ class Identities:
         if not verify(public, signature, join_statement(nonce, peer_id, public)):
             raise Refused(f"the join signature does not verify for key {fingerprint(public)}")
         self._admissible(peer_id, public)
-        bound = self.bindings.get(peer_id)
-        if bound is None:
-            bound = self.bindings[peer_id] = Binding(public, secrets.token_bytes(SESSION_BYTES))
-            logger.info("[coordinator] %s is key %s", peer_id, bound.fingerprint)
+        if peer_id not in self.bindings:
+            logger.info("[coordinator] %s is key %s", peer_id, fingerprint(public))
+            self.bound_at[peer_id] = now
+        bound = self.bindings[peer_id] = Binding(public, secrets.token_bytes(SESSION_BYTES))
+        self.counters[peer_id] = Counters()
         return bound
 
-    def check(self, peer_id: str, signature: bytes, message: bytes) -> None:
-        """That `peer_id`'s key signed `message`.
+    def check(self, peer_id: str, signature: bytes, message: bytes, counter: int | None = None) -> None:
+        """That `peer_id`'s key signed `message`, and (for a counted request) that its session had not used
+        `counter`, which is taken now.
 
         Raises:
             NotJoined: `peer_id` has no key here (it must join).
-            Refused: the signature does not verify.
+            Refused: the signature does not verify, or the counter was used (a replay).
         """
         bound = self.bindings.get(peer_id)
         if bound is None:
             raise NotJoined(f"{peer_id!r} has not joined with a key")
         if not verify(bound.public, signature, message):
             raise Refused(f"the signature does not verify for {peer_id!r}'s key {bound.fingerprint}")
+        if counter is not None:
+            self.counters.setdefault(peer_id, Counters()).take(counter)
+
+    def forget(self, peer_id: str) -> None:
+        """Let `peer_id` go: its key and session (any key may join under it again)."""
+        self.bindings.pop(peer_id, None)
+        self.counters.pop(peer_id, None)
+        self.contributed.discard(peer_id)
+        self.bound_at.pop(peer_id, None)
+
+    def newcomers(self) -> list[str]:
+        """The bound peers that never had a payload accepted."""
+        return [p for p in self.bindings if p not in self.contributed]
 
     def session(self, peer_id: str) -> bytes | None:
         bound = self.bindings.get(peer_id)
@@ -148,7 +204,7 @@ class Identities:
         self.allowed = allowed
         removed = [p for p, b in self.bindings.items() if b.public not in allowed or allowed[b.public] not in (None, p)]
         for peer_id in removed:
-            del self.bindings[peer_id]
+            self.forget(peer_id)
         return removed
 
     def _expire(self, now: float) -> None:
@@ -159,8 +215,15 @@ class Identities:
             del self._challenges[nonce]
 
     def state_dict(self) -> dict[str, Any]:
-        """What survives a restart: the bindings (public keys and sessions; no secret)."""
-        return {p: {"key": b.public.hex(), "session": b.session.hex()} for p, b in self.bindings.items()}
+        """What survives a restart: the bindings (public keys and sessions; no secret) and each session's
+        highest counter (a resumed coordinator takes only higher ones)."""
+        return {p: {"key": b.public.hex(), "session": b.session.hex(),
+                    "counter": self.counters[p].high if p in self.counters else 0, "contributed": p in self.contributed}
+                for p, b in self.bindings.items()}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], now: float = 0.0) -> None:
         self.bindings = {p: Binding(bytes.fromhex(b["key"]), bytes.fromhex(b["session"])) for p, b in state.items()}
+        self.counters = {p: Counters(floor=int(b.get("counter", 0)), high=int(b.get("counter", 0)))
+                         for p, b in state.items()}
+        self.contributed = {p for p, b in state.items() if b.get("contributed", True)}
+        self.bound_at = dict.fromkeys(state, now)

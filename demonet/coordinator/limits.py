@@ -14,8 +14,10 @@ from typing import Any
 
 from demonet.errors import Busy
 from demonet.optim.payload import num_chunks
+from demonet.wire.parts import DEFAULT_PART_BYTES
 
-__all__ = ["DEFAULT_INFLIGHT_FLOOR_BYTES", "Limits", "LimitsConfig", "RateLimits", "SubmitSlots", "submission_bound"]
+__all__ = ["DEFAULT_INFLIGHT_FLOOR_BYTES", "MESSAGE_MARGIN_BYTES", "Limits", "LimitsConfig", "RateLimits", "RoundCalls",
+           "StreamCount", "SubmitSlots", "submission_bound"]
 
 DEFAULT_INFLIGHT_FLOOR_BYTES = 256 << 20
 """`max_inflight_bytes` is at least this much by default (and 8 submissions' worth where those are larger)."""
@@ -24,6 +26,9 @@ _TENSOR_HEADER_BYTES = 96
 _MARGIN_BYTES = 4096
 """The `Payload` header and digest trailer, and room to spare."""
 _MAX_KEYS = 4096
+MESSAGE_MARGIN_BYTES = 16 << 10
+"""A SubmitPart's fields besides its data (ids, digests, signature), with room to spare: the server's largest
+message is the largest part plus this."""
 """Rate buckets kept; past this, the full ones (callers that have been quiet) are forgotten."""
 
 
@@ -95,6 +100,58 @@ class SubmitSlots:
 
 
 @dataclass
+class StreamCount:
+    """Submit calls open at once, in total and per caller address, counted from the call's start (before its
+    first message is read), so that streams which never send a part cannot pile up."""
+
+    most: int
+    most_per_address: int
+    open: dict[str, int] = field(default_factory=dict)
+    total: int = 0
+
+    def enter(self, address: str) -> None:
+        """Count one more open Submit call from `address`.
+
+        Raises:
+            Busy: over the total or the address's share (nothing counted).
+        """
+        if self.total >= self.most:
+            raise Busy(f"the coordinator has {self.total} Submit streams open, its most; try again")
+        if self.open.get(address, 0) >= self.most_per_address:
+            raise Busy(f"{address} has {self.most_per_address} Submit streams open, the most one address may; "
+                       "try again once one ends")
+        self.open[address] = self.open.get(address, 0) + 1
+        self.total += 1
+
+    def leave(self, address: str) -> None:
+        """One Submit call from `address` ended (after a successful `enter`)."""
+        left = self.open[address] - 1
+        if left:
+            self.open[address] = left
+        else:
+            del self.open[address]
+        self.total -= 1
+
+
+@dataclass
+class RoundCalls:
+    """Calls per caller and round, at most `most` (a member's GetAggregate of a round: one, and retries)."""
+
+    most: int
+    calls: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def take(self, key: str, round: int, oldest: int) -> bool:
+        """Count a call of `key` for `round`; False past `most`. Rounds before `oldest` are forgotten."""
+        if len(self.calls) > _MAX_KEYS:
+            self.calls = {k: n for k, n in self.calls.items() if k[1] >= oldest}
+        n = self.calls.get((key, round), 0)
+        if n >= self.most:
+            return False
+        self.calls[key, round] = n + 1
+        return True
+
+
+@dataclass
 class RateLimits:
     """A token bucket per caller: `burst` calls at once, then one every `every_s`."""
 
@@ -137,10 +194,46 @@ class LimitsConfig:
     """Joins refill at one per this long."""
     stream_grace_s: float = 1.0
     """A Submit stream for round r is ended this long after r's deadline (or at once when r closes)."""
+    max_streams: int = 64
+    """Submit calls open at once, in total (each may hold one message of `max_message_bytes` in memory)."""
+    max_streams_per_address: int = 8
+    """Submit calls open at once from one address (a peer has two at most: the open round's and the next)."""
+    first_part_s: float = 10.0
+    """A Submit stream whose first message has not arrived this long after the call began is ended: it is
+    the signature and the first part, at most `max_message_bytes`, sent as soon as the stream opens."""
+    probe_burst: int = 32
+    """Join probes (no key: a peer reading the run's terms) one address may make at once."""
+    probe_every_s: float = 0.25
+    """Probes refill at one per this long."""
+    aggregate_calls_per_round: int = 4
+    """A member's signed GetAggregate calls for one round (the call beside its Submit, and retries)."""
+    public_burst: int = 4
+    """Unsigned GetAggregate calls (the public path, all callers together) at once."""
+    public_every_s: float = 1.0
+    """The public path refills at one call per this long."""
+    newcomer_s: float = 600.0
+    """A peer bound this long that never had a payload accepted is let go: dropped from the membership, its
+    key and session forgotten (it may join again, as a newcomer)."""
+    max_newcomers: int = 256
+    """Peers bound at once that never had a payload accepted, at most; a join of another new id waits."""
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message the server reads: one part of the largest submission (a part is at most
+        `demonet.wire.parts.DEFAULT_PART_BYTES`), and its header fields."""
+        return min(self.max_submission_bytes, DEFAULT_PART_BYTES) + MESSAGE_MARGIN_BYTES
 
     def __post_init__(self) -> None:
         if self.max_submission_bytes < 1 or self.max_inflight_bytes < self.max_submission_bytes:
             raise ValueError("max_inflight_bytes should be >= max_submission_bytes >= 1")
+        if self.max_streams < 1 or self.max_streams_per_address < 1 or self.first_part_s <= 0:
+            raise ValueError("max_streams and max_streams_per_address should be >= 1, first_part_s > 0")
+        if min(self.probe_burst, self.public_burst, self.aggregate_calls_per_round) < 1:
+            raise ValueError("probe_burst, public_burst and aggregate_calls_per_round should be >= 1")
+        if self.probe_every_s <= 0 or self.public_every_s <= 0 or self.newcomer_s <= 0:
+            raise ValueError("probe_every_s, public_every_s and newcomer_s should be > 0")
+        if self.max_newcomers < 1:
+            raise ValueError("max_newcomers should be >= 1")
         if self.download_every_s <= 0 or self.join_every_s <= 0 or self.stream_grace_s < 0:
             raise ValueError("download_every_s and join_every_s should be > 0, stream_grace_s >= 0")
         if self.download_burst < 1 or self.join_burst < 1:
@@ -148,11 +241,15 @@ class LimitsConfig:
 
 
 class Limits:
-    """The coordinator's limits, in one place: Submit slots and budget, download and join rates."""
+    """The coordinator's limits, in one place: Submit calls, slots and budget, download, join and probe rates."""
 
     def __init__(self, cfg: LimitsConfig) -> None:
         self.cfg = cfg
         self.slots = SubmitSlots(cfg.max_inflight_bytes)
+        self.streams = StreamCount(cfg.max_streams, cfg.max_streams_per_address)
+        self.probes = RateLimits(cfg.probe_burst, cfg.probe_every_s)
+        self.aggregates = RoundCalls(cfg.aggregate_calls_per_round)
+        self.public = RateLimits(cfg.public_burst, cfg.public_every_s)
         self.downloads = RateLimits(cfg.download_burst, cfg.download_every_s)
         self.joins = RateLimits(cfg.join_burst, cfg.join_every_s)
 

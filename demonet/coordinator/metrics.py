@@ -61,7 +61,8 @@ class Metrics:
                             "downloaded the whole parameters again"),
                 ("unauthorized", "Calls with a missing or wrong token"),
                 ("bytes_up", "Payload bytes received"),
-                ("bytes_down", "Aggregate and parameter bytes sent"),
+                ("bytes_down", "Aggregate and parameter bytes sent to members"),
+                ("bytes_public", "Aggregate bytes sent on the public path (unsigned GetAggregate calls)"),
                 ("persist_failures", "State writes that failed (a full disk, no permission): the state file "
                                      "stayed at an older round"),
                 ("persist_coalesced", "Round snapshots replaced by a newer one before their write began (the "

@@ -22,17 +22,22 @@ from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pb_grpc
 from demonet.config import Config
 from demonet.errors import AggregateGone, NotJoined, PeerUnavailable, SubmitRejected
-from demonet.wire.identity import heartbeat_statement, leave_statement, parameters_statement
+from demonet.wire.identity import aggregate_statement, heartbeat_statement, leave_statement, parameters_statement
+from demonet.wire.params import PROTOCOL, protocol_mismatch
 
 from . import weights
-from .admission import Admission
+from .admission import Admission, caller_address
 from .core import RoundCore
 from .limits import DEFAULT_INFLIGHT_FLOOR_BYTES, Limits, LimitsConfig, submission_bound
 from .metrics import Metrics
 from .submit import SubmitReader
-from .terms import CoreOptions
+from .terms import KEEP_AGGREGATES, CoreOptions
 
-__all__ = ["CoordinatorOptions", "CoordinatorServicer"]
+__all__ = ["ROUND_WINDOW", "CoordinatorOptions", "CoordinatorServicer"]
+
+ROUND_WINDOW = KEEP_AGGREGATES
+"""A Heartbeat or Leave signed for a round this many rounds or more before the open one is stale: answered, never
+acted on (a peer that far behind catches up first)."""
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +95,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.admission = Admission(token=opts.token, admission=cfg.net.admission, allowlist=cfg.net.allowlist,
                                    limits=self.limits, metrics=metrics, round_of=lambda: self.core.rounds.round)
         if self.core.saved is not None:
-            self.admission.identities.load_state(self.core.saved.get("identities", {}))
+            self.admission.identities.load_state(self.core.saved.get("identities", {}), _now())
         self.submissions = SubmitReader(self.core, self.admission, self.limits)
         self._param_specs = json.dumps([list(spec) for spec in self.core.param_specs])
         self._init_params(self.core.saved is not None)
@@ -134,24 +139,32 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Join(self, request: pb.JoinRequest, context: Context) -> pb.JoinReply:
         await self.admission.admit(request, context)
         peer_id = await self.admission.peer_id(request.peer_id, context)
+        if request.protocol != PROTOCOL:  # before any state changes: another version misreads the digests
+            await self.admission.refuse_protocol(peer_id, protocol_mismatch(
+                request.protocol, sender=f"peer {peer_id!r}", receiver="the coordinator"), context)
         session = b""
-        if request.probe:  # a probe admits nobody: no key needed to read the run's config
-            await self.admission.limit(self.limits.joins, f"probe/{peer_id}", "Join", context)
+        if request.probe:  # a probe admits nobody: no key needed to read the run's config, limited per address
+            await self.admission.limit(self.limits.probes, f"probe/{caller_address(context)}", "Join", context)
         else:
+            await self._let_go_newcomers()
+            await self.admission.room_for(peer_id, context)
             session = await self.admission.join(peer_id, request, context)
         info = await self.core.join(peer_id, probe=request.probe)
         return pb.JoinReply(peer_id=peer_id, round=info.round, run_config=json.dumps(info.run_config),
                             data_seed=info.data_seed, round_timeout_s=info.round_timeout_s,
                             heartbeat_interval_s=info.heartbeat_interval_s, total_rounds=info.total_rounds,
-                            param_specs=self._param_specs, session=session)
+                            param_specs=self._param_specs, session=session, protocol=PROTOCOL)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatReply:
         await self.admission.admit(request, context)
         session = self.admission.session(request.peer_id)
         if session is None:  # no key joined under this id (or it left the allowlist): join
             return pb.HeartbeatReply(round=self.core.rounds.round, member=False)
-        await self.admission.signed(request.peer_id, request.signature,
-                                    heartbeat_statement(session, request.peer_id, request.round), context)
+        await self.admission.signed(request.peer_id, request.signature, heartbeat_statement(
+            session, request.peer_id, request.round, request.counter), context, counter=request.counter)
+        if request.round + ROUND_WINDOW <= self.core.rounds.round:  # stale: it keeps nobody alive
+            r = self.core.rounds
+            return pb.HeartbeatReply(round=r.round, member=request.peer_id in r.members or request.peer_id in r.joiners)
         round_, member = await self.core.heartbeat(request.peer_id)
         return pb.HeartbeatReply(round=round_, member=member)
 
@@ -161,8 +174,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         session = self.admission.session(request.peer_id)
         if session is None:  # no key joined under this id: it is no member
             return pb.LeaveReply(left=False)
-        await self.admission.signed(request.peer_id, request.signature,
-                                    leave_statement(session, request.peer_id, request.round), context)
+        await self.admission.signed(request.peer_id, request.signature, leave_statement(
+            session, request.peer_id, request.round, request.counter), context, counter=request.counter)
+        if request.round + ROUND_WINDOW <= self.core.rounds.round:
+            self.metrics.refused(request.peer_id, int(request.round), "stale", "a Leave signed for a round long closed")
+            return pb.LeaveReply(left=False)
         return pb.LeaveReply(left=await self.core.leave(request.peer_id, request.round))
 
     async def GetParameters(self, request: pb.ParametersRequest, context: Context) -> AsyncIterator[pb.PayloadPart]:
@@ -170,7 +186,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         peer_id = await self.admission.peer_id(request.peer_id, context)
         try:
             await self.admission.signed(peer_id, request.signature, parameters_statement(
-                self.admission.session(peer_id) or b"", peer_id, request.round, request.resync), context)
+                self.admission.session(peer_id) or b"", peer_id, request.round, request.resync, request.counter),
+                context, counter=request.counter)
         except NotJoined as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}: join the run first")
         try:
@@ -193,9 +210,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return await self.submissions.submit(request_iterator, context)
 
     async def GetAggregate(self, request: pb.AggregateRequest, context: Context) -> AsyncIterator[pb.AggregateChunk]:
+        """A member's signed call (limited per key and round, its bytes counted as its), or the public path."""
         await self.admission.admit(request, context)
+        peer_id = await self._aggregate_caller(request, context)
         try:
-            closed = await self.core.aggregate(request.peer_id, request.round, submitting=request.submitting)
+            closed = await self.core.aggregate(peer_id, request.round, submitting=request.submitting and bool(peer_id))
         except AggregateGone as e:
             code = grpc.StatusCode.FAILED_PRECONDITION if e.resubmit else grpc.StatusCode.NOT_FOUND
             await context.abort(code, e.reason)
@@ -204,7 +223,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         yield pb.AggregateChunk(header=pb.AggregateHeader(round=closed.round, aborted=closed.aborted,
                                                           contributors=list(closed.contributors),
                                                           next_round_s=closed.next_round_s))
-        self.metrics.add("bytes_down", len(closed.data), peer=request.peer_id)
+        if peer_id:
+            self.metrics.add("bytes_down", len(closed.data), peer=peer_id)
+        else:
+            self.metrics.add("bytes_public", len(closed.data))
         if closed.data:
             for part in wire.split(closed.data):
                 yield pb.AggregateChunk(part=part)
@@ -217,6 +239,33 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             except PeerUnavailable as e:
                 await self._waited(e, context)
         yield pb.AggregateChunk(trailer=pb.AggregateTrailer(param_digest=digest))
+
+    async def _aggregate_caller(self, request: pb.AggregateRequest, context: Context) -> str:
+        """The member a signed GetAggregate is from, within its calls for the round; "" for the public path,
+        within the path's shared rate (RESOURCE_EXHAUSTED past either)."""
+        if not request.signature:
+            await self.admission.limit(self.limits.public, "public", "GetAggregate (unsigned)", context)
+            return ""
+        peer_id = await self.admission.peer_id(request.peer_id, context)
+        try:
+            await self.admission.signed(peer_id, request.signature, aggregate_statement(
+                self.admission.session(peer_id) or b"", peer_id, request.round, request.submitting, request.counter),
+                context, counter=request.counter)
+        except NotJoined as e:  # NOT_FOUND: the peer asks whether it is a member, and joins again
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{e}: join the run first")
+        oldest = self.core.rounds.round - KEEP_AGGREGATES
+        if not self.limits.aggregates.take(peer_id, int(request.round), oldest):
+            self.metrics.refused(peer_id, int(request.round), "rate", "GetAggregate over its calls for the round")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"GetAggregate: {peer_id} made "
+                                f"{self.limits.cfg.aggregate_calls_per_round} calls for round {request.round}, "
+                                "the most for one round")
+        return peer_id
+
+    async def _let_go_newcomers(self) -> None:
+        """Before a join: drop the members that never had a payload accepted in `newcomer_s`, and free their ids."""
+        due = self.admission.newcomers_due()
+        if due:
+            await self.core.withdraw(due, drop=True)
 
     async def Status(self, request: pb.StatusRequest, context: Context) -> pb.StatusReply:
         await self.admission.admit(request, context)

@@ -20,7 +20,7 @@ from demonet.config import Config
 from demonet.optim import DeMo, LrSchedule, Payload
 from demonet.train.task import build_task
 from demonet.wire import params as wire_params
-from demonet.wire.digest import param_digest
+from demonet.wire.digest import legacy_param_digest, param_digest
 from demonet.wire.merge import MergeRules, merge
 
 from .rounds import ClosedRound
@@ -155,8 +155,16 @@ class CanonicalState:
         if "optimizer" in body:
             self.opt.load_state_dict(body["optimizer"])
         self.digest = param_digest(self.params.items())
-        if self.digest != body["digest"]:
-            raise ValueError(f"{path}: parameters do not match their digest")
+        saved = body["digest"]
+        if self.digest != saved:
+            if saved != legacy_param_digest(self.params.items()):
+                raise ValueError(f"{path}: parameters do not match their digest")
+            # Saved by protocol version 1: its digests hashed Python's text. The last round's aggregate carries
+            # the state's digest: it is the new one now (older rounds' send a peer that asks to resync).
+            logger.info("[coordinator] %s was saved by protocol version 1: its digest %s is %s now", path,
+                        saved[:12], self.digest[:12])
+            body["aggregates"] = [replace(a, param_digest=self.digest) if a.param_digest == saved else a
+                                  for a in body.get("aggregates", [])]
         self._blob = None
         logger.info("[coordinator] resumed from %s", path)
         return dict(body)

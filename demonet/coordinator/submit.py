@@ -25,9 +25,9 @@ from demonet._proto import demonet_pb2 as pb
 from demonet.errors import Busy, InvalidPayload, NotJoined, PeerUnavailable, Refusal, SubmitRejected
 from demonet.optim import Payload
 from demonet.wire.identity import submit_statement
-from demonet.wire.merge import decode_contribution
+from demonet.wire.merge import check_samples, decode_contribution
 
-from .admission import Admission
+from .admission import Admission, caller_address
 from .core import RoundCore
 from .limits import Limits
 from .parts import Malformed, StreamEnd, parts_until
@@ -72,9 +72,26 @@ class SubmitReader:
 
     async def submit(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
                      ) -> pb.SubmitReply:
-        """The Submit call: refused as early as can be, else counted (or refused) by the core."""
-        core = self.core
+        """The Submit call: refused as early as can be, else counted (or refused) by the core.
+
+        Before its first message is read, a call counts against the open Submit calls in total and from its
+        address (`StreamCount`): over either, it is refused BUSY without reading anything."""
         await self.admission.authorize(context)
+        address = caller_address(context)
+        try:
+            self.limits.streams.enter(address)
+        except Busy as e:
+            self.core.metrics.refused("", None, "busy", str(e))
+            return _reply(SubmitRejected(str(e), Refusal.BUSY), self.core.rounds.round)
+        try:
+            return await self._read(request_iterator, context)
+        finally:
+            self.limits.streams.leave(address)
+
+    async def _read(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+                    ) -> pb.SubmitReply:
+        """One Submit stream, read part by part (its first within `first_part_s`), then handed to the core."""
+        core = self.core
         began = time.perf_counter()  # the stream's start: its bytes over its duration are the sender's link speed
         head: pb.SubmitPart | None = None
         last: pb.SubmitPart | None = None  # the parameter digest, when it follows the payload
@@ -82,7 +99,7 @@ class SubmitReader:
         data: bytes | None = None
         payload: Payload | None = None
         stream_s = 0.0
-        ends = StreamEnd(asyncio.get_running_loop().time() + core.wait_s)
+        ends = StreamEnd(asyncio.get_running_loop().time() + self.limits.cfg.first_part_s)
         try:
             async for part in parts_until(request_iterator, ends):
                 if isinstance(part, Malformed):
@@ -123,7 +140,8 @@ class SubmitReader:
             return _reply(e, core.rounds.round)
         except TimeoutError:  # its round closed (or its deadline passed) while the payload was arriving
             if head is None:  # no first part within the stream's first deadline: nothing was read
-                nothing = core.inbox.invalid("", None, "no part came before the stream's deadline")
+                nothing = core.inbox.invalid("", None, f"no part came within {self.limits.cfg.first_part_s:g} s "
+                                             "of the stream's start")
                 return _reply(nothing, core.rounds.round)
             stale = SubmitRejected(f"round {head.round} closed before the payload was complete", Refusal.STALE)
             return _reply(core.inbox.refuse(stale, head.peer_id, head.round, b""), core.rounds.round)
@@ -139,6 +157,7 @@ class SubmitReader:
             return _reply(e, core.rounds.round)
         except PeerUnavailable as e:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
+        self.admission.identities.contributed.add(head.peer_id)  # no newcomer: it stays bound
         return pb.SubmitReply(accepted=True, open_round=open_round)
 
     async def _first_part(self, head: pb.SubmitPart, ends: StreamEnd,
@@ -152,10 +171,7 @@ class SubmitReader:
         if head.digest_follows and head.param_digest:
             raise InvalidPayload("the first part carries a parameter digest although it was to follow")
         await self._check_signature(head, head.signature, head.param_digest, context)
-        most = self.core.cfg.net.max_samples_per_round
-        if not 1 <= head.samples <= most:
-            raise InvalidPayload(f"samples should be between 1 and the run's max_samples_per_round ({most}), "
-                                 f"got {head.samples}")
+        check_samples(head.samples, self.core.cfg.net.max_samples_per_round)
         if not all(0.0 <= s <= _MOST_S for s in (head.need_s, head.least_s)):  # NaN fails too
             raise InvalidPayload(f"need_s and least_s should be seconds between 0 and {_MOST_S:g}, got "
                                  f"{head.need_s!r} and {head.least_s!r}")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from demonet.errors import WeightsFileError
-from demonet.wire.digest import param_digest
+from demonet.wire.digest import legacy_param_digest, param_digest
 
 from .state import STATE_FILE, ClosedAggregate
 
@@ -71,8 +71,10 @@ def read_state(state_dir: Path) -> SavedParams:
     round = _field(_field(body, "rounds", dict, path), "round", int, path)
     if not params or not all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in params.items()):
         raise WeightsFileError(f"{path} is damaged: its params are not named tensors")
-    if param_digest(params.items()) != digest:
+    current = param_digest(params.items())
+    if digest != current and digest != legacy_param_digest(params.items()):  # a state saved by protocol 1
         raise WeightsFileError(f"{path} is damaged: its parameters do not match their digest {digest}")
+    digest = current
     config = body.get("config")
     return SavedParams({n: t.detach().contiguous() for n, t in params.items()}, round, digest,
                        config if isinstance(config, dict) else {})

@@ -15,8 +15,9 @@ function el(tag, text, cls) {
   return e;
 }
 
+let svgFactory = (tag) => document.createElementNS(SVG, tag);
 function svgEl(tag, attrs) {
-  const e = document.createElementNS(SVG, tag);
+  const e = svgFactory(tag);
   for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
   return e;
 }
@@ -50,9 +51,24 @@ function clock(t) {
   return new Date(t * 1000).toLocaleTimeString();
 }
 
+// The top of a y axis that a few outliers do not flatten: the largest value at most OUTLIER_X times the median
+// (and a tenth more where some are above it).
+// Round 0's bytes hold every peer's parameter download, some 70 times a round's payloads.
+const OUTLIER_X = 4;
+function axisTop(values) {
+  const sorted = values.slice().sort((a, b) => a - b);
+  const median = sorted[Math.floor((sorted.length - 1) / 2)];
+  if (!(median > 0)) return sorted[sorted.length - 1];
+  const inside = sorted.filter((v) => v <= OUTLIER_X * median);
+  const top = inside[inside.length - 1];
+  return inside.length < sorted.length ? 1.1 * top : top; // room under the edge, where the outliers are named
+}
+
 // A line chart of one or more series [{cls, points: [[x, y], ...]}] into an <svg>; the number of points
-// drawn goes to its data-points attribute. `zero`: the y axis starts at 0 (times, bytes).
-function chart(svg, series, zero) {
+// drawn goes to its data-points attribute, the axis top to data-top. `opts.zero`: the y axis starts at 0
+// (times, bytes); `opts.outliers`: values far above the median are drawn on the top edge and named there.
+function chart(svg, series, opts) {
+  const zero = Boolean(opts && opts.zero), outliers = Boolean(opts && opts.outliers);
   while (svg.firstChild) svg.removeChild(svg.firstChild);
   const W = 420, H = 200, L = 52, R = 10, T = 10, B = 24;
   const all = series.flatMap((s) => s.points);
@@ -66,11 +82,13 @@ function chart(svg, series, zero) {
     return;
   }
   let x0 = Math.min(...all.map((p) => p[0])), x1 = Math.max(...all.map((p) => p[0]));
-  let y0 = zero ? 0 : Math.min(...all.map((p) => p[1])), y1 = Math.max(...all.map((p) => p[1]));
+  let y0 = zero ? 0 : Math.min(...all.map((p) => p[1]));
+  let y1 = outliers ? axisTop(all.map((p) => p[1])) : Math.max(...all.map((p) => p[1]));
   if (x1 === x0) { x0 -= 1; x1 += 1; }
   if (y1 === y0) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
+  svg.setAttribute("data-top", y1);
   const sx = (x) => L + (x - x0) / (x1 - x0) * (W - L - R);
-  const sy = (y) => H - B - (y - y0) / (y1 - y0) * (H - T - B);
+  const sy = (y) => H - B - (Math.min(y, y1) - y0) / (y1 - y0) * (H - T - B);
   const label = (x, y, text, anchor) => {
     const t = svgEl("text", {x: x, y: y, "text-anchor": anchor});
     t.textContent = text;
@@ -84,11 +102,35 @@ function chart(svg, series, zero) {
   }
   label(L, H - 8, "round " + Math.round(x0), "start");
   label(W - R, H - 8, "round " + Math.round(x1), "end");
+  const over = all.filter((p) => p[1] > y1).sort((a, b) => b[1] - a[1]);
+  if (over.length > 0) {
+    label(W - R, T + 10, "off the chart: round " + over[0][0] + " " + fmt(over[0][1]) +
+      (over.length > 1 ? " and " + (over.length - 1) + " more" : ""), "end");
+  }
   series.forEach((s) => {
     if (s.points.length === 0) return;
     const pts = s.points.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
     svg.appendChild(svgEl("polyline", {points: pts, class: s.cls, "data-points": s.points.length}));
   });
+}
+
+// Rounds per second over the last PACE_ROUNDS rounds closed, and the seconds the run's other rounds take at that
+// pace (null: not known yet, or a run with no end).
+const PACE_ROUNDS = 20;
+function pace(rows, totalRounds, round) {
+  const recent = rows.slice(-(PACE_ROUNDS + 1));
+  if (recent.length < 2) return {perSecond: null, secondsLeft: null};
+  const span = recent[recent.length - 1].time - recent[0].time;
+  if (!(span > 0)) return {perSecond: null, secondsLeft: null};
+  const perSecond = (recent.length - 1) / span;
+  return {perSecond: perSecond, secondsLeft: totalRounds ? Math.max(0, totalRounds - round) / perSecond : null};
+}
+
+function duration(s) {
+  if (s === null || s === undefined) return "—";
+  if (s < 90) return s.toFixed(0) + " s";
+  if (s < 5400) return (s / 60).toFixed(1) + " min";
+  return (s / 3600).toFixed(1) + " h";
 }
 
 function points(rows, field) {
@@ -102,12 +144,15 @@ function card(parent, label, value) {
   parent.appendChild(c);
 }
 
-function renderRun(doc) {
+function renderRun(doc, rows) {
   const run = doc.run, box = document.getElementById("run");
+  const speed = pace(rows, run.total_rounds, run.round);
   box.replaceChildren();
   card(box, "round" + (run.total_rounds ? " of " + run.total_rounds : ""), run.round);
   card(box, "phase", run.phase);
-  card(box, "seconds left", run.seconds_left === null ? "—" : num(run.seconds_left, 1));
+  card(box, "rounds per second", speed.perSecond === null ? "—" : num(speed.perSecond, speed.perSecond < 10 ? 2 : 0));
+  card(box, "run time left", duration(speed.secondsLeft));
+  card(box, "round deadline in, s", run.seconds_left === null ? "—" : num(run.seconds_left, 1));
   card(box, "rounds closed", run.rounds_closed);
   card(box, "rounds aborted", run.rounds_aborted);
   card(box, "members", run.members + (run.idle ? " (" + run.idle + " idle)" : ""));
@@ -116,6 +161,9 @@ function renderRun(doc) {
   card(box, "bytes out", bytes(run.bytes_down));
   card(box, "resyncs", run.resyncs);
   card(box, "rejected", run.rejected);
+  if (run.clipped !== null && run.clipped !== undefined) {
+    card(box, "clipped to the median norm (about half the payloads of a healthy run)", run.clipped);
+  }
 }
 
 function renderMembers(doc) {
@@ -157,13 +205,13 @@ function renderRefusals(doc) {
 function render(doc) {
   document.getElementById("source").textContent = doc.mode === "dht" ? "DHT peer " + doc.source : doc.source;
   document.title = "demonet · round " + doc.run.round;
-  renderRun(doc);
   const rows = Array.from(rounds.values()).sort((a, b) => a.round - b.round);
+  renderRun(doc, rows);
   chart(document.getElementById("loss-chart"), [{cls: "s0", points: points(rows, "loss")}]);
   chart(document.getElementById("time-chart"), [{cls: "s0", points: points(rows, "round_s")},
-    {cls: "s1", points: points(rows, "close_s")}], true);
+    {cls: "s1", points: points(rows, "close_s")}], {zero: true});
   chart(document.getElementById("bytes-chart"), [{cls: "s0", points: points(rows, "bytes_up")},
-    {cls: "s1", points: points(rows, "bytes_down")}], true);
+    {cls: "s1", points: points(rows, "bytes_down")}], {zero: true, outliers: true});
   renderMembers(doc);
   renderRefusals(doc);
 }
@@ -190,5 +238,9 @@ async function poll() {
   }
 }
 
-poll();
-setInterval(poll, POLL_MS);
+if (typeof document !== "undefined") { // in a page; tests/unit/test_dashboard.py loads the functions in node
+  poll();
+  setInterval(poll, POLL_MS);
+} else if (typeof module !== "undefined") {
+  module.exports = {axisTop, chart, pace, duration, setSvgFactory: (f) => { svgFactory = f; }};
+}

@@ -64,10 +64,10 @@ class PartsAhead:
         self._rounds: dict[int, Ahead] = {}
 
     def send(self, r: int, encode: Callable[[], Awaitable[list[bytes]]], *, plan: rules.SlicePlan, mdigest: str,
-             owners: Sequence[str], addresses: Mapping[str, str]) -> None:
+             owners: Sequence[str], addresses: Mapping[str, str], samples: int = 1) -> None:
         """Send round `r`'s parts, cut by `plan` (`encode`) for the member list of digest `mdigest` and the
-        dialable members `owners` (in `rules.owner_order`; `addresses` reaches them), by a task: this returns
-        at once. Those sent ahead of earlier rounds are cancelled."""
+        dialable members `owners` (in `rules.owner_order`; `addresses` reaches them), each with the payload's
+        `samples`, by a task: this returns at once. Those sent ahead of earlier rounds are cancelled."""
         for q in [q for q in self._rounds if q <= r]:
             self.drop(q)
         ahead = self._rounds[r] = Ahead(mdigest, tuple(owners[:plan.n]),
@@ -78,7 +78,8 @@ class PartsAhead:
 
         def call(s: int, address: str) -> Call:
             return asyncio.create_task(self._streams.call(address, pb.DHT_KIND_PART, r, slice=s, data=ahead.parts[s],
-                                                          members_digest=mdigest, ahead=True, timeout_s=timeout_s))
+                                                          members_digest=mdigest, samples=samples, ahead=True,
+                                                          timeout_s=timeout_s))
 
         async def send() -> None:
             # One turn of the event loop first: the announcement's store, started just before, writes its calls

@@ -57,6 +57,8 @@ class SliceExchange(SliceCalls, SliceServing):
         self._cond = asyncio.Condition()
         self.latest = -1
         """The latest round this peer gathered for; streams about rounds far from it are refused."""
+        self.capped = 0
+        """Payloads (a sender in a round) whose claimed samples this peer capped in a slice it owns."""
         self._left: dict[int, tuple[str, ...]] = {}  # rounds that froze without this peer -> the members it read
         node.streams.serve(pb.DHT_KIND_PART, self._take_part)
         node.streams.serve(pb.DHT_KIND_FETCH, self._serve_slice)
@@ -104,7 +106,7 @@ class SliceExchange(SliceCalls, SliceServing):
 
     def send_ahead(self, r: int, payload: Payload, *, specs: rules.Specs, members: Sequence[str],
                    owners: Sequence[str], addresses: Mapping[str, str],
-                   encoded: tuple[rules.SlicePlan, list[bytes]] | None = None) -> None:
+                   encoded: tuple[rules.SlicePlan, list[bytes]] | None = None, samples: int = 1) -> None:
         """Send round `r`'s parts now, before this peer froze the round, cut for the `members` and `owners`
         it expects (sorted; `addresses` reaches them): the round before's, when that round was whole.
 
@@ -114,7 +116,8 @@ class SliceExchange(SliceCalls, SliceServing):
         owner waits for the part a sender cuts once frozen in place of one sent ahead for other members
         (`RoundState.ahead`). The calls are made by a task (demonet.dht.ahead): this returns at once. The
         parts the others sent ahead for the same members are decoded from then on as they arrive. `encoded`:
-        the parts encoded already (in the training's thread), and their plan; used where it is this one."""
+        the parts encoded already (in the training's thread), and their plan; used where it is this one.
+        `samples`: the payload's samples, sent with each part (its weight in the merges)."""
         (plan, owners), mdigest = self._ordered(r, specs, owners), rules.members_digest(members)
         self._round(r).expect(r, plan, mdigest, self.opts.rules)
 
@@ -123,7 +126,7 @@ class SliceExchange(SliceCalls, SliceServing):
                 return encoded[1]
             return await encode_parts_now(r, plan, payload)
 
-        self._ahead.send(r, parts, plan=plan, mdigest=mdigest, owners=owners, addresses=addresses)
+        self._ahead.send(r, parts, plan=plan, mdigest=mdigest, owners=owners, addresses=addresses, samples=samples)
 
     def expect(self, r: int, *, specs: rules.Specs, members: Sequence[str], owners: Sequence[str]) -> None:
         """Round `r`'s parts will likely be cut for these `members` and `owners` (sorted): the round before's,
@@ -138,12 +141,15 @@ class SliceExchange(SliceCalls, SliceServing):
         self._ahead.drop(r)
 
     async def run(self, r: int, payload: Payload, *, specs: rules.Specs, members: Sequence[str],
-                  owners: Sequence[str], addresses: Mapping[str, str], frozen_at: float) -> Exchanged:
+                  owners: Sequence[str], addresses: Mapping[str, str], frozen_at: float, samples: int = 1
+                  ) -> Exchanged:
         """Exchange round `r`'s payload among `members` (sorted), `owners` (sorted, dialable) owning its slices
         (`rules.owner_count` of them, in `rules.owner_order`). `frozen_at`: the round's freeze (DHT time), from
-        which the phases' deadlines run."""
+        which the phases' deadlines run. `samples`: how many samples the payload was computed from, sent with
+        each part: its weight in every slice's merge."""
         st = self._round(r, mine=True)
         async with self._cond:
+            st.samples = samples
             st.plan, owners = self._ordered(r, specs, owners)
             st.owners, st.members, st.dialable = list(owners[:st.plan.n]), list(members), list(owners)
             st.mdigest = rules.members_digest(members)
@@ -164,7 +170,8 @@ class SliceExchange(SliceCalls, SliceServing):
                            ", ".join(sorted(st.other_lists)))
         done: dict[str, Any] = dict(dead_owners=dead_owners, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
                                     slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked,
-                                    phases=dict(st.phases), other_lists=self.other_lists(r))
+                                    phases=dict(st.phases), other_lists=self.other_lists(r),
+                                    capped=frozenset(st.capped))
         if not delivered:
             return Exchanged(None, None, contributors, **done)
         if dead_owners:
@@ -205,6 +212,7 @@ class SliceExchange(SliceCalls, SliceServing):
             if me in targets:
                 async with self._cond:
                     st.parts.setdefault(s, {})[me] = (st.mdigest, parts[s])
+                    st.claims.setdefault(s, {})[me] = st.samples
                     st.decode_early(r, s, me, st.mdigest, parts[s], self.opts.rules)
                     self._cond.notify_all()
             if s in st.verifiers and st.verifiers[s] != me:
@@ -268,6 +276,7 @@ class SliceExchange(SliceCalls, SliceServing):
                 async with asyncio.timeout(max(0.0, st.rs_deadline - now())):
                     await self._cond.wait_for(lambda: want() <= st.final_parts(s))
             parts = {p: v for p, v in st.parts.get(s, {}).items() if p in want()}
+            claims = {p: st.claims.get(s, {}).get(p, 1) for p in parts}  # taken with the parts, under the lock
         assert st.plan is not None
         specs = st.plan.slice_specs(s)
         for sender in sorted(parts):
@@ -290,8 +299,10 @@ class SliceExchange(SliceCalls, SliceServing):
             decoded = {p: o for p, o in outcomes.items() if not isinstance(o, InvalidPayload)}
             if not decoded or (senders is not None and set(decoded) != set(senders)):
                 return refused, None
-            merged = merge([decoded[p] for p in sorted(decoded)], step=r, rules=self.opts.rules, expected=specs)
-            return refused, (tuple(sorted(decoded)), merged)
+            order = tuple(sorted(decoded))
+            merged = merge([decoded[p] for p in order], step=r, rules=self.opts.rules, expected=specs,
+                           samples=[claims[p] for p in order])
+            return refused, (order, merged)
 
         inline = merges_inline(parts.keys() - outcomes.keys(), outcomes.values())
         refused, result = decode_and_merge() if inline else await asyncio.to_thread(decode_and_merge)
@@ -316,6 +327,12 @@ class SliceExchange(SliceCalls, SliceServing):
         clipped = [p for p, f in zip(senders, merged.factors, strict=True) if f < 1.0]
         if clipped:
             logger.info("[%s round=%d] slice %d: clipped %s to the median norm", self.peer_id, r, s, ", ".join(clipped))
+        capped = [p for p, c in zip(senders, merged.capped, strict=False) if c and p not in st.capped]
+        if capped:  # counted once a round per sender, whatever the slices this peer owns
+            st.capped.update(capped)
+            self.capped += len(capped)
+            logger.warning("[%s round=%d] %s claimed more samples than the cap: weighted at %g times the median of "
+                           "the others'", self.peer_id, r, ", ".join(capped), self.opts.rules.max_sample_ratio)
 
     # -- verification ----------------------------------------------------------------------------------
 

@@ -50,7 +50,8 @@ class SliceCalls:
 
         async def call(timeout_s: float) -> tuple[pb.DhtMessage, bytes]:
             return await call_or_ahead(pending.pop() if pending else None, timeout_s, lambda: self._streams.call(
-                address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, timeout_s=timeout_s))
+                address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, samples=st.samples,
+                timeout_s=timeout_s))
 
         return call
 

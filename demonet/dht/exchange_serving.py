@@ -56,6 +56,7 @@ class SliceServing:
             if head.ahead and head.sender in held and head.sender not in sent_ahead:
                 return Reply(error="a part sent ahead after the part sent once frozen")
             held[head.sender] = (head.members_digest, data)
+            st.claims.setdefault(head.slice, {})[head.sender] = head.samples  # in [1, max]: `Streams` checked it
             (sent_ahead.add if head.ahead else sent_ahead.discard)(head.sender)
             st.bytes_down += len(data)
             st.decode_early(r, head.slice, head.sender, head.members_digest, data, self.opts.rules)

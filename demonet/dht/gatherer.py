@@ -15,9 +15,11 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from demonet.errors import InvalidPayload
 from demonet.optim import Payload
 from demonet.transport import Digest, NotMember, Pace, Resync, RoundResult
 from demonet.wire.identity import Identity
+from demonet.wire.merge import check_samples
 
 from . import rules
 from .ahead import encode_parts
@@ -94,8 +96,14 @@ class DhtGatherer:
 
     @property
     def refused(self) -> int:
-        """Stream messages refused (bad MAC, another run, replayed, unknown sender, bad signature)."""
+        """Stream messages refused (bad MAC, another run, replayed, unknown sender, bad signature, a part's
+        sample count outside [1, max_samples_per_round])."""
         return self._node.streams.refused
+
+    @property
+    def capped(self) -> int:
+        """Payloads whose claimed samples this peer capped in the slices it merged as their owner."""
+        return self._exchange.capped
 
     def visible_maddrs(self) -> list[str]:
         return self._node.visible_maddrs()
@@ -192,12 +200,18 @@ class DhtGatherer:
 
         See `demonet.transport.Gatherer.gather`. `RoundResult.param_digest` is empty: in DHT mode the
         digests are compared at the next round's freeze (a peer whose digest is not the majority's
-        gets `Resync` there and loads the parameters again).
+        gets `Resync` there and loads the parameters again). `samples` travels with each part: the
+        payload's weight in every slice's merge (capped there, as by the coordinator).
 
         Raises:
             NotMember: this peer announced after the round froze.
             Resync: this peer's parameters are not the majority's.
+            ValueError: `samples` is below 1 or above the run's max_samples_per_round (nothing is sent).
         """
+        try:
+            check_samples(samples, self.opts.rules.max_samples)
+        except InvalidPayload as e:  # this peer's own count: a bug or a bad argument, not a peer's fault
+            raise ValueError(str(e)) from None
         digest = await param_digest.known()  # a round is announced with it
         r, board = round, self._board
         expected = board.expected.get(r)
@@ -214,16 +228,16 @@ class DhtGatherer:
         if steady is not None:
             def ahead() -> None:
                 self._exchange.send_ahead(r, payload, specs=self.specs, members=steady[1], owners=steady[2],
-                                          addresses=steady[3],
+                                          addresses=steady[3], samples=samples,
                                           encoded=(encoded[1], encoded[3]) if encoded is not None
                                           and encoded[0] == r and encoded[2] is payload else None)
         try:
-            return await self._gather(r, payload, digest, loss, ahead)
+            return await self._gather(r, payload, digest, loss, ahead, samples)
         finally:
             self._exchange.drop_ahead(r)  # not taken up by the exchange: the round ended before it, or froze otherwise
 
     async def _gather(self, r: int, payload: Payload, param_digest: str, loss: float,
-                      ahead: Callable[[], None] | None) -> RoundResult:
+                      ahead: Callable[[], None] | None, samples: int) -> RoundResult:
         board, view = self._board, self.view
         gets = self._node.gets
         try:
@@ -265,11 +279,12 @@ class DhtGatherer:
         self._excluded = excluded
         addresses = {p: announced[p].address for p in members}
         done = await self._exchange.run(r, payload, specs=self.specs, members=members, owners=owners,
-                                        addresses=addresses, frozen_at=frozen.deadline)
+                                        addresses=addresses, frozen_at=frozen.deadline, samples=samples)
         for p in done.disagreed:
             board.reports[p] = r
         if view is not None:
-            view.verified(r, disagreed=sorted(done.disagreed), excluded=sorted(excluded))
+            view.verified(r, disagreed=sorted(done.disagreed), excluded=sorted(excluded), capped=sorted(done.capped),
+                          max_ratio=self.opts.rules.max_sample_ratio)
         # The next round waits for the members whose payload and own slice made it into this one, and for
         # the peers that froze this one with another member list (alive: the lists agree again once both
         # expect the same peers), and counts its majority over this round's members only if the

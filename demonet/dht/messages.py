@@ -12,7 +12,9 @@ from typing import Any
 
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
+from demonet.errors import InvalidPayload
 from demonet.wire import identity as ids
+from demonet.wire.merge import check_samples
 
 from . import keys, rules
 from .deadlines import now
@@ -61,7 +63,7 @@ class SignedMessages:
         return [self._message(kind, round, part=part, **fields) for part in wire.split(data, part_bytes=_PART_BYTES)]
 
     def _check(self, msg: pb.DhtMessage) -> str:
-        """Why a message is refused ('' if it is good)."""
+        """Why a message is refused ('' if it is good): its MAC, its run, its age, and a part's sample count."""
         mac = msg.mac
         msg.mac = b""
         ok = rules.verify(self._token, msg.SerializeToString(), mac)
@@ -72,6 +74,11 @@ class SignedMessages:
             return f"another run ({msg.run!r})"
         if abs(now() - msg.sent_at) > _REPLAY_S:
             return "sent too long ago"
+        if msg.kind == pb.DHT_KIND_PART:  # its weight in the slice's merge: refused before any of it is kept
+            try:
+                check_samples(msg.samples, self.opts.rules.max_samples)
+            except InvalidPayload as e:
+                return str(e)
         return ""
 
     async def _check_sender(self, msg: pb.DhtMessage, *, unknown_ok: bool, link: tuple[str, str] | None = None

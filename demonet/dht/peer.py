@@ -142,7 +142,8 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
                                       accumulate=accumulate, checkpoint=out / f"peer-{peer_id}.pt")
             gatherer.specs = dict(trainer.opt.param_specs())
             loop = RoundLoop(trainer, membership, gatherer, peer_id, out / f"metrics-{peer_id}.jsonl",
-                             checkpoint_every, stop, overlap=cfg.net.overlap, lookahead=cfg.net.lookahead)
+                             checkpoint_every, stop, overlap=cfg.net.overlap, lookahead=cfg.net.lookahead,
+                             round_s=cfg.net.round_s)
             info = await membership.join()
             # kernels that differ between peers are what would make them resync
             loop.log.info("%s (%d parameters); CPU kernels %s, %d threads",

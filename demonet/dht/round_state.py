@@ -97,6 +97,8 @@ class Exchanged:
     """The owner of each slice of the round, in order (for the dashboards)."""
     disagreed: frozenset[str] = frozenset()
     """The owners and verifiers of the slices dropped because the two disagreed."""
+    capped: frozenset[str] = frozenset()
+    """The senders whose claimed samples this peer capped in a slice it merged as the owner (`sample_weights`)."""
     other_lists: frozenset[str] = frozenset()
     """Peers that froze the round with another member list (they sent or answered a part cut for it), and
     the members those lists name: alive, so the next round waits for them. The slices of those owners are
@@ -125,6 +127,10 @@ class RoundState:
     rs_deadline: float = 0.0
     ag_deadline: float = 0.0
     parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
+    claims: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Slice -> sender -> the samples its part held here claims (`DhtMessage.samples`): its weight in the merge."""
+    samples: int = 1  # this peer's own samples in the round, sent with each of its parts
+    capped: set[str] = field(default_factory=set)  # Exchanged.capped
     ahead: dict[int, set[str]] = field(default_factory=dict)
     """Slice -> the senders whose part held here was sent ahead of their freeze (`SliceExchange.send_ahead`):
     one cut for another member list is replaced by the part they send once frozen, and is waited for."""

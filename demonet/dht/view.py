@@ -35,6 +35,8 @@ class DhtView:
         """Stream messages refused so far (bad MAC, another run, bad signature); set by the peer once its node runs."""
         self.round, self.phase = 0, "waiting"
         self.rounds_closed = self.rounds_aborted = self.resyncs = self.bytes_up = self.bytes_down = 0
+        self.capped = 0
+        """Payloads whose claimed samples this peer capped in the slices it merged (`verified`)."""
         self.last_loss: float | None = None
         self.digest = ""
         self._states: dict[str, str] = {}  # the last round's members -> their state in it
@@ -67,9 +69,15 @@ class DhtView:
         elif self.phase == "minority":
             self.phase = "exchanging"
 
-    def verified(self, round: int, *, disagreed: Sequence[str], excluded: Sequence[str]) -> None:
-        """Owners and verifiers of slices that disagreed in `round` (listed with the refusals), and the
-        owners left out of it (their state reads ``excluded``)."""
+    def verified(self, round: int, *, disagreed: Sequence[str], excluded: Sequence[str], capped: Sequence[str] = (),
+                 max_ratio: float = 0.0) -> None:
+        """Owners and verifiers of slices that disagreed in `round` (listed with the refusals), the owners left
+        out of it (their state reads ``excluded``), and the senders whose samples this peer capped in its
+        merges (counted, and listed with the refusals as the coordinator lists them)."""
+        for p in capped:
+            self.capped += 1
+            self.record.refused(p, round, "samples_capped",
+                                f"its samples were above {max_ratio:g} times the median of the others': capped")
         if disagreed:
             self.record.refused(", ".join(sorted(disagreed)), round, "disagreement",
                                 "a verified slice's owner and verifier merged it differently; dropped, both reported")
@@ -111,8 +119,8 @@ class DhtView:
                "idle": None, "joiners": None, "submitted": None, "rounds_closed": self.rounds_closed,
                "rounds_aborted": self.rounds_aborted, "total_rounds": self.total_rounds,
                "last_loss": self.last_loss, "param_digest": self.digest, "bytes_up": self.bytes_up,
-               "bytes_down": self.bytes_down, "rejected": self.refused(), "late": None, "clipped": None, "capped": None,
-               "resyncs": self.resyncs, "unauthorized": None, "round_timeout_s": self.window_s}
+               "bytes_down": self.bytes_down, "rejected": self.refused(), "late": None, "clipped": None,
+               "capped": self.capped, "resyncs": self.resyncs, "unauthorized": None, "round_timeout_s": self.window_s}
         live = {p: (state, now - self.record.members[p].seen_at) for p, state in self._states.items()
                 if p in self.record.members}
         return self.record.document("dht", self.peer_id, run, live, since=since)

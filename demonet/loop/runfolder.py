@@ -17,7 +17,8 @@ from .rows import MetricsRow
 
 _Row = TypeVar("_Row")
 
-__all__ = ["final_rows", "merge_metrics", "plot_loss", "plot_pipeline", "summarize_run", "to_json"]
+__all__ = ["final_rows", "loss_figure", "merge_metrics", "pipeline_figure", "plot_loss", "plot_pipeline",
+           "summarize_run", "to_json"]
 
 
 def to_json(obj: Any) -> str:
@@ -124,13 +125,35 @@ def summarize_run(rows: Sequence[MetricsRow]) -> dict[str, Any]:
 
 def plot_loss(rows: Sequence[MetricsRow], path: Path) -> None:
     """Write a PNG of each peer's training loss by round, and their mean."""
+    _save(loss_figure(rows), path)
+
+
+def plot_pipeline(rows: Sequence[MetricsRow], path: Path) -> None:
+    """Write a PNG of the seconds per round each peer spent computing and waiting for the network (the
+    mean over the peers, stacked: their sum is the round's length for a peer that never idles otherwise)."""
+    _save(pipeline_figure(rows), path)
+
+
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path)
+    _pyplot().close(fig)
+
+
+def loss_figure(rows: Sequence[MetricsRow]) -> Any:
+    """The figure of `plot_loss` (a matplotlib Figure), titled with the run's peers and rounds."""
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    fig, ax = _pyplot().subplots(figsize=(7, 4), dpi=100)
     by_peer: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         by_peer.setdefault(r.peer, []).append((r.round, r.loss))
@@ -145,21 +168,15 @@ def plot_loss(rows: Sequence[MetricsRow], path: Path) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("training loss")
+    ax.set_title(f"Training loss by round: {len(by_peer)} peers, {len(rounds)} rounds")
     ax.grid(alpha=0.3)
     if len(by_peer) <= 10:
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
-def plot_pipeline(rows: Sequence[MetricsRow], path: Path) -> None:
-    """Write a PNG of the seconds per round each peer spent computing and waiting for the network (the
-    mean over the peers, stacked: their sum is the round's length for a peer that never idles otherwise)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def pipeline_figure(rows: Sequence[MetricsRow]) -> Any:
+    """The figure of `plot_pipeline` (a matplotlib Figure)."""
     from matplotlib.ticker import MaxNLocator
 
     by_round: dict[int, list[MetricsRow]] = {}
@@ -168,16 +185,14 @@ def plot_pipeline(rows: Sequence[MetricsRow], path: Path) -> None:
     rounds = sorted(by_round)
     compute = [_mean([r.compute_s for r in by_round[n]]) for n in rounds]
     wait = [_mean([r.wait_s for r in by_round[n]]) for n in rounds]
-    overlap = {r.overlap for r in rows}
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    overlap = ", ".join(str(o) for o in sorted({r.overlap for r in rows}))
+    fig, ax = _pyplot().subplots(figsize=(7, 4), dpi=100)
     ax.stackplot(rounds, compute, wait, labels=["compute", "wait for the network"], colors=["#4c72b0", "#dd8452"],
                  alpha=0.8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("seconds per round (mean over peers)")
-    ax.set_title(f"overlap = {', '.join(str(o) for o in sorted(overlap))}", fontsize="small")
+    ax.set_title(f"Time per round: compute and wait for the network (overlap = {overlap})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig

@@ -25,6 +25,7 @@ from demonet.optim import Payload
 from demonet.wire import params as wire_params
 from demonet.wire.identity import Identity
 from demonet.wire.signed import (
+    aggregate_request,
     digest_part,
     heartbeat_request,
     join_request,
@@ -125,6 +126,8 @@ class GrpcClient:
         self._identity = identity
         self._session = b""
         """From the JoinReply: what this key's signatures cover."""
+        self._counter = 0
+        """The last counter this session signed (a counted request takes the next; a join starts again)."""
         self._submitted: dict[int, asyncio.Event] = {}
         """Round -> set once this client's Submit for it has ended: a payload sent ahead waits for the one
         before it, so that the two never share the link."""
@@ -150,6 +153,11 @@ class GrpcClient:
         deadline it would be refused anyway."""
         return self.round_timeout_s + self.call_timeout_s
 
+    def _next(self) -> int:
+        """The next counter of this session (each counted request, and each retry of one, takes its own)."""
+        self._counter += 1
+        return self._counter
+
     # -- retries ---------------------------------------------------------------------------------------
 
     async def _call(self, what: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
@@ -164,7 +172,7 @@ class GrpcClient:
         """Join the run (again: a reconnect returns the round to resume at); `probe`: only learn its config
         and parameters, without being admitted (to build and check a model first)."""
         async def attempt() -> Any:
-            request = pb.JoinRequest(peer_id=self.peer_id, probe=True)
+            request = pb.JoinRequest(peer_id=self.peer_id, probe=True, protocol=wire_params.PROTOCOL)
             if not probe:  # answer a fresh challenge with this key (a retry asks for a new one)
                 public = self.identity.public
                 challenge = await self._stub.Challenge(pb.ChallengeRequest(peer_id=self.peer_id, public_key=public),
@@ -172,11 +180,17 @@ class GrpcClient:
                 request = join_request(self.identity, self.peer_id, challenge.nonce)
             return await self._stub.Join(request, metadata=self._metadata, timeout=self.call_timeout_s)
 
-        reply = await self._call("Join", attempt)
+        try:
+            reply = await self._call("Join", attempt)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:  # refused for its protocol version
+                raise
+            raise PermissionError(f"Join: the coordinator at {self.address} refused this peer: {e.details()}") from None
+        info = join_info(reply, self.peer_id, self.address)  # another protocol refused here, before the session
         if not probe:
-            self._session = reply.session
+            self._session, self._counter = reply.session, 0
         self.round_timeout_s = reply.round_timeout_s
-        return join_info(reply, self.peer_id)
+        return info
 
     async def heartbeat(self, round: int) -> tuple[int, bool]:
         """Tell the coordinator this peer works on `round`.
@@ -184,9 +198,9 @@ class GrpcClient:
         Returns:
             (the coordinator's open round, whether this peer is still a member or an admitted joiner).
         """
-        request = heartbeat_request(self.identity, self._session, self.peer_id, round)
-        reply = await self._call("Heartbeat", lambda: self._stub.Heartbeat(request, metadata=self._metadata,
-                                                                           timeout=self.call_timeout_s))
+        reply = await self._call("Heartbeat", lambda: self._stub.Heartbeat(  # a retry is signed anew
+            heartbeat_request(self.identity, self._session, self.peer_id, round, self._next()),
+            metadata=self._metadata, timeout=self.call_timeout_s))
         return int(reply.round), bool(reply.member)
 
     async def leave(self, round: int) -> bool:
@@ -195,7 +209,7 @@ class GrpcClient:
         which then drops it after its heartbeat timeout as before. Returns whether the coordinator took it."""
         if not self._session:  # never joined: no member
             return False
-        request = leave_request(self.identity, self._session, self.peer_id, round)
+        request = leave_request(self.identity, self._session, self.peer_id, round, self._next())
         try:
             reply = await self._stub.Leave(request, metadata=self._metadata, timeout=self.call_timeout_s)
         except grpc.aio.AioRpcError as e:  # UNIMPLEMENTED from a coordinator of an earlier version included
@@ -243,11 +257,10 @@ class GrpcClient:
             StaleRound, NotMember: the coordinator no longer serves that round.
             InvalidPayload: the parameters do not fit the model or fail their digest.
         """
-        request = parameters_request(self.identity, self._session, self.peer_id, round, resync=resync)
-
         async def attempt() -> bytes:
             parts = wire.Reassembler(max_bytes=wire_params.MAX_PARAMETER_BYTES)
             data = None
+            request = parameters_request(self.identity, self._session, self.peer_id, round, self._next(), resync=resync)
             call = self._stub.GetParameters(request, metadata=self._metadata, timeout=self.wait_timeout_s)
             async for part in call:
                 data = parts.add(part)
@@ -289,9 +302,10 @@ class GrpcClient:
         beside = not param_digest.follows
 
         def aggregate() -> Awaitable[StreamedAggregate]:  # a retry once the Submit has ended is a plain call again
-            return read_aggregate(self._stub.GetAggregate(pb.AggregateRequest(
-                peer_id=self.peer_id, round=round, submitting=beside and not ended.is_set()),
-                metadata=self._metadata, timeout=self.wait_timeout_s), round, expected)
+            return read_aggregate(self._stub.GetAggregate(aggregate_request(
+                self.identity, self._session, self.peer_id, round, self._next(),
+                submitting=beside and not ended.is_set()), metadata=self._metadata, timeout=self.wait_timeout_s),
+                round, expected)
 
         early = asyncio.create_task(self._call(f"GetAggregate({round})", aggregate)) if beside else None
         try:

@@ -18,6 +18,7 @@ import grpc.aio
 from demonet import wire
 from demonet.errors import InvalidPayload
 from demonet.optim import Payload
+from demonet.wire.params import PROTOCOL, protocol_mismatch
 
 from . import JoinInfo
 
@@ -68,12 +69,17 @@ def coordinator_status(reply: Any) -> CoordinatorStatus:
         rejected=int(reply.rejected), resyncs=int(reply.resyncs))
 
 
-def join_info(reply: Any, peer_id: str) -> JoinInfo:
+def join_info(reply: Any, peer_id: str, address: str) -> JoinInfo:
     """A JoinReply as the run's terms for this peer.
 
     Raises:
+        PermissionError: the coordinator at `address` speaks another protocol version (a peer probes first, so
+            it was not admitted).
         InvalidPayload: its run config or parameter specs do not parse.
     """
+    if reply.protocol != PROTOCOL:
+        why = protocol_mismatch(reply.protocol, sender=f"the coordinator at {address}", receiver="this peer")
+        raise PermissionError(f"Join: {why}")
     try:
         run_config = json.loads(reply.run_config)
     except json.JSONDecodeError as e:

@@ -23,7 +23,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from demonet.errors import KeyFileError
 
-__all__ = ["KEY_BYTES", "SIGNATURE_BYTES", "Identity", "fingerprint", "heartbeat_statement", "join_statement",
+__all__ = ["KEY_BYTES", "SIGNATURE_BYTES", "Identity", "aggregate_statement", "fingerprint", "heartbeat_statement",
+           "join_statement",
            "leave_statement", "parameters_statement", "parse_public", "public_text", "read_allowlist", "statement",
            "submit_statement", "verify"]
 
@@ -183,16 +184,23 @@ def join_statement(nonce: bytes, peer_id: str, public: bytes) -> bytes:
     return statement("join", nonce, peer_id, public)
 
 
-def heartbeat_statement(session: bytes, peer_id: str, round: int) -> bytes:
-    return statement("heartbeat", session, peer_id, round)
+# The counted statements end with the session's counter: the coordinator takes each number once per session
+# (`demonet.coordinator.identities.Counters`), so a captured request is void once it arrived.
+
+def heartbeat_statement(session: bytes, peer_id: str, round: int, counter: int) -> bytes:
+    return statement("heartbeat", session, peer_id, round, counter)
 
 
-def leave_statement(session: bytes, peer_id: str, round: int) -> bytes:
-    return statement("leave", session, peer_id, round)
+def leave_statement(session: bytes, peer_id: str, round: int, counter: int) -> bytes:
+    return statement("leave", session, peer_id, round, counter)
 
 
-def parameters_statement(session: bytes, peer_id: str, round: int, resync: bool) -> bytes:
-    return statement("parameters", session, peer_id, round, resync)
+def parameters_statement(session: bytes, peer_id: str, round: int, resync: bool, counter: int) -> bytes:
+    return statement("parameters", session, peer_id, round, resync, counter)
+
+
+def aggregate_statement(session: bytes, peer_id: str, round: int, submitting: bool, counter: int) -> bytes:
+    return statement("aggregate", session, peer_id, round, submitting, counter)
 
 
 def submit_statement(session: bytes, peer_id: str, round: int, payload_digest: bytes, param_digest: str,

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from demonet import wire
+from demonet.errors import InvalidPayload
 from demonet.optim import Compressed, Payload, aggregate_clipped, quantize
 
 from ._indices import sort_rows
 
-__all__ = ["INLINE_MERGE_ENTRIES", "MergeRules", "Merged", "decode_contribution", "merge", "sample_weights"]
+__all__ = ["INLINE_MERGE_ENTRIES", "MergeRules", "Merged", "check_samples", "decode_contribution", "merge",
+           "sample_weights"]
 
 INLINE_MERGE_ENTRIES = 1 << 14
 """A DHT slice's merge of up to this many entries in all, its parts decoded as they arrived, is made on the
@@ -49,6 +51,8 @@ class MergeRules:
     """Refuse an inbound payload whose values' L2 norm exceeds this (None: no bound)."""
     max_sample_ratio: float = 16.0
     """Weight each payload by its samples, at most this many times the median of the others' (0: unweighted)."""
+    max_samples: int = 1 << 32
+    """A payload claiming more samples than this is refused (`check_samples`; `[net] max_samples_per_round`)."""
 
     def __post_init__(self) -> None:
         if self.topk < 1:
@@ -59,6 +63,8 @@ class MergeRules:
             raise ValueError(f"max_norm should be > 0 or None, got {self.max_norm}")
         if not (self.max_sample_ratio == 0 or self.max_sample_ratio >= 1):
             raise ValueError(f"max_sample_ratio should be 0 (off) or >= 1, got {self.max_sample_ratio}")
+        if self.max_samples < 1:
+            raise ValueError(f"max_samples should be >= 1, got {self.max_samples}")
 
     @classmethod
     def from_config(cls, cfg: Any) -> MergeRules:
@@ -66,7 +72,7 @@ class MergeRules:
         net = cfg.net
         return cls(topk=net.aggregate_topk or cfg.optim.compression_topk, encoding=net.aggregate_encoding,
                    clip=net.clip_to_median_norm, max_norm=net.max_payload_norm or None,
-                   max_sample_ratio=net.max_sample_ratio)
+                   max_sample_ratio=net.max_sample_ratio, max_samples=net.max_samples_per_round)
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,18 @@ def sample_weights(samples: Sequence[int], max_ratio: float) -> tuple[list[float
         weights.append(float(min(n, cap)))
         capped.append(n > cap)
     return weights, capped
+
+
+def check_samples(samples: int, most: int) -> None:
+    """Refuse a payload's claimed sample count outside [1, `most`] (the run's `max_samples_per_round`): the
+    same bound for a coordinator's Submit and a DHT slice owner's part.
+
+    Raises:
+        InvalidPayload: the count is 0, negative, or above `most`.
+    """
+    if not 1 <= samples <= most:
+        raise InvalidPayload(f"samples should be between 1 and the run's max_samples_per_round ({most}), "
+                             f"got {samples}")
 
 
 def decode_contribution(data: bytes, *, expected: Mapping[str, Any], rules: MergeRules) -> tuple[int, Payload]:

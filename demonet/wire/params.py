@@ -14,14 +14,19 @@ from google.protobuf.message import DecodeError
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 
-from .digest import param_digest
+from .digest import dtype_name, param_digest
 
-__all__ = ["MAX_PARAMETER_BYTES", "decode_parameters", "encode_parameters"]
+__all__ = ["MAX_PARAMETER_BYTES", "PROTOCOL", "decode_parameters", "encode_parameters", "protocol_mismatch"]
+
+PROTOCOL = 2
+"""The protocol version (docs/protocol.md, "Versions"): `Parameters.version`, and `protocol` in a JoinRequest and
+its JoinReply. 2: the parameter digest hashes length-prefixed canonical bytes; 1 hashed Python's text of the
+dtype and shape."""
 
 MAX_PARAMETER_BYTES = 8 * 2**30
 """Largest serialized Parameters message accepted (protobuf itself stops at 2 GiB per message)."""
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+_DTYPES = {dtype_name(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
 
 def encode_parameters(named: Iterable[tuple[str, torch.Tensor]], *, round: int, digest: str | None = None) -> bytes:
@@ -30,9 +35,9 @@ def encode_parameters(named: Iterable[tuple[str, torch.Tensor]], *, round: int, 
     `digest`: their `param_digest`, if the caller already has it (it is computed otherwise).
     """
     tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in named]
-    msg = pb.Parameters(version=1, round=round, param_digest=digest or param_digest(tensors))
+    msg = pb.Parameters(version=PROTOCOL, round=round, param_digest=digest or param_digest(tensors))
     for name, t in tensors:
-        dtype = str(t.dtype).removeprefix("torch.")
+        dtype = dtype_name(t.dtype)
         if dtype not in _DTYPES:
             raise ValueError(f"{name}: dtype {t.dtype} is not one of {sorted(_DTYPES)}")
         data = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
@@ -62,8 +67,9 @@ def decode_parameters(data: bytes, *, expected: Mapping[str, tuple[tuple[int, ..
         msg.ParseFromString(data)
     except DecodeError as e:
         raise InvalidPayload(f"parameters: not a Parameters message ({e})") from None
-    if msg.version != 1:
-        raise InvalidPayload(f"parameters: version {msg.version}, expected 1")
+    if msg.version != PROTOCOL:
+        why = protocol_mismatch(msg.version, sender="their sender", receiver="this peer")
+        raise InvalidPayload(f"parameters: {why}")
     names = [t.name for t in msg.tensors]
     if names != list(expected):
         missing = sorted(set(expected) - set(names))[:3]
@@ -88,6 +94,13 @@ def decode_parameters(data: bytes, *, expected: Mapping[str, tuple[tuple[int, ..
     if param_digest(out.items()) != msg.param_digest:
         raise InvalidPayload("parameters: digest does not match the tensors")
     return msg.round, out
+
+
+def protocol_mismatch(version: int, *, sender: str, receiver: str) -> str:
+    """Why a message of protocol `version` is refused, naming both versions (0 on the wire is version 1, which
+    had no such field)."""
+    return (f"{sender} speaks demonet protocol {version or 1} and {receiver} protocol {PROTOCOL}: run one demonet "
+            "version on the coordinator and every peer (docs/protocol.md, Versions)")
 
 
 def _first_difference(names: list[str], expected: list[str]) -> str:

@@ -10,37 +10,51 @@ from demonet._proto import demonet_pb2 as pb
 
 from .identity import (
     Identity,
+    aggregate_statement,
     heartbeat_statement,
     join_statement,
     leave_statement,
     parameters_statement,
     submit_statement,
 )
+from .params import PROTOCOL
 from .parts import DEFAULT_PART_BYTES, split
 
-__all__ = ["digest_part", "heartbeat_request", "join_request", "leave_request", "parameters_request", "submit_parts"]
+__all__ = ["aggregate_request", "digest_part", "heartbeat_request", "join_request", "leave_request",
+           "parameters_request", "submit_parts"]
 
 
 def join_request(identity: Identity, peer_id: str, nonce: bytes) -> pb.JoinRequest:
     """The Join that answers the Challenge which gave `nonce`."""
-    return pb.JoinRequest(peer_id=peer_id, public_key=identity.public, nonce=nonce,
+    return pb.JoinRequest(peer_id=peer_id, public_key=identity.public, nonce=nonce, protocol=PROTOCOL,
                           signature=identity.sign(join_statement(nonce, peer_id, identity.public)))
 
 
-def heartbeat_request(identity: Identity, session: bytes, peer_id: str, round: int) -> pb.HeartbeatRequest:
-    return pb.HeartbeatRequest(peer_id=peer_id, round=round,
-                               signature=identity.sign(heartbeat_statement(session, peer_id, round)))
+# `counter`: a number the session has not used (>= 1); a client counts up from 1 after each join.
+
+def heartbeat_request(identity: Identity, session: bytes, peer_id: str, round: int, counter: int
+                      ) -> pb.HeartbeatRequest:
+    return pb.HeartbeatRequest(peer_id=peer_id, round=round, counter=counter,
+                               signature=identity.sign(heartbeat_statement(session, peer_id, round, counter)))
 
 
-def leave_request(identity: Identity, session: bytes, peer_id: str, round: int) -> pb.LeaveRequest:
-    return pb.LeaveRequest(peer_id=peer_id, round=round,
-                           signature=identity.sign(leave_statement(session, peer_id, round)))
+def leave_request(identity: Identity, session: bytes, peer_id: str, round: int, counter: int) -> pb.LeaveRequest:
+    return pb.LeaveRequest(peer_id=peer_id, round=round, counter=counter,
+                           signature=identity.sign(leave_statement(session, peer_id, round, counter)))
 
 
-def parameters_request(identity: Identity, session: bytes, peer_id: str, round: int, *,
+def parameters_request(identity: Identity, session: bytes, peer_id: str, round: int, counter: int, *,
                        resync: bool = False) -> pb.ParametersRequest:
-    return pb.ParametersRequest(peer_id=peer_id, round=round, resync=resync,
-                                signature=identity.sign(parameters_statement(session, peer_id, round, resync)))
+    return pb.ParametersRequest(peer_id=peer_id, round=round, resync=resync, counter=counter, signature=identity.sign(
+        parameters_statement(session, peer_id, round, resync, counter)))
+
+
+def aggregate_request(identity: Identity, session: bytes, peer_id: str, round: int, counter: int, *,
+                      submitting: bool = False) -> pb.AggregateRequest:
+    """A member's GetAggregate: limited per key and counted as its bytes (unsigned, it is the public path)."""
+    return pb.AggregateRequest(peer_id=peer_id, round=round, submitting=submitting, counter=counter,
+                               signature=identity.sign(aggregate_statement(session, peer_id, round, submitting,
+                                                                           counter)))
 
 
 def submit_parts(identity: Identity, session: bytes, peer_id: str, round: int, data: bytes, *, param_digest: str,

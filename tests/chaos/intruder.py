@@ -43,7 +43,7 @@ from demonet.errors import InvalidPayload
 from demonet.optim import DeMo
 from demonet.train.model import GPT
 from demonet.wire.identity import Identity, submit_statement
-from demonet.wire.signed import heartbeat_request, join_request, leave_request, parameters_request
+from demonet.wire.signed import aggregate_request, heartbeat_request, join_request, leave_request, parameters_request
 
 POISONER = """
 import sys
@@ -133,8 +133,14 @@ class Intruder:
         self.peer_id = "intruder"
         self.key = Identity.generate()  # its own key: the token admits it in its own name
         self.session = b""
+        self.counter = 0
         self._payload: Any = None
         self._specs: Any = None
+
+    def next(self) -> int:
+        """The session's next counter."""
+        self.counter += 1
+        return self.counter
 
     def meta(self, token: str | None = "") -> tuple[tuple[str, str], ...]:
         token = self.token if token == "" else token
@@ -220,7 +226,7 @@ class Intruder:
         assert code == "OK", code
         reply = pb.JoinReply()
         reply.ParseFromString(replies[0])
-        self.session = reply.session
+        self.session, self.counter = reply.session, 0
         deadline = time.monotonic() + 30
         while (await self.status()).round < reply.round and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -408,7 +414,8 @@ class Intruder:
 
     async def heartbeats(self) -> None:
         while True:
-            await self.call("Heartbeat", heartbeat_request(self.key, self.session, self.peer_id, 0).SerializeToString(),
+            await self.call("Heartbeat", heartbeat_request(self.key, self.session, self.peer_id, 0, self.next())
+                            .SerializeToString(),
                             self.meta())
             await asyncio.sleep(0.5)
 
@@ -425,9 +432,9 @@ class Intruder:
             nonce = pb.ChallengeReply.FromString(replies[0]).nonce
             code, _ = await self.call("Join", join_request(self.key, victim, nonce).SerializeToString(), self.meta())
             self.record("impersonate_Join", code == "OK", code)
-        for method, msg in (("Heartbeat", heartbeat_request(self.key, self.session, victim, r)),
-                            ("Leave", leave_request(self.key, self.session, victim, r)),
-                            ("GetParameters", parameters_request(self.key, self.session, victim, r))):
+        for method, msg in (("Heartbeat", heartbeat_request(self.key, self.session, victim, r, self.next())),
+                            ("Leave", leave_request(self.key, self.session, victim, r, self.next())),
+                            ("GetParameters", parameters_request(self.key, self.session, victim, r, self.next()))):
             code, _ = await self.call(method, msg.SerializeToString(), self.meta())
             self.record(f"impersonate_{method}", code == "OK", code)
         await self.submit("impersonate_Submit", self.parts(self.valid_payload(run_config, r), r, digest,
@@ -437,9 +444,10 @@ class Intruder:
         """Stale and future rounds where a peer asks for data: answered or refused, never a change."""
         r = (await self.status()).round
         for n in (r + 1000, 2**63, 0):
-            for method, msg in (("GetParameters", parameters_request(self.key, self.session, self.peer_id, n)),
-                                ("GetAggregate", pb.AggregateRequest(peer_id=self.peer_id, round=n)),
-                                ("Heartbeat", heartbeat_request(self.key, self.session, self.peer_id, n))):
+            key, session, me = self.key, self.session, self.peer_id
+            for method, msg in (("GetParameters", parameters_request(key, session, me, n, self.next())),
+                                ("GetAggregate", aggregate_request(key, session, me, n, self.next())),
+                                ("Heartbeat", heartbeat_request(key, session, me, n, self.next()))):
                 code, _ = await self.call(method, msg.SerializeToString(), self.meta())
                 self.record(f"round_{method}", False, code)
         for bad in ("", "x" * 200, "a b", "ünï"):

@@ -157,7 +157,7 @@ def parse_command(argv: Sequence[str]) -> tuple[str, argparse.Namespace]:
     module = importlib.import_module(scripts[program].split(":")[0])
     if module.__name__ == "demonet.cli":
         # What demonet.cli.main does: the top parser, then the coordinator's own flags.
-        ns, rest = _parse(module._parser(), args, known=True)
+        ns, rest = _parse(module._parser_for(args), args, known=True)
         if ns.command == "coordinator":
             from demonet import coordinator
 

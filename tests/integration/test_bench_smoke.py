@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
 
 SCRIPTS = {
+    "attacks.py": r"^aggregates\s+\d+\s+\d+\s+\d+\s+\{\"codes\": ",
+    "cli_start.py": r"^\| demonet --help \| \d+\.\d+ \| no \| (met|NOT met) \|$",
     "coordinator_scale.py": r"^\s+4\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+$",
     "dht_exchange_cpu.py": r"^\| 4 \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \| [\d,]+ \| [\d,]+ \|$",
     "dht_round.py": r"^\| dht verify=0\.25 \| 2 \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+x \|.*\| yes \|",
@@ -27,7 +29,7 @@ SCRIPTS = {
     "flexdemo.py": r"^bytes between nodes per step, per node: FlexDeMo \d+ B .* ratio \d+\.\dx",
     "graceful_stop.py": r"^\| this tree \| 1 \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \|$",
     "idle_members.py": r"^20 fakes, max_idle_rounds=\d+\s+\d+\.\d+\s+\d+\.\d+\s+22\s+20\s+2$",
-    "mixed_speed.py": r"^adaptive\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\s+agree\s+\d",
+    "mixed_speed.py": r"^automatic\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\s+agree\s+\d",
     "optim_step.py": r"^ratio DeMo step / forward\+backward: \d+\.\d%$",
     "overlap_loss.py": r"^\| overlap \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+x \| \d+\.\d+x \| 1 \|$",
     "robust_aggregate.py": r"^\s+4\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+(met|NOT met)$",

@@ -30,7 +30,7 @@ from demonet.transport.grpc import GrpcClient
 from demonet.wire import params as wire_params
 from demonet.wire.digest import param_digest
 from demonet.wire.identity import Identity
-from demonet.wire.signed import join_request, parameters_request, submit_parts
+from demonet.wire.signed import aggregate_request, join_request, parameters_request, submit_parts
 from tests.integration.common import tiny_config
 from tests.procs import Reaper, free_port
 
@@ -103,6 +103,11 @@ class Peer:
         self.md = (("authorization", f"Bearer {TOKEN}"),)
         self.identity = identity or Identity.generate()
         self.session = b""
+        self.counter = 0  # the session's last counter: each counted request takes the next
+
+    def next(self) -> int:
+        self.counter += 1
+        return self.counter
 
     async def join(self, *, load: bool = True) -> int:
         """Join the run; then (with `load`) download the parameters of the round it joins at, which waits
@@ -112,7 +117,7 @@ class Peer:
                                               metadata=self.md, timeout=10)
         reply = await self.stub.Join(join_request(self.identity, self.peer_id, challenge.nonce), metadata=self.md,
                                      timeout=10)
-        self.session = reply.session
+        self.session, self.counter = reply.session, 0
         cfg = Config.from_dict(json.loads(reply.run_config))
         self.model = GPT(cfg.model)
         self.opt = DeMo(self.model.named_parameters(), lr=cfg.optim.lr)
@@ -125,7 +130,7 @@ class Peer:
     async def load_parameters(self, round_: int) -> int:
         parts = wire.Reassembler()
         data = None
-        request = parameters_request(self.identity, self.session, self.peer_id, round_)
+        request = parameters_request(self.identity, self.session, self.peer_id, round_, self.next())
         async for part in self.stub.GetParameters(request, metadata=self.md, timeout=30):
             data = parts.add(part)
         expected = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters()}
@@ -162,7 +167,8 @@ class Peer:
 
     async def aggregate(self, round_: int, *, submitting: bool = False) -> tuple[Closed, object]:
         header, data, digest, parts = None, None, None, wire.Reassembler()
-        request = pb.AggregateRequest(peer_id=self.peer_id, round=round_, submitting=submitting)
+        request = aggregate_request(self.identity, self.session, self.peer_id, round_, self.next(),
+                                    submitting=submitting)
         async for chunk in self.stub.GetAggregate(request, metadata=self.md, timeout=60):
             kind = chunk.WhichOneof("kind")
             if kind == "header":
@@ -266,13 +272,14 @@ async def test_a_member_with_other_parameters_resyncs_and_each_resync_is_counted
     assert sorted(header.contributors) == ["a", "b"]
     # b's digest after applying round 1 differs (so it says): it downloads round 2's parameters.
     client = GrpcClient(coordinator.address, token=TOKEN, peer_id="b", identity=b.identity)
-    await client.join()  # b again, with its key: a member's join changes nothing
+    await client.join()  # b again, with its key: a member's join changes only its session
     expected = {n: (tuple(p.shape), p.dtype) for n, p in b.model.named_parameters()}
     for _ in range(2):  # a retried call is the same resync
         got, tensors, _ = await client.get_parameters(2, expected, resync=True)
         assert got == 2 and param_digest(tensors.items()) == a.digest()
     await client.get_parameters(2, expected)  # a download that is no resync (a late peer, a joiner)
     assert (await client.status()).resyncs == 2
+    b.session, b.counter = client._session, client._counter  # the join gave b's key a new session
     await client.close()
     log = (coordinator.tmp / "coordinator.log").read_text()
     assert "WARNING" in log and "b resyncs at round 1 (resync 1 of the run)" in log, log
@@ -347,12 +354,14 @@ async def test_requests_that_do_not_parse_get_a_clear_error_and_change_nothing(c
         reply = pb.SubmitReply.FromString(raw)
         assert not reply.accepted and reply.refusal == pb.REFUSAL_INVALID
         assert "not a valid SubmitPart message" in reply.reason
-        # A well-formed request far larger than its message can need is refused unparsed.
-        huge = pb.JoinRequest(peer_id="x" * 100_000).SerializeToString()
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await channel.unary_unary("/demonet.v1.Coordinator/Join")(huge, metadata=md, timeout=10)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "100004 bytes, more than the 4096 it can need" in (err.value.details() or ""), err.value.details()
+        # A well-formed request far larger than its message can need is refused unparsed: by the parser past
+        # 4096 bytes, by gRPC itself past the largest message of the run (one part of its largest payload).
+        for size, code, said in ((8_000, grpc.StatusCode.INVALID_ARGUMENT, "more than the 4096 it can need"),
+                                 (100_000, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max")):
+            huge = pb.JoinRequest(peer_id="x" * size).SerializeToString()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await channel.unary_unary("/demonet.v1.Coordinator/Join")(huge, metadata=md, timeout=10)
+            assert err.value.code() == code and said in (err.value.details() or ""), err.value
         # Without the token the answer is the token's, whatever the bytes.
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await channel.unary_unary("/demonet.v1.Coordinator/Status")(junk, timeout=10)

@@ -83,9 +83,10 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 class _Peers:
     """The peer processes of one test, each in its own session (so its p2pd dies with it)."""
 
-    def __init__(self, tmp: Path, reaper: Reaper, *, steps: int, start_peers: int, overlap: int = 0) -> None:
+    def __init__(self, tmp: Path, reaper: Reaper, *, steps: int, start_peers: int, overlap: int = 0,
+                 round_timeout_s: float = 3.0, **net: float) -> None:
         self.tmp, self.out, self.reaper = tmp, tmp / "out", reaper
-        (tmp / "run.toml").write_text(tiny_config(round_timeout_s=3.0, overlap=overlap))
+        (tmp / "run.toml").write_text(tiny_config(round_timeout_s=round_timeout_s, overlap=overlap, **net))
         self.base = ["peer", "--dht", "--run", "faults", "--host-maddr", "/ip4/127.0.0.1/tcp/0", "--config",
                      str(tmp / "run.toml"), "--steps", str(steps), "--start-peers", str(start_peers),
                      "--exchange-timeout-s", "2", "--out", str(self.out), "--threads", "1"]
@@ -96,21 +97,22 @@ class _Peers:
         path = self.tmp / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def start(self, name: str, *extra: str, token: str = TOKEN, gated: bool = False) -> subprocess.Popen[bytes]:
+    def start(self, name: str, *extra: str, token: str = TOKEN, gated: bool = False,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         argv = [*self.base, "--peer-id", name, *extra]
         if self.maddr:
             argv += ["--initial-peers", self.maddr]
         log = self.reaper.open(self.tmp / f"{name}.log", "ab")
         cmd = [sys.executable, "-c", GATE, *argv] if gated else [sys.executable, "-m", "demonet", *argv]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if gated else subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env={**os.environ, "DEMONET_TOKEN": token},
+                                stderr=subprocess.STDOUT, env={**os.environ, "DEMONET_TOKEN": token, **(env or {})},
                                 start_new_session=True)
         self.procs[name] = self.reaper.add(proc, group=True)
         return proc
 
-    def bootstrap(self, name: str) -> None:
+    def bootstrap(self, name: str, *extra: str, env: dict[str, str] | None = None) -> None:
         """Start the first peer and take its multiaddr for the others' --initial-peers."""
-        self.start(name)
+        self.start(name, *extra, env=env)
         wait_for(lambda: "dht listening on " in self.log(name), f"{name}'s DHT node", self)
         line = next(ln for ln in self.log(name).splitlines() if ln.startswith("dht listening on "))
         self.maddr = line.removeprefix("dht listening on ").strip()

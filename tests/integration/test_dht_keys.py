@@ -71,7 +71,7 @@ async def _intrude(maddr: str, victim: str, other: str, keys: dict[str, str], se
             if other in states and "part" not in found:  # (b): as the victim, to the other honest peer
                 address = states[other]["address"]
                 found["part"] = await call(nodes[0], address, pb.DHT_KIND_PART, head + 1, slice=0,
-                                           data=b"\0" * 64, members_digest="m")
+                                           data=b"\0" * 64, members_digest="m", samples=1)
                 found["fetch"] = await call(nodes[0], address, pb.DHT_KIND_FETCH, head, slice=0)
             if len(nodes) > 1 and "unlisted" not in found:
                 # "z" reads the records itself, as every caller does before it calls a peer: a reply
@@ -79,7 +79,8 @@ async def _intrude(maddr: str, victim: str, other: str, keys: dict[str, str], se
                 states = await nodes[1]._board.states(head)
                 if other in states:
                     found["unlisted"] = await call(nodes[1], states[other]["address"], pb.DHT_KIND_PART,
-                                                   head + 1, slice=0, data=b"\0" * 64, members_digest="m")
+                                                   head + 1, slice=0, data=b"\0" * 64, members_digest="m",
+                                                   samples=1)
             await asyncio.sleep(0.3)
     finally:
         for node in reversed(nodes):

@@ -213,7 +213,7 @@ def _forged_leave(address: str, peer_id: str) -> tuple[grpc.StatusCode, tuple[st
     with grpc.insecure_channel(address) as channel:
         stub: Any = pbg.CoordinatorStub(channel)  # type: ignore[no-untyped-call]
         try:
-            stub.Leave(leave_request(Identity.generate(), b"a session", peer_id, 0), metadata=metadata, timeout=10)
+            stub.Leave(leave_request(Identity.generate(), b"a session", peer_id, 0, 1), metadata=metadata, timeout=10)
             code = grpc.StatusCode.OK
         except grpc.RpcError as e:
             code = e.code()

@@ -119,9 +119,9 @@ async def test_an_intruder_with_the_token_and_its_own_key_cannot_speak_for_anoth
     nonce = (await stub.Challenge(pb.ChallengeRequest(peer_id="thief", public_key=key.public), metadata=md)).nonce
     forged = join_request(key, "p1", nonce)  # its own challenge's nonce, under p1's id
     assert await _refused(stub.Join(forged, metadata=md)) == grpc.StatusCode.PERMISSION_DENIED
-    assert await _refused(stub.Heartbeat(heartbeat_request(key, thief.session, "p1", first), metadata=md)) \
+    assert await _refused(stub.Heartbeat(heartbeat_request(key, thief.session, "p1", first, 1), metadata=md)) \
         == grpc.StatusCode.PERMISSION_DENIED
-    call = stub.GetParameters(parameters_request(key, thief.session, "p1", first), metadata=md)
+    call = stub.GetParameters(parameters_request(key, thief.session, "p1", first, 2), metadata=md)
     assert await _refused(call.read()) == grpc.StatusCode.PERMISSION_DENIED
     payload = wire.encode(thief.opt.compress(), step=first)
     as_p1 = submit_parts(key, thief.session, "p1", first, payload, param_digest=thief.digest(), loss=1.0)

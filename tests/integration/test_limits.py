@@ -18,6 +18,7 @@ from demonet._proto import demonet_pb2 as pb
 from demonet.errors import PeerUnavailable
 from demonet.transport.grpc import GrpcClient
 from demonet.wire.identity import submit_statement
+from demonet.wire.params import PROTOCOL
 from demonet.wire.signed import submit_parts
 from tests.integration.common import tiny_config
 from tests.integration.test_coordinator import TOKEN, Coordinator, Peer
@@ -142,10 +143,11 @@ async def test_a_download_loop_is_limited_and_an_honest_peer_still_trains(
     with pytest.raises(PeerUnavailable, match="limits this peer's calls"):
         await client.get_parameters(0, expected)
     await client.close()
-    # Joins: a burst of 5, then RESOURCE_EXHAUSTED.
-    for i in range(6):
-        call = looper.stub.Join(pb.JoinRequest(peer_id="churn", probe=True), metadata=looper.md, timeout=10)
-        if i < 5:
+    # Probes: a burst of 32 from one address (whatever id they name), then RESOURCE_EXHAUSTED.
+    for i in range(33):
+        probe = pb.JoinRequest(peer_id=f"churn{i % 2}", probe=True, protocol=PROTOCOL)
+        call = looper.stub.Join(probe, metadata=looper.md, timeout=10)
+        if i < 32:
             await call
         else:
             with pytest.raises(grpc.aio.AioRpcError) as err:

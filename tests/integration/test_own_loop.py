@@ -37,14 +37,33 @@ def _start(args: list[str], log: Path, reaper: Reaper) -> subprocess.Popen[bytes
 
 
 def _finish(procs: dict[str, subprocess.Popen[bytes]], tmp: Path) -> dict[str, dict[str, Any]]:
-    """Each example's last stdout line (its JSON summary), once all exited with 0."""
+    """Each example's last stdout line (its JSON summary, with "lines": the lines before it), once all exited
+    with 0."""
     deadline = time.monotonic() + WAIT_S
     summaries = {}
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         assert proc.returncode == 0, (tmp / f"{name}.log").read_text()[-4000:]
-        summaries[name] = json.loads(out.decode().strip().splitlines()[-1])
+        *lines, last = out.decode().strip().splitlines()
+        summaries[name] = {**json.loads(last), "lines": lines}
     return summaries
+
+
+@pytest.mark.parametrize(("args", "token", "words"), [
+    ([], "t", "give either --coordinator HOST:PORT or --dht"),
+    (["--coordinator", "127.0.0.1:1", "--dht"], "t", "give either --coordinator HOST:PORT or --dht"),
+    (["--coordinator", "127.0.0.1:1"], None, "no token: pass --token-file FILE or set DEMONET_TOKEN"),
+    (["--coordinator", "127.0.0.1:1", "--token-file", "/nonexistent/token"], None, "cannot read the token file"),
+])
+def test_own_loop_refuses_bad_arguments_with_a_message(args: list[str], token: str | None, words: str,
+                                                       tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DEMONET_TOKEN"} | ({"DEMONET_TOKEN": token} if token else {})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--peer-id", "a", *args], capture_output=True, env=env,
+                          timeout=120, cwd=tmp_path)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and words in err and "Traceback" not in err, err
+    assert proc.stdout == b""
 
 
 def test_two_own_loops_end_on_the_coordinators_parameters(tmp_path: Path, reap_children: Reaper) -> None:
@@ -66,6 +85,9 @@ def test_two_own_loops_end_on_the_coordinators_parameters(tmp_path: Path, reap_c
     assert {s["digest"] for s in summaries.values()} == {final}
     assert all(s["round"] == steps and s["reason"] == "the run is over" for s in summaries.values()), summaries
     assert all((out / f"peer-{name}.pt").exists() for name in ("alice", "bob"))
+    for name, summary in summaries.items():  # a line per round, as it goes
+        rounds = [line.split(":")[0] for line in summary["lines"]]
+        assert rounds == [f"round {r}" for r in range(steps)], (name, summary)
 
 
 def test_two_own_loops_in_dht_mode_agree(tmp_path: Path, reap_children: Reaper) -> None:

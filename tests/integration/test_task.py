@@ -50,6 +50,27 @@ def test_demonet_up_runs_a_user_task(tmp_path: Path, mode: str) -> None:
     assert summary["bytes_up_per_round"] < 5264  # under the dense fp32 gradient of the 1316 parameters
 
 
+def test_the_readmes_cnn_command_learns(tmp_path: Path) -> None:
+    # The README's `demonet up` line for the example, at 2 peers and 100 rounds: it sets the lr the example needs
+    # (at the default 3e-3 the loss stayed at ln 4 = 1.386).
+    line = next(line for line in (ROOT / "README.md").read_text().splitlines() if f"demonet up --task {TASK}" in line)
+    argv = line.split("#")[0].split()[1:]
+    assert "--lr" in argv, line
+    sizes = {"--peers": "2", "--steps": "100", "--out": str(tmp_path / "run")}
+    argv = [sizes.get(prev, arg) for prev, arg in zip(["", *argv[:-1]], argv, strict=True)]
+    proc = _demonet(*argv, "--no-progress", "--no-dashboard", timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)
+    assert summary["digests_agree"] and summary["rounds"] == 100, summary
+    assert summary["last_loss"] < summary["first_loss"] - 0.15, summary
+
+
+def test_up_refuses_a_learning_rate_that_is_not_positive(tmp_path: Path) -> None:
+    proc = _demonet("up", "--peers", "1", "--steps", "1", "--lr", "0", "--out", str(tmp_path / "run"), timeout=120)
+    assert proc.returncode == 2 and "--lr should be > 0, got 0.0" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
 def test_a_peer_whose_model_differs_is_refused_before_it_is_admitted(tmp_path: Path,
                                                                      reap_children: Reaper) -> None:
     coordinator = reap_children.add(subprocess.Popen(

@@ -82,3 +82,20 @@ def test_python_dash_m_demonet_is_the_demonet_command() -> None:
     bad = subprocess.run([sys.executable, "-m", "demonet", "nosuchcommand"], capture_output=True, text=True,
                          timeout=120, check=False)
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_help_of_the_light_commands_does_not_import_torch() -> None:
+    # `demonet --help` took 6 s when every subcommand's module (and torch) was imported to build the parser;
+    # only the command asked for is built now (bench/cli_start.py times it).
+    probe = ("import sys; sys.argv = ['demonet', *sys.argv[1:]]; from demonet.cli import main\n"
+             "try:\n    main()\nfinally:\n    print('torch' in sys.modules, file=sys.stderr)")
+    for args in ([], ["up"], ["train"], ["export"], ["keygen"], ["health"], ["status"], ["peer"]):
+        proc = subprocess.run([sys.executable, "-c", probe, *args, "--help"], capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert proc.returncode == 0, (args, proc.stderr)
+        assert proc.stdout.startswith(f"usage: demonet {' '.join(args)}".rstrip()), (args, proc.stdout)
+        # only peer's flags need its transports, and torch
+        assert proc.stderr.strip().endswith(str(args == ["peer"])), (args, proc.stderr)
+    peer = subprocess.run([sys.executable, "-m", "demonet", "peer", "--help"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert "--coordinator" in peer.stdout and "--dht" in peer.stdout and "--initial-peers" in peer.stdout

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from demonet.cli.status import format_status
 from demonet.coordinator.metrics import Metrics
@@ -184,3 +189,92 @@ def test_an_idle_member_shows_as_idle() -> None:
     assert d["run"]["members"] == 2 and d["run"]["idle"] == 1
     assert {m["id"]: m["state"] for m in d["members"]} == {"a": "member", "f": "idle"}
     assert "2 members (1 idle)" in format_status(d)
+
+
+_NODE_HARNESS = """
+const d = require(process.argv[1]);
+class El {
+  constructor(tag) { this.tag = tag; this.attrs = {}; this.children = []; this.textContent = ""; }
+  setAttribute(k, v) { this.attrs[k] = v; }
+  appendChild(c) { this.children.push(c); }
+  removeChild(c) { this.children.splice(this.children.indexOf(c), 1); }
+  get firstChild() { return this.children[0] || null; }
+}
+d.setSvgFactory((tag) => new El(tag));
+const svg = new El("svg");
+const cases = JSON.parse(process.argv[2]);
+const out = {};
+for (const [name, c] of Object.entries(cases.charts)) {
+  d.chart(svg, c.series, c.opts);
+  out[name] = {top: Number(svg.attrs["data-top"]), texts: svg.children.filter((e) => e.tag === "text")
+    .map((e) => e.textContent)};
+}
+out.pace = cases.pace.map((c) => d.pace(c.rows, c.total, c.round));
+console.log(JSON.stringify(out));
+"""
+
+
+def _in_node(cases: dict[str, Any]) -> dict[str, Any]:
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("no node on PATH: the page's functions are checked in node")
+    script = Path(__file__).resolve().parents[2] / "demonet" / "dashboard" / "dashboard.js"
+    proc = subprocess.run([node, "-e", _NODE_HARNESS, str(script), json.dumps(cases)], capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def test_the_byte_chart_is_not_flattened_by_the_parameter_download() -> None:
+    # Round 0 carries every peer's parameter download (13.5 MB); the rounds after it move ~190 kB in, ~110 kB out.
+    ins = [[r, 190_000 + 1000 * (r % 3)] for r in range(40)]
+    outs = [[0, 13_500_000]] + [[r, 110_000] for r in range(1, 40)]
+    series = [{"cls": "s0", "points": ins}, {"cls": "s1", "points": outs}]
+    got = _in_node({"charts": {"bytes": {"series": series, "opts": {"zero": True, "outliers": True}},
+                               "plain": {"series": series, "opts": {"zero": True}},
+                               "first": {"series": [{"cls": "s1", "points": outs[:1]}],
+                                         "opts": {"zero": True, "outliers": True}}},
+                    "pace": []})
+    assert got["bytes"]["top"] == pytest.approx(1.1 * 192_000)  # the largest round after the download, a tenth more
+    assert "off the chart: round 0 13.5 MB" in got["bytes"]["texts"]
+    assert got["plain"]["top"] == 13_500_000 and not any("off the chart" in t for t in got["plain"]["texts"])
+    assert got["first"]["top"] == 13_500_000  # round 0 alone: it is the axis, on the chart
+    assert not any("off the chart" in t for t in got["first"]["texts"])
+
+
+def test_the_page_computes_rounds_per_second_and_the_time_left() -> None:
+    rows = [{"round": r, "time": 1000.0 + 0.5 * r} for r in range(30)]  # 2 rounds a second
+    got = _in_node({"charts": {}, "pace": [{"rows": rows, "total": 200, "round": 30},
+                                           {"rows": rows, "total": 0, "round": 30},
+                                           {"rows": rows[:1], "total": 200, "round": 1}]})
+    assert got["pace"][0] == {"perSecond": 2.0, "secondsLeft": 85.0}
+    assert got["pace"][1] == {"perSecond": 2.0, "secondsLeft": None}  # a run with no end
+    assert got["pace"][2] == {"perSecond": None, "secondsLeft": None}  # one round: no pace yet
+
+
+def test_the_progress_bar_of_up_shows_no_loss_before_a_round() -> None:
+    from demonet.cli.up import bar_figures
+
+    assert bar_figures(math.nan, 0) == {"peers": "joining"}  # it opened with `loss=nan, peers=0`
+    assert bar_figures(math.nan, 3) == {"peers": "3"}
+    assert bar_figures(4.12345, 4) == {"loss": "4.123", "peers": "4"}
+
+
+def test_status_gives_the_pace_and_calls_the_deadline_a_deadline() -> None:
+    # "29.9 s left" read as the run's time left while rounds took 0.5 s: it is the open round's deadline.
+    rounds = Rounds(cfg=RoundConfig(), now=0.0)
+    metrics = Metrics()
+    for r in range(30):
+        metrics.record.round_closed(r, members=["a"], contributors=["a"], aborted=False, loss=1.0, round_s=0.5,
+                                    close_s=0.01, bytes_up=1, bytes_down=1)
+    doc = status_document(rounds, metrics, now=0.0, param_digest="", total_rounds=200)
+    doc["run"].update(round=30, seconds_left=29.9)
+    for i, row in enumerate(doc["rounds"]):
+        row["time"] = 1000.0 + 0.5 * i  # 2 rounds a second
+    head = format_status(doc).splitlines()[0]
+    assert "round deadline in 29.9 s, 2.00 rounds/s, about 85 s left;" in head, head
+    doc["run"]["total_rounds"] = 0
+    assert ", 2.00 rounds/s;" in format_status(doc).splitlines()[0]
+    doc["rounds"] = doc["rounds"][:1]
+    assert "rounds/s" not in format_status(doc)

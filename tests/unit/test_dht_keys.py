@@ -142,13 +142,13 @@ def test_a_stream_message_counts_only_under_its_senders_key() -> None:
         return await receiver._check_sender(msg, unknown_ok=unknown_ok)
 
     async def main() -> None:
-        part = honest._message(pb.DHT_KIND_PART, 3, slice=1, members_digest="m")
+        part = honest._message(pb.DHT_KIND_PART, 3, slice=1, members_digest="m", samples=1)
         assert await check(part) == "unknown sender 'a' (no DHT record of its key)"
         ping = honest._message(pb.DHT_KIND_PING, 0)
         assert await check(ping, unknown_ok=True) == ""
         assert book.choose("a", {A.public}) == A.public  # as read from its announcement
         assert await check(part) == ""
-        assert (await check(intruder._message(pb.DHT_KIND_PART, 3, slice=1))).startswith("bad signature")
+        assert (await check(intruder._message(pb.DHT_KIND_PART, 3, slice=1, samples=1))).startswith("bad signature")
         assert (await check(intruder._message(pb.DHT_KIND_PING, 0), unknown_ok=True)).startswith("bad signature")
         part.slice = 2  # altered after signing (and the HMAC computed again by a token holder)
         part.mac = b""

@@ -11,17 +11,21 @@ import pytest
 
 from demonet.coordinator.identities import (
     CHALLENGE_TTL_S,
+    COUNTER_WINDOW,
     MAX_CHALLENGES,
     Identities,
     NotJoined,
     Refused,
+    Replayed,
     read_allowlist,
 )
 from demonet.wire.identity import (
     Identity,
     KeyFileError,
     fingerprint,
+    heartbeat_statement,
     join_statement,
+    leave_statement,
     parse_public,
     public_text,
     statement,
@@ -84,8 +88,9 @@ def _joined(ids: Identities, peer_id: str, key: Identity, now: float = 0.0) -> b
 def test_a_peer_id_belongs_to_the_first_key_that_joins_under_it() -> None:
     ids = Identities("token")
     alice, mallory = Identity.generate(), Identity.generate()
-    session = _joined(ids, "alice", alice)
-    assert _joined(ids, "alice", alice, now=5.0) == session  # the same key again: the same session
+    old = _joined(ids, "alice", alice)
+    session = _joined(ids, "alice", alice, now=5.0)
+    assert session != old  # the same key again: a new session, so what the old one signed is void
     with pytest.raises(Refused, match="belongs to another key"):
         ids.challenge("alice", mallory.public, 0.0)
     assert _joined(ids, "mallory", mallory) != session  # its own id is fine
@@ -95,6 +100,48 @@ def test_a_peer_id_belongs_to_the_first_key_that_joins_under_it() -> None:
         ids.check("alice", mallory.sign(message), message)
     with pytest.raises(NotJoined):
         ids.check("nobody", alice.sign(message), message)
+    replayed = alice.sign(leave_statement(old, "alice", 3, 1))  # signed in the session before the rejoin
+    with pytest.raises(Refused, match="does not verify"):  # checked against the statement of the session now
+        ids.check("alice", replayed, leave_statement(session, "alice", 3, 1), 1)
+
+
+def test_a_counter_is_taken_once_per_session_and_out_of_order_within_the_window() -> None:
+    ids = Identities("token")
+    key = Identity.generate()
+    session = _joined(ids, "p", key)
+
+    def heartbeat(n: int) -> None:
+        message = heartbeat_statement(session, "p", 0, n)
+        ids.check("p", key.sign(message), message, n)
+
+    heartbeat(2)
+    heartbeat(1)  # overtaken by 2: still fresh
+    for used in (1, 2, 0):
+        with pytest.raises(Replayed if used else Refused):
+            heartbeat(used)
+    heartbeat(COUNTER_WINDOW + 10)
+    with pytest.raises(Replayed, match="too old"):
+        heartbeat(5)  # far below the highest: refused although never used
+    restored = Identities("token")
+    restored.load_state(ids.state_dict())
+    with pytest.raises(Replayed):  # a resumed coordinator takes only counters above the saved highest
+        heartbeat_message = heartbeat_statement(session, "p", 0, 9)
+        restored.check("p", key.sign(heartbeat_message), heartbeat_message, 9)
+    message = heartbeat_statement(session, "p", 0, COUNTER_WINDOW + 11)
+    restored.check("p", key.sign(message), message, COUNTER_WINDOW + 11)
+
+
+def test_a_forgotten_newcomer_frees_its_id_and_contributors_are_no_newcomers() -> None:
+    ids = Identities("token")
+    a, b = Identity.generate(), Identity.generate()
+    _joined(ids, "a", a)
+    _joined(ids, "b", b, now=3.0)
+    ids.contributed.add("a")
+    assert ids.newcomers() == ["b"] and ids.bound_at == {"a": 0.0, "b": 3.0}
+    ids.forget("b")
+    assert ids.newcomers() == [] and ids.session("b") is None
+    _joined(ids, "b", a)  # another key may take the id now
+    assert ids.bindings["b"].public == a.public
 
 
 def test_a_challenge_is_single_use_fresh_and_for_one_key() -> None:

@@ -152,3 +152,11 @@ def test_join_needs_one_transport() -> None:
         demonet.join(token="t")
     with pytest.raises(ValueError, match="either coordinator"):
         demonet.join("127.0.0.1:1", token="t", dht_initial_peers=[])
+
+
+def test_join_without_a_token_names_its_own_keyword(monkeypatch: pytest.MonkeyPatch) -> None:
+    # join is called from Python: the message names its keyword and the variable, not a command's flag.
+    monkeypatch.delenv("DEMONET_TOKEN", raising=False)
+    for token in (None, ""):
+        with pytest.raises(ValueError, match=r"no token: pass token=\.\.\. or set DEMONET_TOKEN$"):
+            demonet.join("127.0.0.1:1", token=token)

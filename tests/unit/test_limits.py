@@ -8,11 +8,21 @@ import torch
 
 from demonet import wire
 from demonet.config import Config
-from demonet.coordinator.limits import Limits, LimitsConfig, RateLimits, SubmitSlots, submission_bound
+from demonet.coordinator.limits import (
+    MESSAGE_MARGIN_BYTES,
+    Limits,
+    LimitsConfig,
+    RateLimits,
+    RoundCalls,
+    StreamCount,
+    SubmitSlots,
+    submission_bound,
+)
 from demonet.errors import Busy
 from demonet.optim import DeMo
 from demonet.optim.payload import Compressed, Payload, num_chunks
 from demonet.train.task import build_task
+from demonet.wire.parts import DEFAULT_PART_BYTES
 
 
 def _config(**optim: object) -> Config:
@@ -107,3 +117,33 @@ def test_limits_refuse_a_size_no_payload_has_and_end_a_stream_with_its_round() -
     assert limits.stream_deadline(0.0, False, now=100.0, round_timeout_s=30.0) == 131.0  # not started yet
     with pytest.raises(ValueError):
         LimitsConfig(max_submission_bytes=1000, max_inflight_bytes=999, download_every_s=5.0)
+
+
+def test_submit_calls_are_counted_in_total_and_per_address_before_any_part() -> None:
+    streams = StreamCount(most=3, most_per_address=2)
+    streams.enter("ipv4:10.0.0.1")
+    streams.enter("ipv4:10.0.0.1")
+    with pytest.raises(Busy, match="the most one address may"):
+        streams.enter("ipv4:10.0.0.1")
+    streams.enter("ipv4:10.0.0.2")
+    with pytest.raises(Busy, match="its most"):
+        streams.enter("ipv4:10.0.0.3")  # the total, from a fresh address
+    streams.leave("ipv4:10.0.0.1")
+    streams.enter("ipv4:10.0.0.3")
+    assert streams.total == 3 and streams.open == {"ipv4:10.0.0.1": 1, "ipv4:10.0.0.2": 1, "ipv4:10.0.0.3": 1}
+
+
+def test_aggregate_calls_are_limited_per_caller_and_round() -> None:
+    calls = RoundCalls(most=2)
+    assert calls.take("a", 5, oldest=0) and calls.take("a", 5, oldest=0)
+    assert not calls.take("a", 5, oldest=0)
+    assert calls.take("b", 5, oldest=0) and calls.take("a", 6, oldest=0)  # another caller, another round
+
+
+def test_the_largest_message_read_is_one_part_of_the_runs_largest_payload() -> None:
+    small = LimitsConfig(max_submission_bytes=1000, max_inflight_bytes=8000, download_every_s=5.0)
+    assert small.max_message_bytes == 1000 + MESSAGE_MARGIN_BYTES
+    big = LimitsConfig(max_submission_bytes=1 << 30, max_inflight_bytes=1 << 31, download_every_s=5.0)
+    assert big.max_message_bytes == DEFAULT_PART_BYTES + MESSAGE_MARGIN_BYTES
+    with pytest.raises(ValueError, match="max_streams"):
+        LimitsConfig(max_submission_bytes=1000, max_inflight_bytes=8000, download_every_s=5.0, max_streams=0)

@@ -115,12 +115,12 @@ def test_the_pace_is_wall_clock_seconds_per_round_from_the_rows_times() -> None:
 
 
 def test_new_subcommands_parse() -> None:
-    parser = cli._parser()
+    parser = cli._parser("peer")  # a subcommand's flags are built only for it (`demonet --help` stays light)
     args, rest = parser.parse_known_args(["peer", "--coordinator", "h:1", "--peer-id", "p0", "--accumulate", "4",
                                           "--threads", "2", "--out", "o"])
     assert (args.command, args.coordinator, args.peer_id, args.accumulate, args.threads, rest) == \
         ("peer", "h:1", "p0", 4, 2, [])
-    args, _ = parser.parse_known_args(["status", "--coordinator", "h:2", "--token-file", "t"])
+    args, _ = cli._parser("status").parse_known_args(["status", "--coordinator", "h:2", "--token-file", "t"])
     assert (args.command, args.coordinator, args.token_file) == ("status", "h:2", "t")
     args, _ = parser.parse_known_args(["up", "--peers", "3", "--steps", "5", "--out", "r", "--round-timeout-s", "2"])
     assert (args.peers, args.steps, args.out, args.round_timeout_s, args.threads_per_peer) == (3, 5, "r", 2.0, 1)

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from demonet.coordinator.rounds import ClosedRound
 from demonet.coordinator.state import STATE_FILE, CanonicalState, write_state
 from demonet.errors import StateNotSaved
 from demonet.optim import Payload
-from demonet.wire.digest import param_digest
+from demonet.wire.digest import legacy_param_digest, param_digest
 from demonet.wire.merge import decode_contribution
 
 _TINY = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32}, "train": {"seq_len": 32}}
@@ -159,3 +160,21 @@ async def test_a_snapshot_is_due_only_when_the_writer_is_free_and_the_interval_h
     while sparse.busy:
         await asyncio.sleep(0.01)
     assert sparse.due()  # ... and the round after tries again at once, whatever the interval
+
+
+def test_a_state_saved_by_protocol_1_resumes_with_its_digest_recomputed(
+        cfg: Config, payload: Payload, tmp_path: Path) -> None:
+    state = CanonicalState(cfg)
+    closed = state.close(ClosedRound(0, ("a",), False), [payload])
+    old = legacy_param_digest(state.params.items())
+    older = replace(closed, round=-1, param_digest="0" * 32)  # an earlier round's: its parameters are gone
+    body = {**_snapshot(state, 1).body, "digest": old,
+            "aggregates": [older, replace(closed, param_digest=old)]}  # as protocol 1 wrote them
+    write_state(tmp_path, body)
+    resumed = CanonicalState(cfg)
+    saved = resumed.load(tmp_path)
+    assert saved is not None and resumed.digest == state.digest == param_digest(state.params.items()) != old
+    assert [a.param_digest for a in saved["aggregates"]] == ["0" * 32, state.digest]
+    write_state(tmp_path, {**body, "digest": "f" * 32})  # neither version's digest of these parameters
+    with pytest.raises(ValueError, match="do not match their digest"):
+        CanonicalState(cfg).load(tmp_path)

@@ -17,7 +17,7 @@ from demonet.config import Config, load_config
 from demonet.coordinator.state import STATE_FILE, CanonicalState
 from demonet.coordinator.weights import export, read_init, read_state
 from demonet.errors import WeightsFileError
-from demonet.wire.digest import param_digest
+from demonet.wire.digest import legacy_param_digest, param_digest
 
 _TINY = {"model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32}, "train": {"seq_len": 32}}
 
@@ -60,6 +60,28 @@ def test_export_round_trip_is_bit_exact(cfg: Config, tmp_path: Path, capsys: pyt
     with safe_open(str(out), framework="pt") as f:
         assert f.metadata() == {"format": "pt", "demonet.round": "7", "demonet.digest": state.digest}
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors", "state"]  # no temp file left
+
+
+def test_export_to_a_name_without_the_suffix_writes_a_folder(cfg: Config, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # `--out hfdir` looks like a folder: it is one, with model.safetensors in it (the name from_pretrained reads).
+    state = _saved_state(cfg, tmp_path / "state")
+    out = tmp_path / "hfdir"
+    argv = ["export", "--state-dir", str(tmp_path / "state"), "--out", str(out)]
+    assert demonet(argv) == 0
+    assert str(out / "model.safetensors") in capsys.readouterr().out
+    assert out.is_dir() and os.listdir(out) == ["model.safetensors"]
+    loaded = load_file(str(out / "model.safetensors"))
+    assert param_digest((n, loaded[n]) for n in state.params) == state.digest
+    assert demonet(argv) == 2 and "exists; --force" in capsys.readouterr().err  # the file in it is kept
+    assert demonet([*argv, "--force"]) == 0
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"keep me")
+    assert demonet([*argv[:-1], str(afile)]) == 2
+    assert "is a file" in capsys.readouterr().err and afile.read_bytes() == b"keep me"
+    missing = tmp_path / "new" / "dir"
+    assert demonet(["export", "--state-dir", str(tmp_path / "nope"), "--out", str(missing)]) == 2
+    assert not (tmp_path / "new").exists()  # a bad state makes no folder
 
 
 def test_export_refuses_to_overwrite_without_force(cfg: Config, tmp_path: Path,
@@ -126,6 +148,13 @@ def test_read_state_gives_the_saved_round_and_digest(cfg: Config, tmp_path: Path
     state = _saved_state(cfg, tmp_path, round=3)
     saved = read_state(tmp_path)
     assert (saved.round, saved.digest, list(saved.params)) == (3, state.digest, list(state.params))
+
+
+def test_read_state_of_protocol_1_gives_the_digest_recomputed(cfg: Config, tmp_path: Path) -> None:
+    state = _saved_state(cfg, tmp_path, round=3)
+    body = torch.load(tmp_path / STATE_FILE, map_location="cpu", weights_only=False)
+    torch.save({**body, "digest": legacy_param_digest(state.params.items())}, tmp_path / STATE_FILE)
+    assert read_state(tmp_path).digest == state.digest == param_digest(state.params.items())
 
 
 def test_read_init_accepts_an_exact_match_in_the_model_order(cfg: Config, tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import torch
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 from demonet.wire.digest import param_digest
-from demonet.wire.params import decode_parameters, encode_parameters
+from demonet.wire.params import PROTOCOL, decode_parameters, encode_parameters
 
 NAMED = [("w", torch.randn(4, 3)), ("b", torch.randn(3).to(torch.bfloat16)), ("s", torch.tensor(2.5))]
 EXPECTED = {n: (tuple(t.shape), t.dtype) for n, t in NAMED}
@@ -23,7 +23,7 @@ def _tampered(edit: str) -> bytes:
     msg = pb.Parameters()
     msg.ParseFromString(encode_parameters(NAMED, round=1))
     if edit == "version":
-        msg.version = 2
+        msg.version = 1  # protocol 1: its digest hashed another text
     elif edit == "shape":
         msg.tensors[0].shape[:] = [3, 4]
     elif edit == "dtype":
@@ -48,6 +48,16 @@ def _tampered(edit: str) -> bytes:
 def test_bad_parameters_are_rejected(edit: str) -> None:
     with pytest.raises(InvalidPayload, match="parameters"):
         decode_parameters(_tampered(edit), expected=EXPECTED)
+
+
+@pytest.mark.parametrize("version", [0, 1, 3])
+def test_parameters_of_another_protocol_version_name_both(version: int) -> None:
+    msg = pb.Parameters()
+    msg.ParseFromString(encode_parameters(NAMED, round=1))
+    assert msg.version == PROTOCOL == 2
+    msg.version = version
+    with pytest.raises(InvalidPayload, match=f"protocol {version or 1} and this peer protocol {PROTOCOL}"):
+        decode_parameters(msg.SerializeToString(), expected=EXPECTED)
 
 
 def test_garbage_is_rejected() -> None:

@@ -1,0 +1,136 @@
+"""What a token holder can still try against a real coordinator process on loopback, while two honest peers
+train: a flood of Submit streams that never complete their first message, a replayed Leave after a peer's
+restart, and a flood of unsigned GetAggregate calls. Each checks the honest rounds and digests, and the
+refusals the coordinator counted. The attackers are bench/attacks.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from demonet._proto import demonet_pb2 as pb
+from demonet.transport.grpc import GrpcClient
+from demonet.wire.signed import heartbeat_request, leave_request
+from tests.integration.test_coordinator import TOKEN, Peer
+from tests.integration.test_limits import _start
+from tests.procs import Reaper
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "attacks.py"
+
+
+async def _attacker(address: str, *args: str) -> dict[str, Any]:
+    """bench/attacks.py as one attacker process against `address`; its JSON line."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(BENCH), *args, "--coordinator", address,
+                                                "--token", TOKEN, stdout=subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+async def _rounds(a: Peer, b: Peer, first: int, count: int) -> list[tuple[int, str]]:
+    """`count` rounds of a and b from `first`: each one's contributors are both, on one digest."""
+    closed = []
+    for r in range(first, first + count):
+        (ra, ha), (rb, hb) = await asyncio.gather(a.step(r), b.step(r))
+        assert ra.accepted and rb.accepted, (ra, rb)
+        assert sorted(ha.contributors) == ["a", "b"] and ha.param_digest == hb.param_digest
+        assert a.digest() == b.digest() == ha.param_digest
+        closed.append((r, ha.param_digest))
+    return closed
+
+
+async def _document(address: str) -> dict[str, Any]:
+    client = GrpcClient(address, token=TOKEN)
+    try:
+        return await client.status_document()
+    finally:
+        await client.close()
+
+
+async def _pair(address: str) -> tuple[Peer, Peer]:
+    a, b = Peer(address, "a"), Peer(address, "b")
+    assert await asyncio.gather(a.join(), b.join()) == [0, 0]
+    return a, b
+
+
+def _kinds(document: dict[str, Any]) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for refusal in document["refusals"]:
+        kinds[refusal["kind"]] = kinds.get(refusal["kind"], 0) + 1
+    return kinds
+
+
+async def test_a_flood_of_unfinished_submit_streams_is_capped_and_ended_and_the_rounds_go_on(
+        tmp_path: Path, reap_children: Reaper) -> None:
+    coordinator = _start(tmp_path, reap_children, round_timeout_s=3.0, start_peers=2)
+    a, b = await _pair(coordinator.address)
+    # 12 streams from one address, each one byte short of a message the server would read: 8 (the most per
+    # address) held until the first part's deadline, 4 refused BUSY at once; 16 MiB ones refused by gRPC.
+    flood = asyncio.ensure_future(_attacker(coordinator.address, "--flood", "--streams", "12", "--declared", "4000",
+                                            "--hold-s", "20"))
+    huge = asyncio.ensure_future(_attacker(coordinator.address, "--flood", "--streams", "4", "--hold-s", "5"))
+    await asyncio.sleep(1.0)
+    await _rounds(a, b, 0, 4)
+    held, refused = await flood, await huge
+    assert held["ended"] == {"response": 12}, held  # every stream answered, none left open
+    assert 9.0 <= held["last_ended_s"] <= 15.0, held  # the held ones at the first part's deadline (10 s)
+    assert set(refused["ended"]) <= {"response", "reset"} and refused["last_ended_s"] < 3.0, refused
+    kinds = _kinds(await _document(coordinator.address))
+    assert kinds.get("busy", 0) >= 4 and kinds.get("invalid", 0) >= 8, kinds
+    await _rounds(a, b, (await a.status()).round, 1)  # the rounds without payloads meanwhile were aborted
+
+
+async def test_a_replayed_leave_after_a_restart_and_a_replayed_heartbeat_are_refused(
+        tmp_path: Path, reap_children: Reaper) -> None:
+    coordinator = _start(tmp_path, reap_children, round_timeout_s=3.0, start_peers=2)
+    a, b = await _pair(coordinator.address)
+    await _rounds(a, b, 0, 2)
+    captured = leave_request(a.identity, a.session, "a", 2, a.next())  # a's graceful stop, seen on the wire
+    beat = heartbeat_request(a.identity, a.session, "a", 2, a.next())
+    assert (await a.stub.Heartbeat(beat, metadata=a.md, timeout=10)).member
+    assert (await a.stub.Leave(captured, metadata=a.md, timeout=10)).left
+    for request in (beat, captured):  # the same session: each counter once
+        call = (a.stub.Heartbeat if isinstance(request, pb.HeartbeatRequest) else a.stub.Leave)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(request, metadata=a.md, timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "used already" in str(err.value.details())
+    restarted = Peer(coordinator.address, "a", identity=a.identity)  # a's restart: the same key, a new session
+    first = await restarted.join(load=False)
+    assert first == 3  # a joiner again, from the round after the open one
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # the Leave of the session before: void
+        await restarted.stub.Leave(captured, metadata=a.md, timeout=10)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "does not verify" in str(err.value.details())
+    await b.step(2)  # round 2 closes with b alone: a left it
+    await restarted.load_parameters(first)
+    closed = await _rounds(restarted, b, first, 3)  # a is a member and in every round
+    assert len(closed) == 3
+    kinds = _kinds(await _document(coordinator.address))
+    assert kinds.get("replay", 0) == 2 and kinds.get("signature", 0) == 1, kinds
+
+
+async def test_a_getaggregate_flood_is_held_to_the_public_rate_outside_every_peers_bytes(
+        tmp_path: Path, reap_children: Reaper) -> None:
+    coordinator = _start(tmp_path, reap_children, round_timeout_s=3.0, start_peers=2)
+    a, b = await _pair(coordinator.address)
+    await _rounds(a, b, 0, 1)
+    flood = asyncio.ensure_future(_attacker(coordinator.address, "--aggregates", "--hold-s", "4"))
+    await asyncio.sleep(0.5)
+    await _rounds(a, b, 1, 4)
+    got = await flood
+    served = got["codes"].get("OK", 0)
+    assert 1 <= served <= 4 + 5 and got["codes"].get("RESOURCE_EXHAUSTED", 0) > served, got  # burst 4, 1/s
+    document = await _document(coordinator.address)
+    assert "p1" not in {m["id"] for m in document["members"]}, document["members"]  # named, never counted as p1
+    assert document["run"]["bytes_down"] > 0
+    kinds = _kinds(document)
+    assert kinds == {"rate": len(document["refusals"])} and kinds["rate"] >= 1, kinds  # the bounded list: all rate
