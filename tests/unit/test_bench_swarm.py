@@ -15,7 +15,7 @@ import torch
 
 from demonet.lab.evidence import Run, Swarm, slowdown
 from demonet.lab.evidence.cli import main
-from demonet.lab.evidence.report import mixed_table, swarm_figures
+from demonet.lab.evidence.report import _samples_per_step, mixed_table, swarm_figures
 from demonet.lab.evidence.slowdown import ENV, gpt, slow_down
 
 
@@ -149,6 +149,7 @@ def test_swarm_figures_count_the_samples_and_each_peers_micro_batches(tmp_path: 
     slow = _records([1.0, 2.0, 4.0], samples=8, micro_batches=2)
     slow[2]["aborted"] = True  # an aborted round's samples count for nothing
     run = Run("demonet", 100.0, tmp_path, peers=[fast, slow], peer_mbit=[100.0, 5.0], slowdown=[1.0, 2.0])
+    assert _samples_per_step(run, batch_size=4) == 32 + 8  # a step's samples, the aborted one's among them
     figures = swarm_figures(run, batch_size=4)
     assert figures == {"samples_per_s": (3 * 32 + 2 * 8) / 4.0, "micro_batches": [8, 2]}
     # the baselines' records: one batch of batch_size a step, or the batches a hivemind step took

@@ -105,17 +105,19 @@ def _steps_to(target: float, steps: list[int], losses: list[float]) -> int | Non
 
 
 def _samples_per_step(run: Run, batch_size: int) -> float:
-    """Median sequences per global step: peers x batch_size by construction, except for hivemind, whose
-    records say how many local batches each of its steps took (NaN for records without it)."""
-    if run.system != "hivemind":
-        return float(len(run.peers) * batch_size)
+    """Median sequences per global step, as the records say: a demonet row's samples (more than one
+    micro-batch's where its round went by the clock), a hivemind step's local batches (NaN for records without
+    them), else one batch of `batch_size` a peer."""
     per_step: dict[int, int] = {}
     for records in run.peers:
-        for r in records:
-            if r["step"] > 0:
-                if "batches" not in r:
-                    return math.nan
-                per_step[r["step"]] = per_step.get(r["step"], 0) + int(r["batches"]) * batch_size
+        for r in (r for r in records if r["step"] > 0):
+            if r.get("samples"):
+                n = int(r["samples"])
+            elif run.system == "hivemind" and "batches" not in r:
+                return math.nan
+            else:
+                n = int(r.get("batches", 1)) * batch_size
+            per_step[r["step"]] = per_step.get(r["step"], 0) + n
     return float(statistics.median(per_step.values())) if per_step else math.nan
 
 
