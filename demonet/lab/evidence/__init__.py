@@ -1,8 +1,9 @@
 """`demonet bench`: demonet against AdamW-DDP and hivemind.Optimizer, side by side over shaped links.
 
 A bench package: starts every system as real processes in a `demonet.lab.netlab` lab (4 peers by default, each link
-shaped with tbf), samples the links' kernel byte counters, and hands the step records to `report`.
-Each system is one launcher function in `SYSTEMS`; a new system is one more entry.
+shaped with tbf to its peer's speed, each peer slowed by its factor: a `Swarm`), samples the links' kernel byte
+counters, and hands the step records to `report` (`sweep` runs every system on every swarm). Each system is one
+launcher function in `SYSTEMS`; a new system is one more entry.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ from demonet.lab.netlab import Host, Lab
 from demonet.loop.rows import MetricsRow
 from demonet.train.model import ModelConfig
 
-__all__ = ["EVIDENCE_MODEL", "SYSTEMS", "BenchSetup", "Run", "System", "load_runs", "run_bench", "run_system",
-           "save_run"]
+from .slowdown import ENV as SLOWDOWN_ENV
+from .slowdown import TASK as SLOWDOWN_TASK
+from .swarm import Swarm
+
+__all__ = ["EVIDENCE_MODEL", "SYSTEMS", "BenchSetup", "Run", "Swarm", "System", "run_system"]
 
 EVIDENCE_MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=256, n_layers=4, n_heads=4)
 """3.2M parameters: a 13 MB fp32 gradient costs DDP seconds per step at 10 Mbit/s, while a forward and
@@ -60,14 +64,15 @@ class BenchSetup:
 
 @dataclass
 class Run:
-    """One system at one link speed: per-peer step records and the link counters sampled meanwhile."""
+    """One system on one swarm: per-peer step records and the link counters sampled meanwhile."""
 
     system: str
     mbit: float
+    """The swarm's fastest link (every link, in a swarm of equals)."""
     out: Path
     peers: list[list[dict[str, Any]]] = field(default_factory=list)
-    """Per peer: {"step", "time", "loss"} records (time: Unix time when the step was done); step 0 marks
-    the start of training."""
+    """Per peer: {"step", "time", "loss"} records (time: Unix time when the step was done), some with
+    "samples" and "micro_batches"; step 0 marks the start of training."""
     samples: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
     """Per host: (Unix time, tx bytes, rx bytes) of its link."""
     peer_hosts: list[str] = field(default_factory=list)
@@ -76,6 +81,17 @@ class Run:
     finished: bool = False
     """Every peer did every step (no time cap, no failure)."""
     final_params: Path | None = None
+    peer_mbit: list[float] = field(default_factory=list)
+    """The swarm's links, one per peer (empty: every peer at `mbit`); a fast-only system ran a part of it."""
+    slowdown: list[float] = field(default_factory=list)
+    """The swarm's slowdowns, one per peer (empty: none slowed)."""
+
+    @property
+    def swarm(self) -> Swarm:
+        """The swarm this run was asked for (before a fast-only system kept its fast peers)."""
+        if not self.peer_mbit:
+            return Swarm.alike(self.mbit, len(self.peers) or 1)
+        return Swarm(tuple(self.peer_mbit), tuple(self.slowdown or [1.0] * len(self.peer_mbit)))
 
 
 @dataclass
@@ -87,7 +103,9 @@ class Launched:
     final_params: Path | None = None
 
 
-Launcher = Callable[[Lab, BenchSetup, float, Path], Launched]
+Launcher = Callable[[Lab, BenchSetup, Swarm, Path], Launched]
+"""Starts a system's processes in the lab: `setup.peers` peers, peer i on a link of `swarm.mbit[i]`, slowed by
+`swarm.slowdown[i]`."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,8 @@ class System:
     name: str
     label: str
     launch: Launcher
+    fast_only: bool = False
+    """Run the swarm's fast peers alone (`Swarm.fast`)."""
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -114,10 +134,11 @@ def _read_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
     return [_rows(out / f"steps-{rank}.jsonl") for rank in range(peers)]
 
 
-def _worker_args(setup: BenchSetup, rank: int, lr: float, out: Path, timeout_s: float) -> list[str]:
+def _worker_args(setup: BenchSetup, swarm: Swarm, rank: int, lr: float, out: Path, timeout_s: float) -> list[str]:
     return ["--rank", str(rank), "--world", str(setup.peers), "--model", json.dumps(dataclasses.asdict(setup.model)),
             "--steps", str(setup.steps), "--batch-size", str(setup.batch_size), "--seq-len", str(setup.seq_len),
-            "--lr", str(lr), "--seed", str(setup.seed), "--out", str(out), "--timeout-s", str(timeout_s)]
+            "--lr", str(lr), "--seed", str(setup.seed), "--out", str(out), "--timeout-s", str(timeout_s),
+            "--slowdown", str(swarm.slowdown[rank])]
 
 
 def _log_file(out: Path, name: str) -> Any:
@@ -137,26 +158,26 @@ def _allreduce_s(setup: BenchSetup, mbit: float) -> float:
     return 2 * (setup.peers - 1) / setup.peers * _param_bytes(setup) * 8 / (mbit * 1e6)
 
 
-def launch_ddp(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
+def launch_ddp(lab: Lab, setup: BenchSetup, swarm: Swarm, out: Path) -> Launched:
     """AdamW + DistributedDataParallel over gloo (tcp:// rendezvous at rank 0's lab address)."""
-    hosts = [lab.add_host(f"ddp{r}", mbit=mbit) for r in range(setup.peers)]
+    hosts = [lab.add_host(f"ddp{r}", mbit=swarm.mbit[r]) for r in range(setup.peers)]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0"}
     for rank, host in enumerate(hosts):
-        argv = [*_WORKERS, "ddp", *_worker_args(setup, rank, setup.adamw_lr, out, setup.max_time_s + 60),
+        argv = [*_WORKERS, "ddp", *_worker_args(setup, swarm, rank, setup.adamw_lr, out, setup.max_time_s + 60),
                 "--master", f"{hosts[0].addr}:{_PORT}"]
         log = _log_file(out, f"ddp{rank}")
         host.popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
     return Launched(hosts, lambda: _read_steps(out, setup.peers), out / "final.pt")
 
 
-def launch_hivemind(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
+def launch_hivemind(lab: Lab, setup: BenchSetup, swarm: Swarm, out: Path) -> Launched:
     """hivemind.Optimizer with its usual settings: target_batch_size = peers x batch, global steps."""
-    hosts = [lab.add_host(f"hm{r}", mbit=mbit) for r in range(setup.peers)]
+    hosts = [lab.add_host(f"hm{r}", mbit=swarm.mbit[r]) for r in range(setup.peers)]
     # Matchmaking long enough to gather every peer; averaging long enough for a slow all-reduce.
-    timeout_s = 60 + 4 * _allreduce_s(setup, mbit)
+    timeout_s = 60 + 4 * _allreduce_s(setup, min(swarm.mbit))
     initial: list[str] = []
     for rank, host in enumerate(hosts):
-        argv = [*_WORKERS, "hivemind", *_worker_args(setup, rank, setup.adamw_lr, out, timeout_s),
+        argv = [*_WORKERS, "hivemind", *_worker_args(setup, swarm, rank, setup.adamw_lr, out, timeout_s),
                 "--host", host.addr, "--matchmaking-s", "3", "--initial-peers", *initial]
         log = _log_file(out, f"hm{rank}")
         proc = host.popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
@@ -176,22 +197,35 @@ def launch_hivemind(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Laun
     return Launched(hosts, lambda: _read_steps(out, setup.peers), out / "final.pt")
 
 
-def _demonet(encoding: str, overlap: int = 0, lookahead: bool = True) -> Launcher:
-    def launch(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
-        """demonet coordinator mode: a coordinator host (same link speed) and one host per peer."""
-        coord = lab.add_host("coord", mbit=mbit)
-        hosts = [lab.add_host(f"dn{r}", mbit=mbit) for r in range(setup.peers)]
-        m = setup.model
+def _run_toml(out: Path, setup: BenchSetup, swarm: Swarm, encoding: str, net: list[str]) -> None:
+    """``<out>/run.toml``, the run config of a demonet system: the evidence model and data (as the slowdown task,
+    `demonet.lab.evidence.slowdown`, where the swarm slows a peer), the optimizer, and the [net] lines `net`."""
+    m = dataclasses.asdict(setup.model)
+    slowed = any(s != 1 for s in swarm.slowdown)
+    task = ["[task]", *(f"{k} = {json.dumps(v)}" for k, v in m.items()), f"batch_size = {setup.batch_size}",
+            f"batch_seq_len = {setup.seq_len}"] if slowed else []
+    (out / "run.toml").write_text("\n".join([
+        "[model]", *(f"{k} = {json.dumps(v)}" for k, v in m.items()),
+        "[optim]", f"lr = {setup.demo_lr}", f'encoding = "{encoding}"', f"compression_topk = {setup.demo_topk}",
+        "[train]", f"batch_size = {setup.batch_size}", f"seq_len = {setup.seq_len}", f"seed = {setup.seed}",
+        "eval_every = 0", *([f'task = "{SLOWDOWN_TASK}"'] if slowed else []), *task,
+        "[net]", f"round_timeout_s = {60 + setup.max_time_s / 10}", f"start_peers = {setup.peers}", *net,
+    ]) + "\n")
+
+
+def _peer_env(env: dict[str, str], swarm: Swarm, rank: int) -> dict[str, str]:
+    return {**env, SLOWDOWN_ENV: str(swarm.slowdown[rank])}
+
+
+def _demonet(encoding: str, overlap: int = 0, lookahead: bool = True, lockstep: bool = False) -> Launcher:
+    def launch(lab: Lab, setup: BenchSetup, swarm: Swarm, out: Path) -> Launched:
+        """demonet coordinator mode: a coordinator host (on the fastest link) and one host per peer."""
+        coord = lab.add_host("coord", mbit=swarm.fastest)
+        hosts = [lab.add_host(f"dn{r}", mbit=swarm.mbit[r]) for r in range(setup.peers)]
         # The peers download the parameters at once through the coordinator's link (4 x 13 MB: 42 s at
         # 10 Mbit/s); their heartbeats run meanwhile, so the default heartbeat timeout holds.
-        (out / "run.toml").write_text("\n".join([
-            "[model]", *(f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(m).items()),
-            "[optim]", f"lr = {setup.demo_lr}", f'encoding = "{encoding}"', f"compression_topk = {setup.demo_topk}",
-            "[train]", f"batch_size = {setup.batch_size}", f"seq_len = {setup.seq_len}", f"seed = {setup.seed}",
-            "eval_every = 0",
-            "[net]", f"round_timeout_s = {60 + setup.max_time_s / 10}", f"start_peers = {setup.peers}",
-            f"overlap = {overlap}", f"lookahead = {str(lookahead).lower()}",
-        ]) + "\n")
+        _run_toml(out, setup, swarm, encoding, [f"overlap = {overlap}", f"lookahead = {str(lookahead).lower()}",
+                                                *(["lockstep = true"] if lockstep else [])])
         env = {**os.environ, "DEMONET_TOKEN": secrets.token_urlsafe(16)}
         address = f"{coord.addr}:7450"
         cli = [sys.executable, "-m", "demonet"]
@@ -202,26 +236,19 @@ def _demonet(encoding: str, overlap: int = 0, lookahead: bool = True) -> Launche
             log = _log_file(out, f"peer-{rank}")
             host.popen([*cli, "peer", "--coordinator", address, "--peer-id", f"peer-{rank}", "--out", str(out),
                         "--threads", "1", "--checkpoint-every", "0"],
-                       stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
+                       stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=_peer_env(env, swarm, rank))
         return Launched(hosts, lambda: _demonet_steps(out, setup.peers), out / "peer-peer-0.pt")
 
     return launch
 
 
 def _demonet_dht(encoding: str, verify: float | None = None) -> Launcher:
-    def launch(lab: Lab, setup: BenchSetup, mbit: float, out: Path) -> Launched:
+    def launch(lab: Lab, setup: BenchSetup, swarm: Swarm, out: Path) -> Launched:
         """demonet DHT mode: one host per peer and no coordinator; peer 0 starts the DHT, the others join it."""
         from hivemind.p2p import P2P, PeerID
 
-        hosts = [lab.add_host(f"dn{r}", mbit=mbit) for r in range(setup.peers)]
-        (out / "run.toml").write_text("\n".join([
-            "[model]", *(f"{k} = {json.dumps(v)}" for k, v in dataclasses.asdict(setup.model).items()),
-            "[optim]", f"lr = {setup.demo_lr}", f'encoding = "{encoding}"', f"compression_topk = {setup.demo_topk}",
-            "[train]", f"batch_size = {setup.batch_size}", f"seq_len = {setup.seq_len}", f"seed = {setup.seed}",
-            "eval_every = 0",
-            "[net]", f"round_timeout_s = {60 + setup.max_time_s / 10}", f"start_peers = {setup.peers}",
-            *([] if verify is None else [f"verify_slices = {verify}"]),
-        ]) + "\n")
+        hosts = [lab.add_host(f"dn{r}", mbit=swarm.mbit[r]) for r in range(setup.peers)]
+        _run_toml(out, setup, swarm, encoding, [] if verify is None else [f"verify_slices = {verify}"])
         env = {**os.environ, "DEMONET_TOKEN": secrets.token_urlsafe(16)}
         identity = out / "peer-0.identity"
         if not identity.exists():
@@ -236,7 +263,7 @@ def _demonet_dht(encoding: str, verify: float | None = None) -> Launcher:
                 ["--initial-peers", first, "--host-maddr", f"/ip4/{host.addr}/tcp/0"]
             log = _log_file(out, f"peer-{rank}")
             host.popen([*cli, "--peer-id", f"peer-{rank}", *where], stdout=log, stderr=log,
-                       stdin=subprocess.DEVNULL, env=env)
+                       stdin=subprocess.DEVNULL, env=_peer_env(env, swarm, rank))
         return Launched(hosts, lambda: _demonet_steps(out, setup.peers), out / "peer-peer-0.pt")
 
     return launch
@@ -246,14 +273,16 @@ def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
     """A demonet peer's metrics rows as step records. The row of round n ends step n + 1, at the row's
     "time"; step 0, the start of training, is when the first row's round began (its time less its
     round_time_s): the parameters were in place then. Each record also carries the round's blocking torch
-    work (compute_s) and the time the peer's training waited for the network (wait_s)."""
+    work (compute_s), the time the peer's training waited for the network (wait_s), the samples and
+    micro-batches it trained, and whether the round was aborted."""
     steps = []
     for rank in range(peers):
         path = out / f"metrics-peer-{rank}.jsonl"
         rows = MetricsRow.read(path) if path.exists() else []
         records = [{"step": 0, "time": rows[0].time - rows[0].round_time_s, "loss": math.nan}] if rows else []
         records += [{"step": r.round + 1, "time": r.time, "loss": r.loss, "compute_s": r.compute_s,
-                     "wait_s": r.wait_s} for r in rows]
+                     "wait_s": r.wait_s, "samples": r.samples, "micro_batches": r.micro_batches,
+                     "aborted": r.aborted} for r in rows]
         steps.append(records)
     return steps
 
@@ -261,6 +290,9 @@ def _demonet_steps(out: Path, peers: int) -> list[list[dict[str, Any]]]:
 SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("adamw-ddp", "AdamW + DDP (fp32 all-reduce)", launch_ddp),
     System("demonet", "demonet coordinator (fp32 values)", _demonet("fp32")),
+    System("demonet-lockstep", "demonet coordinator, lockstep rounds (fp32 values)", _demonet("fp32", lockstep=True)),
+    System("demonet-fast-only", "demonet coordinator, the fast peers alone (fp32 values)", _demonet("fp32"),
+           fast_only=True),
     System("demonet-bf16", "demonet coordinator (bf16 values)", _demonet("bf16")),
     System("demonet-sign", "demonet coordinator (1-bit values)", _demonet("sign")),
     System("demonet-dht", "demonet DHT mode (fp32 values)", _demonet_dht("fp32")),
@@ -292,20 +324,30 @@ def _sample(lab: Lab, samples: dict[str, list[tuple[float, int, int]]]) -> None:
         samples.setdefault(name, []).append((time.time(), tx, rx))
 
 
-def run_system(system: System, setup: BenchSetup, mbit: float, out: Path, *,
+def run_system(system: System, setup: BenchSetup, swarm: Swarm, out: Path, *,
                on_step: Callable[[int], None] | None = None) -> Run:
-    """Train `system` in a fresh lab at `mbit` until every peer did `setup.steps` steps or the time cap."""
+    """Train `system` in a fresh lab on `swarm` (its fast peers alone, for a fast-only system) until every peer
+    did `setup.steps` steps or the time cap.
+
+    Raises:
+        ValueError: `swarm` has not `setup.peers` peers, or a fast-only system's swarm has no fast peer.
+    """
+    if swarm.peers != setup.peers:
+        raise ValueError(f"the swarm has {swarm.peers} peers, the setup {setup.peers}")
+    peers = swarm.fast() if system.fast_only else swarm
+    setup = dataclasses.replace(setup, peers=peers.peers)
     out.mkdir(parents=True, exist_ok=True)
-    run = Run(system.name, mbit, out, launched_at=time.time())
+    run = Run(system.name, swarm.fastest, out, launched_at=time.time(), peer_mbit=list(swarm.mbit),
+              slowdown=list(swarm.slowdown))
     stop = threading.Event()
     with Lab() as lab:
         sampler = threading.Thread(target=_sampler, args=(lab, run.samples, stop, 0.5), daemon=True)
         sampler.start()
         try:
             try:
-                launched = system.launch(lab, setup, mbit, out)
+                launched = system.launch(lab, setup, peers, out)
             except RuntimeError as e:  # a system that did not start is a failed run, not a failed bench
-                print(f"demonet bench: {system.name} at {mbit:g} Mbit/s: {e}", file=sys.stderr)
+                print(f"demonet bench: {system.name} on {swarm.label}: {e}", file=sys.stderr)
                 return run
             run.peer_hosts = [h.name for h in launched.peer_hosts]
             procs = [p for h in lab.hosts.values() for p in h.procs]
@@ -332,43 +374,3 @@ def run_system(system: System, setup: BenchSetup, mbit: float, out: Path, *,
             _sample(lab, run.samples)  # one after the last step, however soon the run ended after it
             run.ended_at = time.time()
     return run
-
-
-def run_bench(setup: BenchSetup, systems: list[str], mbits: list[float], out: Path,
-              progress: bool = True) -> list[Run]:
-    """Every system at every link speed, one after the other, each in its own lab."""
-    from tqdm import tqdm
-
-    runs = []
-    for mbit in mbits:
-        for name in systems:
-            bar = tqdm(total=setup.steps, desc=f"{name} @ {mbit:g} Mbit/s", unit="step", disable=not progress)
-
-            def update(done: int, bar: Any = bar) -> None:
-                bar.update(max(0, min(done, setup.steps) - bar.n))
-
-            try:
-                run = run_system(SYSTEMS[name], setup, mbit, out / f"{name}-{mbit:g}mbit", on_step=update)
-            finally:
-                bar.close()
-            save_run(run)
-            runs.append(run)
-    return runs
-
-
-def save_run(run: Run) -> None:
-    """``<run.out>/run.json``: the records and samples, so the report can be made again (`load_runs`)."""
-    data = dataclasses.asdict(run)
-    data.update(out=str(run.out), final_params=str(run.final_params) if run.final_params else None)
-    (run.out / "run.json").write_text(json.dumps(data))
-
-
-def load_runs(out: Path) -> list[Run]:
-    """The runs `run_bench` saved under `out`, in the order they ran."""
-    runs = []
-    for path in out.glob("*/run.json"):
-        data = json.loads(path.read_text())
-        data.update(out=Path(data["out"]), final_params=Path(data["final_params"]) if data["final_params"] else None,
-                    samples={h: [tuple(x) for x in v] for h, v in data["samples"].items()})
-        runs.append(Run(**data))
-    return sorted(runs, key=lambda r: r.launched_at)

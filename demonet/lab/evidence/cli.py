@@ -16,7 +16,8 @@ from pathlib import Path
 
 from demonet.lab import netlab
 
-from . import SYSTEMS, BenchSetup, load_runs, run_bench
+from . import SYSTEMS, BenchSetup, Swarm
+from .sweep import load_runs, run_bench
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -42,11 +43,36 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _swarms(args: argparse.Namespace) -> list[Swarm]:
+    """The swarms the flags ask for: one per `--mbit` speed, or the one of `--peer-mbit`; each with `--slowdown`.
+
+    Raises:
+        ValueError: both `--mbit` and `--peer-mbit`, a list without one value per peer, a slowdown below 1, or a
+            fast-only system on a swarm without a fast peer.
+    """
+    if args.mbit is not None and args.peer_mbit is not None:
+        raise ValueError("--mbit (every peer alike) and --peer-mbit (one speed per peer) exclude each other")
+    if args.peer_mbit is not None:
+        swarms = [Swarm.of(args.peers, args.peer_mbit, args.slowdown)]
+    else:
+        swarms = [Swarm.of(args.peers, None, args.slowdown, sweep=m) for m in args.mbit or [1000.0, 100.0, 10.0]]
+    if any(SYSTEMS[name].fast_only for name in args.systems):
+        for swarm in swarms:
+            swarm.fast()
+    return swarms
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchSetup()
     parser.add_argument("--out", default="runs/bench", help="folder for the runs, results.json and plots")
-    parser.add_argument("--mbit", type=_floats, default=[1000.0, 100.0, 10.0],
-                        help="link speeds in Mbit/s, comma-separated (1000,100,10)")
+    parser.add_argument("--mbit", type=_floats,
+                        help="link speeds in Mbit/s, comma-separated: one run per speed, every peer's link at it "
+                             "(1000,100,10)")
+    parser.add_argument("--peer-mbit", type=_floats, metavar="MBIT,...",
+                        help="one link speed per peer instead (e.g. 100,100,100,5): one mixed swarm")
+    parser.add_argument("--slowdown", type=_floats, metavar="FACTOR,...",
+                        help="one compute slowdown per peer, each >= 1 (e.g. 1,1,1,2: the fourth peer's forward "
+                             "and backward take twice as long); default none")
     parser.add_argument("--systems", type=_names, default=list(SYSTEMS),
                         help=f"comma-separated, of {','.join(SYSTEMS)} (all)")
     parser.add_argument("--peers", type=int, default=d.peers, help=f"training peers, each in its own namespace "
@@ -74,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"demonet bench: --steps should be >= 2, --max-time-s > 0, --batch-size >= 1, --peers 2 to "
               f"{MAX_PEERS}", file=sys.stderr)
         return 2
+    try:
+        swarms = _swarms(args)
+    except ValueError as e:
+        print(f"demonet bench: {e}", file=sys.stderr)
+        return 2
     setup = BenchSetup(peers=args.peers, steps=args.steps, max_time_s=args.max_time_s, batch_size=args.batch_size,
                        adamw_lr=args.adamw_lr, demo_lr=args.demo_lr)
     out = Path(args.out)
@@ -90,12 +121,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"demonet bench: {why}", file=sys.stderr)
             return 2
         out.mkdir(parents=True, exist_ok=True)
-        runs = run_bench(setup, args.systems, args.mbit, out, progress=not args.no_progress and sys.stderr.isatty())
+        runs = run_bench(setup, args.systems, swarms, out, progress=not args.no_progress and sys.stderr.isatty())
     summary = report.summarize(runs, setup, args.target_loss)
     summary.update(setup={k: str(v) for k, v in vars(setup).items()}, load_before=load, load_after=os.getloadavg(),
                    wall_s=time.time() - started, cpus=os.cpu_count())
     (out / "results.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     tables = report.table(summary) + "\n" + report.pipeline_table(summary)
+    if mixed := report.mixed_table(summary):
+        tables += "\n" + mixed
     (out / "results.md").write_text(tables)
     paths = report.plot(runs, summary["target_loss"], out)
     if args.plots:
@@ -104,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.copy(path, Path(args.plots) / path.name)
     print(tables)
     print(f"load average before {load[0]:.2f}, after {summary['load_after'][0]:.2f}; results in {out}")
-    failed = [f"{r['system']}@{r['mbit']:g}" for r in summary["runs"] if r["steps"] == 0]
+    failed = [f"{r['system']} on {r['swarm']}" for r in summary["runs"] if r["steps"] == 0]
     if failed:
         print(f"demonet bench: no steps from {', '.join(failed)}; see the logs under {out}", file=sys.stderr)
         return 1

@@ -20,7 +20,7 @@ from demonet.train.model import GPT, ModelConfig
 
 from . import SYSTEMS, BenchSetup, Run
 
-__all__ = ["curve", "eval_loss", "summarize", "table", "plot"]
+__all__ = ["curve", "eval_loss", "mixed_table", "summarize", "table", "plot"]
 
 SMOOTH = 5
 """Losses are averaged over peers, then over this many trailing steps (a batch of 16 x 64 bytes is noisy)."""
@@ -105,18 +105,33 @@ def _steps_to(target: float, steps: list[int], losses: list[float]) -> int | Non
 
 
 def _samples_per_step(run: Run, batch_size: int) -> float:
-    """Median sequences per global step: peers x batch_size by construction, except for hivemind, whose
-    records say how many local batches each of its steps took (NaN for records without it)."""
-    if run.system != "hivemind":
-        return float(len(run.peers) * batch_size)
+    """Median sequences per global step, as the records say: a demonet row's samples (more than one
+    micro-batch's where its round went by the clock), a hivemind step's local batches (NaN for records without
+    them), else one batch of `batch_size` a peer."""
     per_step: dict[int, int] = {}
     for records in run.peers:
-        for r in records:
-            if r["step"] > 0:
-                if "batches" not in r:
-                    return math.nan
-                per_step[r["step"]] = per_step.get(r["step"], 0) + int(r["batches"]) * batch_size
+        for r in (r for r in records if r["step"] > 0):
+            if r.get("samples"):
+                n = int(r["samples"])
+            elif run.system == "hivemind" and "batches" not in r:
+                return math.nan
+            else:
+                n = int(r.get("batches", 1)) * batch_size
+            per_step[r["step"]] = per_step.get(r["step"], 0) + n
     return float(statistics.median(per_step.values())) if per_step else math.nan
+
+
+def swarm_figures(run: Run, batch_size: int) -> dict[str, Any]:
+    """Samples trained per second (every peer's samples over the rounds not aborted, over the training time of
+    `curve`) and each peer's median micro-batches a round. A record without "samples" took its "batches" (1
+    where it says none) of `batch_size` sequences, each batch one micro-batch."""
+    _, times, _ = curve(run)
+    records = [[r for r in rs if r["step"] > 0 and not r.get("aborted", False)] for rs in run.peers]
+    micro = [[int(r.get("micro_batches") or r.get("batches", 1)) for r in rs] for rs in records]
+    samples = sum(int(r.get("samples") or batch_size * m) for rs, ms in zip(records, micro, strict=True)
+                  for r, m in zip(rs, ms, strict=True))
+    return {"samples_per_s": samples / times[-1] if times and times[-1] > 0 else math.nan,
+            "micro_batches": [statistics.median(ms) if ms else math.nan for ms in micro]}
 
 
 def default_target(runs: Sequence[Run], setup: BenchSetup) -> float:
@@ -128,6 +143,11 @@ def default_target(runs: Sequence[Run], setup: BenchSetup) -> float:
         steps, _, losses = curve(max(ddp, key=lambda r: r.mbit))
         return 1.03 * smooth(losses)[min(len(steps), setup.steps // 2) - 1]
     return 1.03 * max(min(smooth(curve(r)[2]) or [math.inf]) for r in runs)
+
+
+def _beside(runs: Sequence[Run], run: Run, system: str) -> Run | None:
+    """`system`'s run on the same swarm as `run`, if any."""
+    return next((r for r in runs if r.system == system and r.swarm.label == run.swarm.label), None)
 
 
 def summarize(runs: Sequence[Run], setup: BenchSetup, target: float | None = None) -> dict[str, Any]:
@@ -148,7 +168,8 @@ def summarize(runs: Sequence[Run], setup: BenchSetup, target: float | None = Non
         projected = reached if not math.isnan(reached) else (need * step_s if need else math.nan)
         t0 = max((r["time"] for rs in run.peers for r in rs if r["step"] == 0), default=math.nan)
         rows.append({
-            "system": run.system, "label": SYSTEMS[run.system].label, "mbit": run.mbit, "finished": run.finished,
+            "system": run.system, "label": SYSTEMS[run.system].label, "mbit": run.mbit, "swarm": run.swarm.label,
+            "mixed": run.swarm.mixed, "peers": len(run.peers), "finished": run.finished,
             "steps": steps[-1] if steps else 0, "train_s": times[-1] if times else math.nan,
             "setup_s": t0 - run.launched_at, "run_s": run.ended_at - run.launched_at, "step_s": step_s,
             "loss_last": smooth(losses)[-1] if losses else math.nan,
@@ -158,15 +179,16 @@ def summarize(runs: Sequence[Run], setup: BenchSetup, target: float | None = Non
             "time_to_target_s": reached, "projected_time_to_target_s": projected,
             "steps_to_target": _steps_to(target, steps, losses),
             "samples_per_step": _samples_per_step(run, setup.batch_size),
+            **swarm_figures(run, setup.batch_size),
         })
     for row, run in zip(rows, runs, strict=True):  # loss at an equal number of steps, against AdamW-DDP
-        ddp = next((r for r in runs if r.system == "adamw-ddp" and r.mbit == run.mbit), None)
+        ddp = _beside(runs, run, "adamw-ddp")
         mine, theirs = curve(run), curve(ddp) if ddp else ([], [], [])
         k = min(len(mine[0]), len(theirs[0]))
         row["loss_vs_ddp"] = smooth(mine[2])[k - 1] / smooth(theirs[2])[k - 1] - 1 if k else math.nan
         row["loss_vs_ddp_step"] = mine[0][k - 1] if k else 0
     for row, run in zip(rows, runs, strict=True):
-        row.update(pipeline(run, next((r for r in runs if r.system == "demonet" and r.mbit == run.mbit), None)))
+        row.update(pipeline(run, _beside(runs, run, "demonet")))
     return {"target_loss": target, "runs": rows}
 
 
@@ -199,7 +221,7 @@ def pipeline_table(summary: dict[str, Any]) -> str:
            "loss vs demonet, same round |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
         if "compute_s" in r:
-            out.append(f"| {r['mbit']:g} Mbit/s | {r['system']} | {r['steps']} | {_fmt(r['compute_s'])} | "
+            out.append(f"| {r['swarm']} | {r['system']} | {r['steps']} | {_fmt(r['compute_s'])} | "
                        f"{_fmt(r['wait_s'])} | {_fmt(r['step_s'])} | {_fmt(r['compute_fraction'], '.2f')} | "
                        f"{_fmt(100 * r['loss_vs_plain'], '+.1f')}% |")
     return "\n".join(out) + "\n"
@@ -211,13 +233,13 @@ def _fmt(x: float, spec: str = ".3g") -> str:
 
 def table(summary: dict[str, Any]) -> str:
     """A markdown table with each run's figures and its ratios to AdamW-DDP at the same link speed."""
-    ddp = {r["mbit"]: r for r in summary["runs"] if r["system"] == "adamw-ddp"}
+    ddp = {r["swarm"]: r for r in summary["runs"] if r["system"] == "adamw-ddp"}
     out = [f"Target loss (smoothed training loss over {SMOOTH} steps): {summary['target_loss']:.4f}", "",
            "| link | system | steps | seqs/step | s/step | loss at last step | vs DDP, same step | val loss | "
            "sent B/peer/step | recv B/peer/step | bytes vs DDP | time to target (s) | speed-up vs DDP |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
-        base = ddp.get(r["mbit"])
+        base = ddp.get(r["swarm"])
         total = r["sent_per_step"] + r["recv_per_step"]
         fewer = (base["sent_per_step"] + base["recv_per_step"]) / total if base and total else math.nan
         tt = r["time_to_target_s"]
@@ -225,7 +247,7 @@ def table(summary: dict[str, Any]) -> str:
         base_t = (base["time_to_target_s"] if base and not math.isnan(base["time_to_target_s"])
                   else base["projected_time_to_target_s"] if base else math.nan)
         speed = base_t / r["projected_time_to_target_s"] if r["projected_time_to_target_s"] else math.nan
-        out.append(f"| {r['mbit']:g} Mbit/s | {r['system']} | {r['steps']} | {_fmt(r['samples_per_step'], '.0f')} | "
+        out.append(f"| {r['swarm']} | {r['system']} | {r['steps']} | {_fmt(r['samples_per_step'], '.0f')} | "
                    f"{_fmt(r['step_s'])} | "
                    f"{_fmt(r['loss_last'], '.4f')} | {_fmt(100 * r['loss_vs_ddp'], '+.1f')}% "
                    f"@{r['loss_vs_ddp_step']} | {_fmt(r['val_loss'], '.4f')} | "
@@ -234,25 +256,44 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def mixed_table(summary: dict[str, Any]) -> str:
+    """The mixed swarms' runs (peers that differ in link or compute) as markdown: per system, samples trained
+    per second, time to the target loss and each peer's median micro-batches a round; "" without any."""
+    rows = [r for r in summary["runs"] if r["mixed"]]
+    if not rows:
+        return ""
+    out = ["| swarm | system | peers | rounds | samples/s | time to target (s) | loss at last step | "
+           "micro-batches a round, per peer (median) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tt = r["time_to_target_s"]
+        shown = _fmt(tt, ".1f") if not math.isnan(tt) else f"~{_fmt(r['projected_time_to_target_s'], '.0f')} (proj.)"
+        micro = ", ".join(_fmt(m, "g") for m in r["micro_batches"])
+        out.append(f"| {r['swarm']} | {r['system']} | {r['peers']} | {r['steps']} | {_fmt(r['samples_per_s'], '.1f')} "
+                   f"| {shown} | {_fmt(r['loss_last'], '.4f')} | {micro} |")
+    return "\n".join(out) + "\n"
+
+
 def plot(runs: Sequence[Run], target: float, out_dir: Path) -> list[Path]:
-    """loss_vs_step.png and loss_vs_time.png: one panel per link speed, one line per system."""
+    """loss_vs_step.png and loss_vs_time.png: one panel per swarm (a link speed, or a mixed swarm), one line per
+    system."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    mbits = sorted({r.mbit for r in runs}, reverse=True)
+    by_label = {r.swarm.label: r.swarm for r in runs}
+    swarms = sorted(by_label.values(), key=lambda s: (s.mixed, -s.fastest, s.label))
     paths = []
     for axis, name in ((1, "loss_vs_step.png"), (2, "loss_vs_time.png")):
-        fig, axes = plt.subplots(1, len(mbits), figsize=(5 * len(mbits), 3.8), dpi=100, squeeze=False)
-        for ax, mbit in zip(axes[0], mbits, strict=True):
-            for run in (r for r in runs if r.mbit == mbit):
+        fig, axes = plt.subplots(1, len(swarms), figsize=(5 * len(swarms), 3.8), dpi=100, squeeze=False)
+        for ax, swarm in zip(axes[0], swarms, strict=True):
+            for run in (r for r in runs if r.swarm.label == swarm.label):
                 c = curve(run)
                 if c[0]:
                     ax.plot(c[axis - 1] if axis == 1 else c[1], smooth(c[2]), label=SYSTEMS[run.system].label)
             ax.axhline(target, color="grey", linestyle=":", linewidth=1)
-            ax.set_title(f"{mbit:g} Mbit/s per link")
+            ax.set_title(f"{swarm.label} per link" if not swarm.mixed else swarm.label, fontsize="small")
             ax.set_xlabel("step" if axis == 1 else "wall-clock seconds")
             if axis == 2:
                 ax.set_xscale("log")

@@ -4,7 +4,8 @@ A bench module: imports torch.distributed and (lazily) hivemind; nothing in the 
 Each process appends one JSON line per optimizer step to ``steps-<rank>.jsonl``: {"step", "time", "loss",
 "batches"} (time: Unix time when the step was done, as in a demonet peer's metrics rows; batches: the local
 batches it took). A line with step 0 marks the start of training. Rank 0 saves the final parameters to
-``final.pt`` when it does every step.
+``final.pt`` when it does every step. `--slowdown` makes a process's forward and backward that many times as
+long (`demonet.lab.evidence.slowdown`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 from demonet.train.data import Batches, load_corpus, split
 from demonet.train.model import GPT, ModelConfig
 
+from .slowdown import slow_down
+
 __all__ = ["main"]
 
 
@@ -31,6 +34,7 @@ def _setup(args: argparse.Namespace) -> tuple[GPT, Batches, IO[str]]:
     cfg = ModelConfig(**json.loads(args.model))
     torch.manual_seed(args.seed)  # every system starts from the same weights
     model = GPT(cfg)
+    slow_down(model, args.slowdown)
     train_data, _ = split(load_corpus())
     batches = Batches(train_data, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                       rank=args.rank, world=args.world)
@@ -151,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="gloo / averaging timeout")
+    parser.add_argument("--slowdown", type=float, default=1.0, help="forward and backward take this many times as long")
     parser.add_argument("--master", help="ddp: HOST:PORT of rank 0")
     parser.add_argument("--host", default="0.0.0.0", help="hivemind: address to listen on")
     parser.add_argument("--initial-peers", nargs="*", default=[], help="hivemind: multiaddrs of a DHT peer")
