@@ -15,13 +15,14 @@ RUN = {"round": int, "phase": str, "seconds_left": OPT_NUMBER, "members": int, "
        "submitted": OPT_INT, "rounds_closed": int, "rounds_aborted": int, "total_rounds": int,
        "last_loss": OPT_NUMBER, "param_digest": str, "bytes_up": int, "bytes_down": int, "rejected": int,
        "late": OPT_INT, "clipped": OPT_INT, "capped": OPT_INT, "resyncs": int, "unauthorized": OPT_INT,
-       "round_timeout_s": NUMBER}
+       "round_timeout_s": NUMBER, "round_length_s": OPT_NUMBER}
 ROUND = {"round": int, "time": NUMBER, "aborted": bool, "loss": OPT_NUMBER, "round_s": OPT_NUMBER,
          "close_s": OPT_NUMBER, "members": int, "contributors": int, "bytes_up": int, "bytes_down": int}
 MEMBER = {"id": str, "key": (str, type(None)), "state": str, "last_seen_s": NUMBER, "contributed": int, "missed": int,
           "resyncs": int,
           "last_loss": OPT_NUMBER, "bytes_up": OPT_INT, "bytes_down": OPT_INT, "link_bps": OPT_NUMBER,
-          "slices": OPT_INT}
+          "slices": OPT_INT, "samples": OPT_INT, "weight": OPT_NUMBER, "topk": OPT_INT, "upload_s": OPT_NUMBER,
+          "need_s": OPT_NUMBER}
 REFUSAL = {"time": NUMBER, "peer": str, "round": OPT_INT, "kind": str, "reason": str}
 # In coordinator mode these are always numbers (DHT mode has no such things, and says null).
 COORDINATOR_RUN_NUMBERS = ("idle", "joiners", "submitted", "late", "clipped", "capped", "unauthorized")
@@ -44,6 +45,7 @@ def check_document(doc: dict[str, Any], mode: str) -> None:
     _typed(doc["run"], RUN, "run")
     if mode == "coordinator":
         assert all(isinstance(doc["run"][k], int) for k in COORDINATOR_RUN_NUMBERS), doc["run"]
+        assert isinstance(doc["run"]["round_length_s"], NUMBER), doc["run"]
     for i, row in enumerate(doc["rounds"]):
         _typed(row, ROUND, f"rounds[{i}]")
     for i, member in enumerate(doc["members"]):

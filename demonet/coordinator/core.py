@@ -265,7 +265,8 @@ class RoundCore:
         """The dashboard's document (docs/dashboard.md). Its digest is the newest applied round's: for the few ms
         while the round just published is applied, the one before's."""
         return status_document(self.rounds, self.metrics, now=_now(), param_digest=self.state.digest,
-                               total_rounds=self.opts.total_rounds, since=since, keys=keys)
+                               total_rounds=self.opts.total_rounds, since=since, keys=keys,
+                               round_length_s=self.pace.round_s)
 
     # -- the clock -----------------------------------------------------------------------------------
 
@@ -322,6 +323,8 @@ class RoundCore:
         close_s = _now() - started  # the critical path: from here on, nothing waits for the apply but its digest
         self.metrics.closed(closed.aborted, close_s, sum(losses) / len(losses) if losses else None,
                             round=closed.round, members=members, contributors=contributors, round_s=_now() - opened_at)
+        if not closed.aborted:
+            self.metrics.record.weighted(closed.contributors, closed.weights)
         if closed.clipped:
             self.metrics.add("clipped", len(closed.clipped))
         for peer in closed.capped:

@@ -103,10 +103,11 @@ class Metrics:
         if peer:
             self.record.count(name, peer, amount)
 
-    def uploaded(self, peer: str, num_bytes: int, seconds: float, loss: float) -> None:
-        """An accepted payload of `num_bytes` whose Submit stream took `seconds`."""
+    def uploaded(self, peer: str, num_bytes: int, seconds: float, loss: float, *, samples: int | None = None,
+                 topk: int | None = None, need_s: float | None = None) -> None:
+        """An accepted payload of `num_bytes` whose Submit stream took `seconds` (and what it was computed from)."""
         self.add("bytes_up", num_bytes)
-        self.record.uploaded(peer, num_bytes, seconds, loss)
+        self.record.uploaded(peer, num_bytes, seconds, loss, samples=samples, topk=topk, need_s=need_s)
 
     def refused(self, peer: str, round: int | None, kind: str, reason: str) -> None:
         """A refused call or payload, for the dashboard's list (the counters are counted where they apply)."""

@@ -30,10 +30,12 @@ ALIKE_OFF = 1.25
 """...and back to lockstep once it is under this many times again."""
 MIN_GAP_S = 0.25
 """...and over it by more than this many seconds."""
-SLOWEST_MICRO_BATCHES = 2
-"""A clock round is this many times the slowest member's one-micro-batch round (`least_s`): with one, the others
-idle up to one of their own micro-batches at each round's end and pay the exchange twice as often
-(bench/mixed_speed.py: 0.81x of every peer kept busy with one, 0.97x with a fixed round of two)."""
+SLOWEST_MICRO_BATCHES = 1.1
+"""A clock round is this many times the slowest member's one-micro-batch round (`least_s`). Short rounds reach a
+loss sooner: DeMo's sign step moves every parameter by the lr each round, however many samples are behind it,
+so rounds of twice the slowest one's (0.92x the samples of every peer kept busy, against 0.81x with once) took
+1.6x lockstep's time to the same loss in `demonet bench` (docs/evidence.md#mixed-swarms). The tenth over once
+lets a faster peer finish the micro-batch it would otherwise idle through."""
 SMOOTHING = 0.5
 """Each close moves the automatic length this far toward the newly computed one."""
 

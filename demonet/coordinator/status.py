@@ -18,7 +18,8 @@ __all__ = ["status_document"]
 
 
 def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_digest: str, total_rounds: int,
-                    since: int | None = None, keys: Mapping[str, str] | None = None) -> dict[str, Any]:
+                    since: int | None = None, keys: Mapping[str, str] | None = None,
+                    round_length_s: float = 0.0) -> dict[str, Any]:
     """The document of docs/dashboard.md for a coordinator.
 
     Args:
@@ -29,6 +30,7 @@ def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_diges
         total_rounds: the run's rounds (0: no end).
         since: only the rounds after this one.
         keys: peer -> its key's fingerprint.
+        round_length_s: the length announced for the open round (0: lockstep).
     """
     t = metrics.totals
     phase = "closing" if metrics.phase.value else "open" if rounds.started else "waiting"
@@ -40,7 +42,8 @@ def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_diges
            "last_loss": finite(metrics.last_loss), "param_digest": param_digest, "bytes_up": t["bytes_up"],
            "bytes_down": t["bytes_down"], "rejected": t["rejected"], "late": t["late"], "clipped": t["clipped"],
            "capped": t["capped"],
-           "resyncs": t["resyncs"], "unauthorized": t["unauthorized"], "round_timeout_s": rounds.cfg.round_timeout_s}
+           "resyncs": t["resyncs"], "unauthorized": t["unauthorized"], "round_timeout_s": rounds.cfg.round_timeout_s,
+           "round_length_s": round_length_s}
     submitted = set(rounds.submitted)
     live = {p: ("submitted" if p in submitted else "idle" if p in rounds.idle else "member", now - seen)
             for p, seen in rounds.members.items()}

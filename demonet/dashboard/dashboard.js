@@ -166,16 +166,27 @@ function renderRun(doc, rows) {
   }
 }
 
+// A member whose last payload had under half the median member's samples: the slow one of a mixed swarm.
+function slowPeers(members) {
+  const counts = members.filter((m) => m.state !== "left" && m.samples).map((m) => m.samples).sort((a, b) => a - b);
+  if (counts.length < 2) return new Set();
+  const median = counts[Math.floor((counts.length - 1) / 2)];
+  return new Set(members.filter((m) => m.state !== "left" && m.samples && m.samples < median / 2).map((m) => m.id));
+}
+
 function renderMembers(doc) {
   const body = document.querySelector("#members tbody");
   body.replaceChildren();
+  const slow = slowPeers(doc.members);
   const dht = doc.members.some((m) => m.slices !== null);
   document.querySelectorAll(".dht").forEach((e) => e.classList.toggle("hidden", !dht));
   for (const m of doc.members) {
-    const tr = el("tr", null, m.state === "left" ? "left" : "");
+    const tr = el("tr", null, m.state === "left" ? "left" : slow.has(m.id) ? "slow" : "");
     tr.setAttribute("data-peer", m.id);
     const cells = [m.id, m.key || "—", m.state, ago(m.last_seen_s), m.contributed, m.missed, m.resyncs, num(m.last_loss, 4),
-      bytes(m.bytes_up), bytes(m.bytes_down), rate(m.link_bps)];
+      bytes(m.bytes_up), bytes(m.bytes_down), rate(m.link_bps), m.samples ?? "—",
+      m.weight === null || m.weight === undefined ? "—" : (100 * m.weight).toFixed(0) + "%", m.topk ?? "—",
+      num(m.upload_s, 2), num(m.need_s, 2)];
     cells.forEach((v, i) => tr.appendChild(el("td", v, i === 2 ? "state-" + m.state : "")));
     const slices = el("td", m.slices === null ? "—" : m.slices, "dht");
     slices.classList.toggle("hidden", !dht);

@@ -43,6 +43,16 @@ class MemberStats:
     """Bytes per second of its last upload: the payload's bytes over its stream's duration."""
     slices: int | None = None
     """DHT mode: slices of the last round it owned."""
+    samples: int | None = None
+    """The samples its last payload was computed from."""
+    topk: int | None = None
+    """The coefficients per chunk its last payload sent."""
+    upload_s: float | None = None
+    """Seconds its last upload took (its Submit stream)."""
+    need_s: float | None = None
+    """The seconds it reported needing for a round of its own micro-batches, exchange included."""
+    weight: float | None = None
+    """Its share of the last merged round it was in (its samples, capped, over all of that round's)."""
     seen_at: float = 0.0
     """time.monotonic() of the last event from it."""
 
@@ -84,13 +94,25 @@ class RunRecord:
         stats = self.member(peer_id)
         setattr(stats, name, (getattr(stats, name) or 0) + amount)
 
-    def uploaded(self, peer_id: str, num_bytes: int, seconds: float, loss: float | None) -> None:
-        """A payload of `num_bytes` whose stream took `seconds`, with the loss its sender reported."""
+    def uploaded(self, peer_id: str, num_bytes: int, seconds: float, loss: float | None, *, samples: int | None = None,
+                 topk: int | None = None, need_s: float | None = None) -> None:
+        """A payload of `num_bytes` whose stream took `seconds`, with the loss its sender reported, the samples it
+        was computed from, its coefficients per chunk and its sender's reported round time (0: not measured)."""
         self.count("bytes_up", peer_id, num_bytes)
         stats = self.member(peer_id)
         stats.last_loss = finite(loss)
         if seconds > 0:
-            stats.link_bps = num_bytes / seconds
+            stats.link_bps, stats.upload_s = num_bytes / seconds, seconds
+        stats.samples, stats.topk = samples, topk
+        stats.need_s = finite(need_s) if need_s else None
+
+    def weighted(self, contributors: Iterable[str], weights: Iterable[float]) -> None:
+        """A merged round's weights (its contributors' samples, capped; none given: all alike): each one's share."""
+        peers, given = list(contributors), list(weights)
+        shares = given if given else [1.0] * len(peers)
+        total = sum(shares)
+        for p, w in zip(peers, shares, strict=True):
+            self.member(p).weight = w / total if total > 0 else None
 
     def refused(self, peer_id: str, round: int | None, kind: str, reason: str) -> None:
         """A call or payload refused: `kind` is a short word (stale, invalid, resync, unauthorized, ...)."""
@@ -146,7 +168,8 @@ class RunRecord:
                             "contributed": stats.contributed,
                             "missed": stats.missed, "resyncs": stats.resyncs, "last_loss": stats.last_loss,
                             "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down, "link_bps": stats.link_bps,
-                            "slices": stats.slices})
+                            "slices": stats.slices, "samples": stats.samples, "weight": stats.weight,
+                            "topk": stats.topk, "upload_s": stats.upload_s, "need_s": stats.need_s})
         return {"schema": SCHEMA, "mode": mode, "source": source, "time": time.time(),
                 "uptime_s": time.time() - self.started_at, "run": dict(run), "rounds": rows, "members": members,
                 "refusals": list(self.refusals)}

@@ -120,7 +120,8 @@ class DhtView:
                "rounds_aborted": self.rounds_aborted, "total_rounds": self.total_rounds,
                "last_loss": self.last_loss, "param_digest": self.digest, "bytes_up": self.bytes_up,
                "bytes_down": self.bytes_down, "rejected": self.refused(), "late": None, "clipped": None,
-               "capped": self.capped, "resyncs": self.resyncs, "unauthorized": None, "round_timeout_s": self.window_s}
+               "capped": self.capped, "resyncs": self.resyncs, "unauthorized": None, "round_timeout_s": self.window_s,
+               "round_length_s": None}
         live = {p: (state, now - self.record.members[p].seen_at) for p, state in self._states.items()
                 if p in self.record.members}
         return self.record.document("dht", self.peer_id, run, live, since=since)

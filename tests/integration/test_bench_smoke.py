@@ -29,6 +29,7 @@ SCRIPTS = {
     "flexdemo.py": r"^bytes between nodes per step, per node: FlexDeMo \d+ B .* ratio \d+\.\dx",
     "graceful_stop.py": r"^\| this tree \| 1 \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \|$",
     "idle_members.py": r"^20 fakes, max_idle_rounds=\d+\s+\d+\.\d+\s+\d+\.\d+\s+22\s+20\s+2$",
+    "mixed_links.py": r"^(smoke: skipped, .+|automatic\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+agree\s+\d+)",
     "mixed_speed.py": r"^automatic\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\s+agree\s+\d",
     "optim_step.py": r"^ratio DeMo step / forward\+backward: \d+\.\d%$",
     "overlap_loss.py": r"^\| overlap \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+x \| \d+\.\d+x \| 1 \|$",

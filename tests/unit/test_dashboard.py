@@ -88,6 +88,24 @@ def test_the_coordinator_document_follows_the_rounds_and_metrics() -> None:
     a = next(m for m in d["members"] if m["id"] == "a")
     assert (a["contributed"], a["missed"], a["bytes_up"], a["link_bps"], a["last_loss"]) == (1, 0, 1000, 1e5, 3.5)
     assert d["refusals"][0]["kind"] == "stale" and d["run"]["bytes_up"] == 1000
+    assert (a["samples"], a["topk"], a["weight"], a["upload_s"], a["need_s"]) == (None, None, None, 0.01, None)
+
+
+def test_each_members_samples_k_and_weight_in_the_document() -> None:
+    """A mixed swarm's round: the fast peer's payload of 8 samples at k 32, the slow one's of 2 at k 8, merged
+    with weights 8 and 2: each member's row says so (what the dashboard shades the slow peer by)."""
+    record = RunRecord()
+    record.uploaded("fast", 4000, 0.01, 3.0, samples=8, topk=32, need_s=0.3)
+    record.uploaded("slow", 1000, 0.5, 3.1, samples=2, topk=8, need_s=1.2)
+    record.weighted(["fast", "slow"], [8.0, 2.0])
+    live = {"fast": ("member", 0.1), "slow": ("member", 0.1)}
+    rows = {m["id"]: m for m in record.document("coordinator", "coordinator", {}, live)["members"]}
+    assert (rows["fast"]["samples"], rows["fast"]["topk"], rows["fast"]["weight"]) == (8, 32, 0.8)
+    assert (rows["slow"]["samples"], rows["slow"]["topk"], rows["slow"]["upload_s"], rows["slow"]["need_s"]) == (
+        2, 8, 0.5, 1.2)
+    assert rows["slow"]["weight"] == pytest.approx(0.2)
+    record.weighted(["fast", "slow"], [])  # an unweighted merge: alike
+    assert record.document("coordinator", "coordinator", {}, live)["members"][0]["weight"] == 0.5
 
 
 def test_a_dht_peer_describes_the_run_in_the_same_document() -> None:
