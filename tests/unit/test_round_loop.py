@@ -444,3 +444,32 @@ async def test_the_automatic_round_length_turns_to_the_clock_for_a_slow_peer(tmp
         # not stretched to it (`RoundPace`), and it is in every round by the round's deadline (twice the length
         # and a second).
         assert run.hub.core.pace.round_s > 0
+
+
+async def test_a_round_s_shorter_than_one_micro_batch_warns_and_the_peer_trains_one_a_round(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A fixed `round_s` of 0.05 s, and a peer whose one micro-batch takes 0.3 s: it says so once, trains one
+    micro-batch a round, and the round waits for it (a fixed round waits up to the round timeout): both are in
+    every round, and the run makes progress."""
+    import logging
+    import time
+
+    def slow(client: Any) -> None:
+        trainer = run.trainers[FAULTY]
+        loss = trainer.loss
+
+        def sleeping(model: Any, batch: Any) -> Any:
+            time.sleep(0.3)
+            return loss(model, batch)
+
+        trainer.loss = sleeping
+
+    run = _Run(tmp_path, {}, overlap=0, wrap=slow, round_s=0.05)
+    with caplog.at_level(logging.WARNING, logger="demonet.loop.round_loop"):
+        await run.run()
+    assert run.codes == {"p0": 0, FAULTY: 0}
+    slow_rows = run.rows(FAULTY)
+    assert [r["micro_batches"] for r in slow_rows] == [1] * ROUNDS
+    assert all(r["contributors"] == 2 for r in slow_rows + run.rows("p0"))
+    warned = [r.getMessage() for r in caplog.records if "over the round's" in r.getMessage()]
+    assert len(warned) == 1 and f"[{FAULTY} " in warned[0], warned
