@@ -254,7 +254,7 @@ class NetConfig:
     key's line)."""
     newcomer_s: float = 600.0
     """Coordinator mode: a peer that has had no payload accepted this long after its key joined is let go at the
-    next join (dropped from the membership, its key and session forgotten: its id is free again)."""
+    next challenge or join (dropped from the membership, its key and session forgotten: its id is free again)."""
     max_newcomers: int = 256
     """Coordinator mode: peers joined at once that have had no payload accepted yet, at most; a join of another
     new id is refused RESOURCE_EXHAUSTED until one contributes or is let go."""
