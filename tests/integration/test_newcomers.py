@@ -20,7 +20,7 @@ from tests.procs import Reaper
 
 pytestmark = pytest.mark.slow
 
-NEWCOMER_S = 4.0
+NEWCOMER_S = 6.0
 MAX_NEWCOMERS = 3
 
 
@@ -59,19 +59,20 @@ async def test_ids_that_never_submit_are_capped_then_let_go_and_their_ids_freed_
     training = asyncio.ensure_future(_train(a, 1, stop))
 
     sybils = [Peer(coordinator.address, f"s{i}") for i in range(MAX_NEWCOMERS)]
-    joined_at = time.monotonic()
     assert [await _code(s) for s in sybils] == [grpc.StatusCode.OK] * MAX_NEWCOMERS
-    # the cap: another new id waits, an honest newcomer too; a's rejoin under its own bound id does not
+    joined_at = time.monotonic()  # each was bound before this
+    # the cap: another new id waits, an honest newcomer too
     assert await _code(Peer(coordinator.address, "s3")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert await _code(Peer(coordinator.address, "honest")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     # before newcomer_s, s0's id is bound to its key: another key is refused
     assert await _code(Peer(coordinator.address, "s0")) == grpc.StatusCode.PERMISSION_DENIED
     while not set((await a.status()).members) >= {"a", "s0", "s1", "s2"}:  # members from the next round on
-        assert time.monotonic() < joined_at + NEWCOMER_S - 1.0, (await a.status()).members
+        assert time.monotonic() < joined_at + NEWCOMER_S - 2.0, (await a.status()).members
         await asyncio.sleep(0.1)
 
     await asyncio.sleep(max(0.0, joined_at + NEWCOMER_S + 0.5 - time.monotonic()))
-    assert not training.done()  # a trained all along
+    if training.done():  # a trains all along: only an error ends it early
+        await training
     taker = Peer(coordinator.address, "s0")  # another key takes s0: the join lets the three go first
     assert await _code(taker) == grpc.StatusCode.OK
     assert await _code(Peer(coordinator.address, "honest")) == grpc.StatusCode.OK  # room for newcomers again
