@@ -252,6 +252,12 @@ class NetConfig:
     allowlist: str = ""
     """With admission = "allowlist": a file of ``ed25519:<hex> [peer_id]`` lines (`demonet keygen` prints a
     key's line)."""
+    newcomer_s: float = 600.0
+    """Coordinator mode: a peer that has had no payload accepted this long after its key joined is let go at the
+    next challenge or join (dropped from the membership, its key and session forgotten: its id is free again)."""
+    max_newcomers: int = 256
+    """Coordinator mode: peers joined at once that have had no payload accepted yet, at most; a join of another
+    new id is refused RESOURCE_EXHAUSTED until one contributes or is let go."""
 
     def __post_init__(self) -> None:
         _check(self.round_timeout_s > 0, "round_timeout_s should be > 0")
@@ -279,6 +285,8 @@ class NetConfig:
                f"max_sample_ratio should be 0 (off) or >= 1, got {self.max_sample_ratio}")
         _check(self.max_samples_per_round >= 1,
                f"max_samples_per_round should be >= 1, got {self.max_samples_per_round}")
+        _check(self.newcomer_s > 0, f"newcomer_s should be > 0, got {self.newcomer_s}")
+        _check(self.max_newcomers >= 1, f"max_newcomers should be >= 1, got {self.max_newcomers}")
         _check(self.admission in ("token", "allowlist", "open"),
                f"admission should be token, allowlist or open, got {self.admission!r}")
         _check((self.admission == "allowlist") == bool(self.allowlist),

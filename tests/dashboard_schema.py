@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from demonet.dashboard.record import MAX_LISTED
+
 NUMBER = (int, float)
 OPT_NUMBER = (int, float, type(None))
 OPT_INT = (int, type(None))
 
 TOP = {"schema": int, "mode": str, "source": str, "time": NUMBER, "uptime_s": NUMBER, "run": dict, "rounds": list,
-       "members": list, "refusals": list}
+       "members": list, "members_omitted": dict, "refusals": list}
 RUN = {"round": int, "phase": str, "seconds_left": OPT_NUMBER, "members": int, "idle": OPT_INT, "joiners": OPT_INT,
        "submitted": OPT_INT, "rounds_closed": int, "rounds_aborted": int, "total_rounds": int,
        "last_loss": OPT_NUMBER, "param_digest": str, "bytes_up": int, "bytes_down": int, "rejected": int,
@@ -51,5 +53,9 @@ def check_document(doc: dict[str, Any], mode: str) -> None:
     for i, member in enumerate(doc["members"]):
         _typed(member, MEMBER, f"members[{i}]")
         assert member["state"] in STATES[mode], member
+    assert len(doc["members"]) <= MAX_LISTED, len(doc["members"])
+    for state, count in doc["members_omitted"].items():
+        assert state in STATES[mode] and isinstance(count, int) and count > 0, doc["members_omitted"]
+    assert not doc["members_omitted"] or len(doc["members"]) == MAX_LISTED, "members omitted while room was left"
     for i, refusal in enumerate(doc["refusals"]):
         _typed(refusal, REFUSAL, f"refusals[{i}]")

@@ -151,6 +151,10 @@ def format_status(doc: dict[str, Any], *, rounds: int = 5, refusals: int = 10) -
               _v(m.get("samples")), "-" if m.get("weight") is None else f"{100 * m['weight']:.0f}%",
               _v(m.get("topk")), _v(m.get("upload_s"), 2), *([_v(m["slices"])] if dht else [])]
              for m in doc["members"]])
+    omitted = doc.get("members_omitted") or {}
+    if omitted:
+        lines.append(f"... and {sum(omitted.values())} more not listed: "
+                     + ", ".join(f"{count} {state}" for state, count in omitted.items()))
     shown = doc["refusals"][-refusals:]
     lines += ["", "recent refusals" if shown else "recent refusals: none"]
     if shown:

@@ -91,7 +91,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         bound = submission_bound(self.core.state.specs, cfg.optim.compression_topk, cap=opts.max_payload_bytes)
         self.limits = Limits(LimitsConfig(
             max_submission_bytes=bound, download_every_s=cfg.net.round_timeout_s,
-            max_inflight_bytes=opts.max_inflight_bytes or max(8 * bound, DEFAULT_INFLIGHT_FLOOR_BYTES)))
+            max_inflight_bytes=opts.max_inflight_bytes or max(8 * bound, DEFAULT_INFLIGHT_FLOOR_BYTES),
+            newcomer_s=cfg.net.newcomer_s, max_newcomers=cfg.net.max_newcomers))
         self.admission = Admission(token=opts.token, admission=cfg.net.admission, allowlist=cfg.net.allowlist,
                                    limits=self.limits, metrics=metrics, round_of=lambda: self.core.rounds.round)
         if self.core.saved is not None:
@@ -134,6 +135,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Challenge(self, request: pb.ChallengeRequest, context: Context) -> pb.ChallengeReply:
         await self.admission.admit(request, context)
         peer_id = await self.admission.peer_id(request.peer_id, context)
+        await self._let_go_newcomers()  # before the binding is checked: an id let go is free for this key
         return pb.ChallengeReply(nonce=await self.admission.challenge(peer_id, request.public_key, context))
 
     async def Join(self, request: pb.JoinRequest, context: Context) -> pb.JoinReply:
@@ -262,7 +264,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return peer_id
 
     async def _let_go_newcomers(self) -> None:
-        """Before a join: drop the members that never had a payload accepted in `newcomer_s`, and free their ids."""
+        """Before a challenge or a join: drop the members that never had a payload accepted in `newcomer_s`, and
+        free their ids."""
         due = self.admission.newcomers_due()
         if due:
             await self.core.withdraw(due, drop=True)

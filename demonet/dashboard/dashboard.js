@@ -174,6 +174,14 @@ function slowPeers(members) {
   return new Set(members.filter((m) => m.state !== "left" && m.samples && m.samples < median / 2).map((m) => m.id));
 }
 
+// The members the document does not list (a run joined by thousands of ids lists its most relevant): counted by state.
+function omittedText(omitted) {
+  const states = Object.entries(omitted || {});
+  if (states.length === 0) return "";
+  const total = states.reduce((sum, [, count]) => sum + count, 0);
+  return "… and " + total + " more not listed: " + states.map(([state, count]) => count + " " + state).join(", ");
+}
+
 function renderMembers(doc) {
   const body = document.querySelector("#members tbody");
   body.replaceChildren();
@@ -191,6 +199,14 @@ function renderMembers(doc) {
     const slices = el("td", m.slices === null ? "—" : m.slices, "dht");
     slices.classList.toggle("hidden", !dht);
     tr.appendChild(slices);
+    body.appendChild(tr);
+  }
+  const more = omittedText(doc.members_omitted);
+  if (more) {
+    const tr = el("tr");
+    const td = el("td", more, "muted");
+    td.colSpan = 17;
+    tr.appendChild(td);
     body.appendChild(tr);
   }
 }
@@ -253,5 +269,5 @@ if (typeof document !== "undefined") { // in a page; tests/unit/test_dashboard.p
   poll();
   setInterval(poll, POLL_MS);
 } else if (typeof module !== "undefined") {
-  module.exports = {axisTop, chart, pace, duration, setSvgFactory: (f) => { svgFactory = f; }};
+  module.exports = {axisTop, chart, pace, duration, omittedText, setSvgFactory: (f) => { svgFactory = f; }};
 }

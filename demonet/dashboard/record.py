@@ -7,6 +7,7 @@ so nothing is serialized on a round's path.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import OrderedDict, deque
@@ -14,10 +15,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SCHEMA", "MemberStats", "RunRecord"]
+__all__ = ["MAX_LISTED", "SCHEMA", "MemberStats", "RunRecord"]
 
 SCHEMA = 1
 """The version of the `/status.json` document (docs/dashboard.md); bumped when a field changes meaning."""
+
+MAX_LISTED = 200
+"""Members the document lists at most (contributors first, then the most recently heard from); the others are
+counted by state in its `members_omitted`, so a run joined by thousands of ids still gives a small document."""
 
 
 def finite(x: float | None) -> float | None:
@@ -58,12 +63,12 @@ class MemberStats:
 
 
 class RunRecord:
-    """Ring buffers of the recent rounds and refusals, and the counters of the last `max_members` peers.
+    """Ring buffers of the recent rounds and refusals, and the counters of `max_members` peers.
 
     Args:
         max_rounds: rounds kept for the curves.
         max_refusals: refusals kept.
-        max_members: peers kept; the one heard from least recently goes first.
+        max_members: peers kept; the one heard from least recently that never contributed goes first.
     """
 
     def __init__(self, *, max_rounds: int = 512, max_refusals: int = 50, max_members: int = 256) -> None:
@@ -77,13 +82,22 @@ class RunRecord:
         """The counters of `peer_id` (created if new), marked as just heard from."""
         stats = self.members.get(peer_id)
         if stats is None:
+            if len(self.members) >= self.max_members:
+                self._forget_one()
             stats = self.members[peer_id] = MemberStats()
-            while len(self.members) > self.max_members:
-                self.members.popitem(last=False)
         else:
             self.members.move_to_end(peer_id)
         stats.seen_at = time.monotonic()
         return stats
+
+    def _forget_one(self) -> None:
+        """Make room: forget the peer heard from least recently that never contributed (ids that join and send
+        nothing cannot push out the counters of the peers that train), or else the one heard from least recently."""
+        for p, stats in self.members.items():  # least recently heard from first
+            if stats.contributed == 0:
+                del self.members[p]
+                return
+        self.members.popitem(last=False)
 
     # -- events ------------------------------------------------------------------------------------------
 
@@ -132,7 +146,7 @@ class RunRecord:
         """
         contributed = set(contributors)
         every = set(members) | contributed
-        for p in every:
+        for p in [*contributed, *(every - contributed)]:  # the contributors' counters first: kept before the rest's
             stats = self.members.get(p) or self.member(p)
             if p in contributed and not aborted:
                 stats.contributed += 1
@@ -146,7 +160,8 @@ class RunRecord:
     # -- the document --------------------------------------------------------------------------------------
 
     def document(self, mode: str, source: str, run: Mapping[str, Any], live: Mapping[str, tuple[str, float]], *,
-                 since: int | None = None, keys: Mapping[str, str] | None = None) -> dict[str, Any]:
+                 since: int | None = None, keys: Mapping[str, str] | None = None,
+                 max_listed: int = MAX_LISTED) -> dict[str, Any]:
         """The `/status.json` document (docs/dashboard.md).
 
         Args:
@@ -157,19 +172,43 @@ class RunRecord:
                 peers this record knows are listed as "left".
             since: only the rounds after this one (a page that already holds the older ones).
             keys: peer -> the fingerprint of the key it joined with (coordinator mode).
+            max_listed: members listed at most; the others are counted by state in `members_omitted`.
         """
         now = time.monotonic()
         rows = [dict(r) for r in self.rounds if since is None or r["round"] > since]
-        members = []
-        for p in sorted(live) + [p for p in reversed(self.members) if p not in live]:
-            stats = self.members.get(p) or MemberStats(seen_at=now)
-            state, ago = live.get(p, ("left", now - stats.seen_at))
-            members.append({"id": p, "key": (keys or {}).get(p), "state": state, "last_seen_s": max(0.0, ago),
-                            "contributed": stats.contributed,
-                            "missed": stats.missed, "resyncs": stats.resyncs, "last_loss": stats.last_loss,
-                            "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down, "link_bps": stats.link_bps,
-                            "slices": stats.slices, "samples": stats.samples, "weight": stats.weight,
-                            "topk": stats.topk, "upload_s": stats.upload_s, "need_s": stats.need_s})
+        known = {p: ("left", now - s.seen_at) for p, s in self.members.items() if p not in live}
+        known.update(live)  # every peer this record or the owner knows -> (state, seconds since heard from)
+        listed = _most_relevant(known, self.members, max_listed)
+        omitted: dict[str, int] = {}
+        for p, (state, _) in known.items():
+            if p not in listed:
+                omitted[state] = omitted.get(state, 0) + 1
+        order = sorted(p for p in live if p in listed) + [p for p in reversed(self.members)
+                                                          if p in listed and p not in live]
+        members = [_row(p, *known[p], self.members.get(p) or MemberStats(seen_at=now), (keys or {}).get(p))
+                   for p in order]
         return {"schema": SCHEMA, "mode": mode, "source": source, "time": time.time(),
                 "uptime_s": time.time() - self.started_at, "run": dict(run), "rounds": rows, "members": members,
-                "refusals": list(self.refusals)}
+                "members_omitted": dict(sorted(omitted.items())), "refusals": list(self.refusals)}
+
+
+def _row(peer_id: str, state: str, ago: float, stats: MemberStats, key: str | None) -> dict[str, Any]:
+    """One member's row of the document."""
+    return {"id": peer_id, "key": key, "state": state, "last_seen_s": max(0.0, ago), "contributed": stats.contributed,
+            "missed": stats.missed, "resyncs": stats.resyncs, "last_loss": stats.last_loss,
+            "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down, "link_bps": stats.link_bps,
+            "slices": stats.slices, "samples": stats.samples, "weight": stats.weight,
+            "topk": stats.topk, "upload_s": stats.upload_s, "need_s": stats.need_s}
+
+
+def _most_relevant(known: Mapping[str, tuple[str, float]], stats: Mapping[str, MemberStats], count: int) -> set[str]:
+    """The `count` peers of `known` (peer -> (state, seconds since heard from)) a reader most wants to see: those
+    whose payloads made an aggregate first, then the most recently heard from (ties by id)."""
+    if len(known) <= count:
+        return set(known)
+
+    def rank(p: str) -> tuple[bool, float, str]:
+        s = stats.get(p)
+        return (s is None or s.contributed == 0, known[p][1], p)
+
+    return set(heapq.nsmallest(count, known, key=rank))

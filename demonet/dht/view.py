@@ -122,6 +122,6 @@ class DhtView:
                "bytes_down": self.bytes_down, "rejected": self.refused(), "late": None, "clipped": None,
                "capped": self.capped, "resyncs": self.resyncs, "unauthorized": None, "round_timeout_s": self.window_s,
                "round_length_s": None}
-        live = {p: (state, now - self.record.members[p].seen_at) for p, state in self._states.items()
-                if p in self.record.members}
+        seen = {p: s.seen_at for p, s in self.record.members.items()}
+        live = {p: (state, now - seen.get(p, self._frozen_at)) for p, state in self._states.items()}
         return self.record.document("dht", self.peer_id, run, live, since=since)
