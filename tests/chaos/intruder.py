@@ -86,12 +86,13 @@ from demonet.optim import Compressed, Payload
 _merge = exchange.merge
 
 
-def merge(payloads, *, step, rules, expected):
-    honest = _merge(payloads, step=step, rules=rules, expected=expected)
+def merge(payloads, *, step, rules, expected, **kwargs):
+    honest = _merge(payloads, step=step, rules=rules, expected=expected, **kwargs)
     lie = Payload(tensors={n: Compressed(idx=c.idx, val=-c.val, shape=c.shape, chunk=c.chunk, scale=c.scale)
                            for n, c in honest.payload.tensors.items()}, encoding="fp32")
     told = _merge([lie], step=step, rules=rules, expected=expected)  # one payload merges to itself, encoded
-    return Merged(data=told.data, payload=told.payload, factors=honest.factors)
+    return Merged(data=told.data, payload=told.payload, factors=honest.factors, weights=honest.weights,
+                  capped=honest.capped)
 
 
 exchange.merge = merge
