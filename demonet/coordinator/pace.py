@@ -28,7 +28,7 @@ ALIKE = 1.5
 """Rounds go by the clock once the slowest member's round is over this many times the median member's."""
 ALIKE_OFF = 1.25
 """...and back to lockstep once it is under this many times again."""
-MIN_GAP_S = 0.25
+MIN_GAP_S = 0.1
 """...and over it by more than this many seconds."""
 SLOWEST_MICRO_BATCHES = 1.1
 """A clock round is this many times the slowest member's one-micro-batch round (`least_s`). Short rounds reach a
