@@ -17,7 +17,21 @@ from .chunking import chunk_shape
 from .dct import dct_matrix
 from .payload import matrix_shape, num_chunks
 
-__all__ = ["Bucket", "Slot", "build_buckets", "local_tensor"]
+__all__ = ["Bucket", "Slot", "build_buckets", "default_bucket_cap_mb", "local_tensor"]
+
+CPU_BUCKET_CAP_MB = 4.0
+"""A CPU's bucket: its passes (transform, top-k, decode) stay in the last-level cache."""
+
+ACCELERATOR_BUCKET_CAP_MB = 128.0
+"""An accelerator's bucket: each pass over a bucket is a fixed set of kernel launches, so a small cap
+would make a deep model pay a set per 4 MiB (docs/optimizer.md, "Kernels a step launches"). A model of
+up to 32M coefficients of one chunk shape takes one pass; the scratch (three buckets) and the exact
+decode's float64 work space (about 4x a bucket at k = 32 of 64x64) stay bounded."""
+
+
+def default_bucket_cap_mb(device: torch.device) -> float:
+    """The bucket size for parameters on `device` when `DeMoOptions.bucket_cap_mb` is None."""
+    return CPU_BUCKET_CAP_MB if device.type == "cpu" else ACCELERATOR_BUCKET_CAP_MB
 
 
 @dataclass(eq=False)
@@ -48,10 +62,11 @@ class Bucket:
     exp_avg_sq_BN: torch.Tensor | None = None
     bases: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))  # (D_h, D_w.T) for encode
     exact_bases: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))  # (D_h, D_w), float64
+    slot_B: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # (B,) each block's slot in `slots`
 
 
 def build_buckets(param_groups: Sequence[Mapping[str, Any]], *, chunks: Mapping[str, tuple[int, int]],
-                  compression_chunk: int, chunk_policy: str, bucket_cap: int,
+                  compression_chunk: int, chunk_policy: str, bucket_cap_mb: float | None,
                   adam: bool) -> tuple[list[Bucket], list[Slot]]:
     """Lay out every trainable parameter's blocks in buckets and allocate their zeroed buffers.
 
@@ -60,7 +75,8 @@ def build_buckets(param_groups: Sequence[Mapping[str, Any]], *, chunks: Mapping[
             their position in the optimizer's order does.
         chunks: an explicit (h, w) per parameter name; the others get `chunk_shape`.
         compression_chunk, chunk_policy: `chunk_shape`'s target side and policy.
-        bucket_cap: coefficients per bucket at most (a larger tensor gets a bucket of its own).
+        bucket_cap_mb: MiB of float32 coefficients per bucket at most (a larger tensor gets a bucket of
+            its own); None: `default_bucket_cap_mb` of the parameter's device.
         adam: allocate Adam's two moments too.
 
     Returns:
@@ -90,7 +106,8 @@ def build_buckets(param_groups: Sequence[Mapping[str, Any]], *, chunks: Mapping[
             num_blocks = num_chunks(shape, (h, w))
             key = (gi, h, w, p.device, _momentum_dtype(p.dtype))
             bucket = open_buckets.get(key)
-            if bucket is None or (bucket.num_blocks + num_blocks) * h * w > bucket_cap:
+            cap_mb = default_bucket_cap_mb(p.device) if bucket_cap_mb is None else bucket_cap_mb
+            if bucket is None or (bucket.num_blocks + num_blocks) * h * w > max(1, int(cap_mb * 2**20 / 4)):
                 bucket = open_buckets[key] = Bucket(group=gi, h=h, w=w)
                 buckets.append(bucket)
             slot = Slot(p, name, index, shape, rows, cols, bucket.num_blocks, bucket.num_blocks + num_blocks)
@@ -113,6 +130,8 @@ def _allocate(bucket: Bucket, adam: bool) -> None:
     bucket.bases = (dct_matrix(bucket.h, dtype, p.device), dct_matrix(bucket.w, dtype, p.device).t().contiguous())
     bucket.exact_bases = (dct_matrix(bucket.h, torch.float64, p.device),
                           dct_matrix(bucket.w, torch.float64, p.device))
+    rows = torch.tensor([slot.stop - slot.start for slot in bucket.slots])
+    bucket.slot_B = torch.repeat_interleave(torch.arange(len(bucket.slots)), rows).to(p.device)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,8 @@ class RoundOutcome:
         self._apply(aggregate, lr)
 
     def _apply(self, aggregate: Payload, lr: float | None) -> None:
+        if self.options.base == "adamw":  # every parameter's step count, in one multi-tensor op
+            torch._foreach_add_([self.state[s.param]["step"] for b in self._buckets for s in b.slots], 1.0)
         for bucket in self._buckets:
             group = self.param_groups[bucket.group]
             step_lr, wd = group["lr"] if lr is None else lr, group["weight_decay"]
@@ -119,10 +121,7 @@ class RoundOutcome:
         """
         assert bucket.exp_avg_BN is not None and bucket.exp_avg_sq_BN is not None
         beta1, beta2 = self.options.betas
-        step_t = self.state[bucket.slots[0].param]["step"]
-        for slot in bucket.slots:
-            self.state[slot.param]["step"] += 1
-        step = int(step_t)
+        step = int(self.state[bucket.slots[0].param]["step"])  # `_apply` has counted this step
         dtype = u_BHW.dtype
         u_BN = u_BHW.view_as(bucket.exp_avg_BN)
         t_BN = t_BHW.view_as(u_BN)
