@@ -13,7 +13,7 @@ import torch
 
 from .buckets import Bucket, local_tensor
 from .dct import add_blocks_, block_view
-from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow, sqrt_exact
+from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow, sqrt_exact, terms_log2
 from .options import DeMoOptions
 from .payload import Payload
 
@@ -61,11 +61,12 @@ class RoundOutcome:
     def _apply(self, aggregate: Payload, lr: float | None) -> None:
         if self.options.base == "adamw":  # every parameter's step count, in one multi-tensor op
             torch._foreach_add_([self.state[s.param]["step"] for b in self._buckets for s in b.slots], 1.0)
+        group_e_s = _group_terms_log2(self._buckets, aggregate)
         for bucket in self._buckets:
             group = self.param_groups[bucket.group]
             step_lr, wd = group["lr"] if lr is None else lr, group["weight_decay"]
             u_BHW, t_BHW, _ = self._scratch_for(bucket)
-            self._decode(bucket, aggregate, u_BHW, sign=self.options.base == "sign")
+            self._decode(bucket, aggregate, u_BHW, group_e_s, sign=self.options.base == "sign")
             if self.options.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)
             step = as_opmath(-step_lr, u_BHW.dtype)
@@ -92,9 +93,10 @@ class RoundOutcome:
             if params:
                 torch._foreach_add_(params, updates, alpha=step)
 
-    def _decode(self, bucket: Bucket, agg: Payload, u_BHW: torch.Tensor, sign: bool) -> None:
+    def _decode(self, bucket: Bucket, agg: Payload, u_BHW: torch.Tensor, group_e_s: list[int], sign: bool) -> None:
         """u = IDCT(aggregate) for the bucket's blocks, exactly (`decode_exact`), or sign(u) with `sign`
-        (`decode_sign` where float32 GEMMs are IEEE: the same bits, faster): the same bits everywhere."""
+        (`decode_sign` where float32 GEMMs are IEEE: the same bits, faster): the same bits everywhere.
+        `group_e_s`: each decode group's bound on a block's entries (`_group_terms_log2`)."""
         d_h, d_w = bucket.exact_bases
         parts = [agg.tensors[s.name] for s in bucket.slots]
         width = max(c.k for c in parts)
@@ -105,10 +107,14 @@ class RoundOutcome:
         work = self._exact_work.get(u_BHW.device)
         if work is None or work.numel() < need:
             work = self._exact_work[u_BHW.device] = torch.empty(need, dtype=torch.float64, device=u_BHW.device)
+        e_s: int | torch.Tensor = group_e_s[bucket.decode_groups[0]]
+        if bucket.group_B is not None:  # a bucket of several decode groups: each block its group's bound
+            e_s = torch.tensor([group_e_s[g] for g in bucket.decode_groups])
+            e_s = e_s.to(u_BHW.device)[bucket.group_B].unsqueeze(1)  # (B, 1)
         if sign and u_BHW.dtype == torch.float32 and fast_float32_gemm(u_BHW.device):
-            decode_sign(idx_BS, val_BS, d_h, d_w, u_BHW, work)
+            decode_sign(idx_BS, val_BS, d_h, d_w, u_BHW, work, e_s)
             return
-        decode_exact(idx_BS, val_BS, d_h, d_w, u_BHW, work)
+        decode_exact(idx_BS, val_BS, d_h, d_w, u_BHW, work, e_s)
         if sign:
             u_BHW.sign_()
 
@@ -130,7 +136,7 @@ class RoundOutcome:
         torch.mul(u_BN, u_BN, out=t_BN).mul_(as_opmath(1.0 - beta2, dtype))
         v_BN.mul_(as_opmath(beta2, dtype)).add_(t_BN)
         inv_bias2 = as_opmath(1.0 / math.sqrt(1.0 - ipow(beta2, step)), dtype)  # math.sqrt is correctly rounded
-        sqrt_exact(v_BN, out=t_BN).mul_(inv_bias2).add_(as_opmath(self.options.eps, dtype))
+        sqrt_exact(v_BN, out=t_BN, piece=bucket.cap).mul_(inv_bias2).add_(as_opmath(self.options.eps, dtype))
         torch.div(m_BN, t_BN, out=u_BN).mul_(as_opmath(1.0 / (1.0 - ipow(beta1, step)), dtype))
 
     @torch.no_grad()
@@ -186,6 +192,15 @@ def _restore_rows(m_CN: torch.Tensor, copy_CN: torch.Tensor | None, idx_CK: torc
     m_CN.scatter_add_(1, idx_CK, back_CK)
     if copy_CN is not None:  # an undoable compress is pending: its undo keeps this restore
         copy_CN.scatter_add_(1, idx_CK, back_CK)
+
+
+def _group_terms_log2(buckets: list[Bucket], agg: Payload) -> list[int]:
+    """Each decode group's e_S (`terms_log2`): of the most entries a tensor of the group has in `agg`."""
+    widths: dict[int, int] = {}
+    for bucket in buckets:
+        for slot in bucket.slots:
+            widths[slot.decode_group] = max(widths.get(slot.decode_group, 0), agg.tensors[slot.name].k)
+    return [terms_log2(widths[g]) for g in range(len(widths))]
 
 
 def _pad_cols(x_CK: torch.Tensor, width: int, fill: torch.Tensor | float) -> torch.Tensor:

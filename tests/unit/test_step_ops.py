@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from demonet.optim import DeMo
+from demonet.optim import Compressed, DeMo, Payload, exact
 from demonet.optim.buckets import ACCELERATOR_BUCKET_CAP_MB, CPU_BUCKET_CAP_MB, default_bucket_cap_mb
 from demonet.optim.payload import quantize, quantize_rows
 from tests.op_count import stack_model, step_ops
@@ -67,3 +67,37 @@ def test_a_bucket_quantizes_to_the_bits_of_its_tensors_quantized_one_by_one(enco
             scale = scales[i] if encoding == "fp16" else scales[start:start + n]
             assert torch.equal(scale, want_scale) and scale.dtype == want_scale.dtype
         start += n
+
+
+def _apply_in_buckets(bucket_cap_mb: float, base: str) -> tuple[list[torch.Tensor], list[int]]:
+    """The parameters after one apply of an aggregate whose tensors have 32 and 2 entries a chunk."""
+    torch.manual_seed(0)
+    shapes = {"w0": (1024, 1024), "w1": (64, 128), "w2": (64, 64)}  # w0 fills a decode group (4 MiB) alone
+    params = [(name, torch.nn.Parameter(torch.randn(shape))) for name, shape in shapes.items()]
+    opt = DeMo(params, lr=0.1, base=base, weight_decay=0.1, bucket_cap_mb=bucket_cap_mb)
+    gen = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, p in params:
+        k, rows = (32 if name == "w0" else 2), p.numel() // 4096
+        idx = torch.stack([torch.randperm(4096, generator=gen)[:k] for _ in range(rows)])
+        tensors[name] = Compressed(idx=idx, val=torch.randn(rows, k, generator=gen) * 1e-3, shape=p.shape,
+                                   chunk=(64, 64))
+    opt.apply(Payload(tensors))
+    return [p.detach().clone() for _, p in params], [len(b.slots) for b in opt._buckets]
+
+
+@pytest.mark.parametrize("base", ["sign", "sgd", "adamw"])
+def test_the_apply_gives_the_same_bits_in_buckets_of_any_size(base: str) -> None:
+    # A GPU batches its blocks in 128 MiB buckets, a CPU in 4 MiB ones: the same aggregate gives the same bits.
+    runs = {cap: _apply_in_buckets(cap, base) for cap in (CPU_BUCKET_CAP_MB, ACCELERATOR_BUCKET_CAP_MB, 0.01)}
+    assert [layout for _, layout in runs.values()] == [[1, 2], [3], [1, 1, 1]]
+    want, _ = runs[CPU_BUCKET_CAP_MB]
+    for got, _ in runs.values():
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_the_exact_square_root_gives_the_same_bits_in_pieces_of_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.rand(5000, generator=torch.Generator().manual_seed(0)) * 1e3
+    whole = exact.sqrt_exact(x, torch.empty_like(x), piece=x.numel())
+    monkeypatch.setattr(exact, "_SQRT_PIECE", 999)
+    assert torch.equal(exact.sqrt_exact(x, torch.empty_like(x)), whole)
