@@ -47,7 +47,8 @@ def stack_model(num_blocks: int, d_model: int = 64) -> GPT:
 
 
 def step_ops(model: torch.nn.Module, **options: Any) -> tuple[Counter[str], Counter[str]]:
-    """The ops of one `compress()` and of one `apply()` of the merged payload, on `model`, after a warm step.
+    """The ops of one `compress()` and of one `apply()` of its merge with another payload, on `model`, after a
+    warm step.
 
     The gradients are fixed random tensors; `options` go to `DeMo` (e.g. ``base="adamw"``; its defaults
     otherwise: chunks of 64 x 64, k = 32)."""
@@ -58,7 +59,9 @@ def step_ops(model: torch.nn.Module, **options: Any) -> tuple[Counter[str], Coun
     opt.apply(aggregate([opt.compress()]))  # the first step allocates its work buffers
     with OpCounter() as compress_ops:
         payload = opt.compress()
-    agg = aggregate([payload])
+    for p in model.parameters():  # a second peer's payload: the merged tensors differ in width, as in a round
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+    agg = aggregate([payload, opt.compress()])
     with OpCounter() as apply_ops:
         opt.apply(agg)
     return compress_ops.counts, apply_ops.counts

@@ -15,7 +15,7 @@ from .buckets import Bucket, local_tensor
 from .dct import add_blocks_, block_view
 from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow, sqrt_exact, terms_log2
 from .options import DeMoOptions
-from .payload import Payload
+from .payload import Compressed, Payload
 
 __all__ = ["RoundOutcome"]
 
@@ -101,8 +101,7 @@ class RoundOutcome:
         parts = [agg.tensors[s.name] for s in bucket.slots]
         width = max(c.k for c in parts)
         # an aggregate decoded from the wire is on the CPU: it goes to the parameters' device
-        idx_BS = torch.cat([_pad_cols(c.idx, width, c.idx[:, :1]) for c in parts]).to(u_BHW.device)
-        val_BS = torch.cat([_pad_cols(c.val, width, 0.0) for c in parts]).to(u_BHW.device)
+        idx_BS, val_BS = (t.to(u_BHW.device) for t in _padded_rows(bucket, parts, width))
         need = bucket.num_blocks * (width * (bucket.h + bucket.w) + bucket.h * bucket.w)
         work = self._exact_work.get(u_BHW.device)
         if work is None or work.numel() < need:
@@ -192,6 +191,21 @@ def _restore_rows(m_CN: torch.Tensor, copy_CN: torch.Tensor | None, idx_CK: torc
     m_CN.scatter_add_(1, idx_CK, back_CK)
     if copy_CN is not None:  # an undoable compress is pending: its undo keeps this restore
         copy_CN.scatter_add_(1, idx_CK, back_CK)
+
+
+def _padded_rows(bucket: Bucket, parts: list[Compressed], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bucket's (B, S) indices and values, each tensor's rows padded to `width` entries with value 0 at
+    the row's first index, in a fixed number of ops (multi-tensor copies into views of two buffers)."""
+    idx_BS = torch.empty(bucket.num_blocks, width, dtype=parts[0].idx.dtype, device=parts[0].idx.device)
+    val_BS = torch.zeros(bucket.num_blocks, width, dtype=parts[0].val.dtype, device=parts[0].val.device)
+    rows = [slice(slot.start, slot.stop) for slot in bucket.slots]
+    torch._foreach_copy_([idx_BS[r, :c.k] for r, c in zip(rows, parts, strict=True)], [c.idx for c in parts])
+    torch._foreach_copy_([val_BS[r, :c.k] for r, c in zip(rows, parts, strict=True)], [c.val for c in parts])
+    short = [(r, c) for r, c in zip(rows, parts, strict=True) if c.k < width]
+    if short:
+        torch._foreach_copy_([idx_BS[r, c.k:] for r, c in short],
+                             [c.idx[:, :1].expand(-1, width - c.k) for _, c in short])
+    return idx_BS, val_BS
 
 
 def _group_terms_log2(buckets: list[Bucket], agg: Payload) -> list[int]:
