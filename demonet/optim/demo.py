@@ -27,7 +27,7 @@ from .gather import gather_payloads, world_size
 from .options import DeMoOptions, check_args
 from .outcome import RoundOutcome
 from .overlap import OverlapState
-from .payload import Compressed, Payload, quantize
+from .payload import Compressed, Payload, quantize_rows
 from .topk import topk_abs
 
 __all__ = ["DeMo"]
@@ -101,7 +101,6 @@ class DeMo(OverlapState, RoundOutcome, torch.optim.Optimizer):
         self.process_group = process_group
         self.data_transmit = 0
         self.data_receive = 0
-        self._bucket_cap = max(1, int(self.options.bucket_cap_mb * 2**20 / 4))
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self._exact_work: dict[torch.device, torch.Tensor] = {}  # float64 work space of the exact decode
         self._init_overlap()
@@ -123,7 +122,8 @@ class DeMo(OverlapState, RoundOutcome, torch.optim.Optimizer):
     def _build_buckets(self) -> None:
         self._buckets, self._slots = build_buckets(
             self.param_groups, chunks=self._chunks, compression_chunk=self.compression_chunk,
-            chunk_policy=self.options.chunk_policy, bucket_cap=self._bucket_cap, adam=self.options.base == "adamw")
+            chunk_policy=self.options.chunk_policy, bucket_cap_mb=self.options.bucket_cap_mb,
+            adam=self.options.base == "adamw")
         self._bucket_of = {slot.name: bucket for bucket in self._buckets for slot in bucket.slots}
         for bucket in self._buckets:
             for slot in bucket.slots:
@@ -208,12 +208,13 @@ class DeMo(OverlapState, RoundOutcome, torch.optim.Optimizer):
             exact = self.options.encoding == "fp32" and self.options.alpha == 1.0
             if exact:
                 m_BN.scatter_(1, idx_BK, 0.0)  # m - 1.0 * m, exactly
-            for slot in bucket.slots:
-                idx_CK, val_CK = idx_BK[slot.start:slot.stop], val_BK[slot.start:slot.stop]
-                sent_CK, scale = quantize(val_CK, self.options.encoding)
-                if not exact:
-                    m_BN[slot.start:slot.stop].scatter_add_(1, idx_CK, sent_CK * -self.options.alpha)
-                out[slot.name] = Compressed(idx=idx_CK, val=sent_CK, shape=slot.shape,
+            sent_BK, scales = quantize_rows(val_BK, self.options.encoding, bucket.slot_B, len(bucket.slots))
+            if not exact:
+                m_BN.scatter_add_(1, idx_BK, sent_BK * -self.options.alpha)
+            for i, slot in enumerate(bucket.slots):  # views of the bucket's tensors: no kernel
+                rows = slice(slot.start, slot.stop)
+                scale = None if scales is None else scales[i] if scales.dim() == 1 else scales[rows]
+                out[slot.name] = Compressed(idx=idx_BK[rows], val=sent_BK[rows], shape=slot.shape,
                                             chunk=(bucket.h, bucket.w), scale=scale)
         return Payload(tensors={s.name: out[s.name] for s in self._slots}, encoding=self.options.encoding)
 

@@ -13,7 +13,8 @@ import torch
 
 from .dct import BASIS_BITS, basis_max, dct_matrix
 
-__all__ = ["as_opmath", "decode_exact", "decode_sign", "fast_float32_gemm", "ipow", "pow2", "sqrt_exact"]
+__all__ = ["as_opmath", "decode_exact", "decode_sign", "fast_float32_gemm", "ipow", "pow2", "sqrt_exact",
+           "terms_log2"]
 
 
 def as_opmath(x: float, dtype: torch.dtype) -> float:
@@ -40,7 +41,7 @@ def ipow(x: float, n: int) -> float:
     return result
 
 
-def sqrt_exact(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def sqrt_exact(x: torch.Tensor, out: torch.Tensor, piece: int = 0) -> torch.Tensor:
     """``out = sqrt(x)`` correctly rounded, for x >= 0 in float32, bfloat16 or float16 (float64: `torch.sqrt`).
 
     ``torch.sqrt`` of float32 is not correctly rounded on every machine: a CPU build of torch 2.13 was
@@ -48,13 +49,17 @@ def sqrt_exact(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     rounded. So the float64 root rounded to float32 is a first guess, within 1 ulp even if that root is
     a few of its own ulps off, and `_nearest_root` moves it to the correctly rounded root. A half-
     precision result is the float32 root rounded once more, which gives the correctly rounded root
-    (float32 has more than twice their precision plus 2 bits)."""
+    (float32 has more than twice their precision plus 2 bits).
+
+    It works in pieces of `piece` values, at least `_SQRT_PIECE`: each piece is a fixed set of kernels and
+    holds float64 temporaries of 8 bytes a value. A bucket's cap (`demonet.optim.buckets`) is one piece."""
     if x.dtype == torch.float64:
         return torch.sqrt(x, out=out)
-    flat_x, flat_out = x.reshape(-1), out.view(-1)  # in pieces: the float64 temporaries stay small
-    for start in range(0, flat_x.numel(), _SQRT_PIECE):
-        x64 = flat_x[start:start + _SQRT_PIECE].double()
-        flat_out[start:start + _SQRT_PIECE] = _nearest_root(x64, torch.sqrt(x64).float())
+    flat_x, flat_out = x.reshape(-1), out.view(-1)  # in pieces: the float64 temporaries stay bounded
+    piece = max(piece, _SQRT_PIECE)
+    for start in range(0, flat_x.numel(), piece):
+        x64 = flat_x[start:start + piece].double()
+        flat_out[start:start + piece] = _nearest_root(x64, torch.sqrt(x64).float())
     return out
 
 
@@ -81,18 +86,22 @@ def pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
-def _quantum_shift(amax_B1: torch.Tensor, width: int, h: int, w: int) -> torch.Tensor:
+def terms_log2(terms: int) -> int:
+    """e_S of `decode_exact`: the least e with terms <= 2^e."""
+    return max(terms - 1, 0).bit_length()
+
+
+def _quantum_shift(amax_B1: torch.Tensor, e_s: int | torch.Tensor, h: int, w: int) -> torch.Tensor:
     """(B, 1) int64: log2 of `decode_exact`'s quantum q_b per block, from an exact bound on |R|:
     max |val| * max |D_h| < 2^e (frexp's exponent), so that |R| / q_b <= 2^(53 - e_S - e_M).
-    `amax_B1` is each block's max |val|."""
-    e_s = max(width - 1, 0).bit_length()  # S <= 2^e_s
+    `amax_B1` is each block's max |val|; `e_s` an int, or (B, 1) int64 per block."""
     e_m = basis_max(w).bit_length()  # |D_w| * 2^23 < 2^e_m
     _, e_B1 = torch.frexp(amax_B1.to(torch.float64) * (basis_max(h) * 2.0**-BASIS_BITS))  # exact product
     return e_B1.to(torch.int64) + (e_s + e_m - 53)
 
 
 def decode_exact(idx_BS: torch.Tensor, val_BS: torch.Tensor, d_h: torch.Tensor, d_w: torch.Tensor,
-                 out_BHW: torch.Tensor, work: torch.Tensor) -> None:
+                 out_BHW: torch.Tensor, work: torch.Tensor, e_s: int | torch.Tensor | None = None) -> None:
     """``out[b] = sum_s val[b, s] * outer(D_h[i_s], D_w[j_s])``, the same bits on every machine.
 
     Why it is exact. Let R[b, s, :] = val[b, s] * D_h[i_s] (float64: a 24-bit value times a 24-bit
@@ -110,16 +119,21 @@ def decode_exact(idx_BS: torch.Tensor, val_BS: torch.Tensor, d_h: torch.Tensor, 
         d_h, d_w: (h, h) and (w, w) float64 bases on the 2^-23 grid (`dct_matrix`).
         out_BHW: (B, h, w) output, any float dtype.
         work: flat float64 work space of at least B * S * (h + w) + B * h * w elements.
+        e_s: S's e_S (`terms_log2`): an int, or (B, 1) int64 per block; None: the width's. A block's
+            nonzero values must be at most 2^e_S (padding adds exact zeros). The apply passes the widest
+            tensor's of the block's decode group (`demonet.optim.buckets`), so that its bits do not depend
+            on the buckets a device batches its blocks in.
     """
     num_blocks, h, w = out_BHW.shape
     width = idx_BS.shape[1]
+    e_s = terms_log2(width) if e_s is None else e_s
     r_BSH = work[: num_blocks * width * h].view(num_blocks, width, h)
     c_BSW = work[r_BSH.numel(): r_BSH.numel() + num_blocks * width * w].view(num_blocks, width, w)
     u_BHW = work[r_BSH.numel() + c_BSW.numel(): r_BSH.numel() + c_BSW.numel() + out_BHW.numel()].view(out_BHW.shape)
     i_BS = torch.div(idx_BS, w, rounding_mode="floor")
     torch.index_select(d_h, 0, i_BS.view(-1), out=r_BSH.view(-1, h))
     torch.index_select(d_w, 0, (idx_BS - i_BS * w).view(-1), out=c_BSW.view(-1, w))
-    shift_B1 = _quantum_shift(val_BS.abs().amax(dim=1, keepdim=True), width, h, w)
+    shift_B1 = _quantum_shift(val_BS.abs().amax(dim=1, keepdim=True), e_s, h, w)
     # R / q_b = D_h[i] * (val / q_b): dividing by a power of two is exact, so is the product; then
     # round half to even onto the integers.
     r_BSH.mul_(val_BS.to(torch.float64).mul(pow2(-shift_B1)).unsqueeze(-1)).round_()
@@ -144,7 +158,7 @@ _U32 = 2.0**-24  # float32's unit roundoff
 
 
 def decode_sign(idx_BS: torch.Tensor, val_BS: torch.Tensor, d_h: torch.Tensor, d_w: torch.Tensor,
-                out_BHW: torch.Tensor, work: torch.Tensor) -> None:
+                out_BHW: torch.Tensor, work: torch.Tensor, e_s: int | torch.Tensor | None = None) -> None:
     """``sign(u)`` of `decode_exact`'s u into float32 `out`, the same bits, in about a float32 GEMM's time.
 
     A float32 batched GEMM computes u fast but rounds in an order the machine chooses. Its error is
@@ -158,14 +172,16 @@ def decode_sign(idx_BS: torch.Tensor, val_BS: torch.Tensor, d_h: torch.Tensor, d
     see `fast_float32_gemm`); the bases are float64 on the 2^-23 grid, as for `decode_exact`.
 
     Args: as `decode_exact`, with `out_BHW` float32 and `work` float64 of at least
-        (B * S * (h + w) + B * h * w) / 2 elements.
+        (B * S * (h + w) + B * h * w) / 2 elements. The error bound counts all S entries of a block,
+        padding too: larger than it need be where e_s is smaller, never smaller.
     """
     num_blocks, h, w = out_BHW.shape
     width = idx_BS.shape[1]
+    e_s = terms_log2(width) if e_s is None else e_s
     m_h, m_w = basis_max(h) * 2.0**-BASIS_BITS, basis_max(w) * 2.0**-BASIS_BITS
     amax_B1 = val_BS.abs().amax(dim=1, keepdim=True)
     if float(amax_B1.max()) * width * m_h * m_w >= 2.0**100:
-        decode_exact(idx_BS, val_BS, d_h, d_w, out_BHW, work)  # float32 partial sums could overflow
+        decode_exact(idx_BS, val_BS, d_h, d_w, out_BHW, work, e_s)  # float32 partial sums could overflow
         out_BHW.sign_()
         return
     flat = work.view(torch.float32)
@@ -179,7 +195,7 @@ def decode_sign(idx_BS: torch.Tensor, val_BS: torch.Tensor, d_h: torch.Tensor, d
     r_BSH.mul_(val32_BS.unsqueeze(-1))
     torch.bmm(r_BSH.transpose(1, 2), c_BSW, out=out_BHW)
     # The bound per block, in float64, rounded up by a margin far above its own rounding errors.
-    shift_B1 = _quantum_shift(amax_B1, width, h, w)
+    shift_B1 = _quantum_shift(amax_B1, e_s, h, w)
     gamma = (width + 2) * _U32 / (1 - (width + 2) * _U32)
     sum_B1 = val_BS.abs().sum(dim=1, keepdim=True, dtype=torch.float64)  # its rounding: inside the margin
     eps_B1 = (sum_B1 * (gamma * m_h * m_w)

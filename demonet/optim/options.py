@@ -32,8 +32,10 @@ class DeMoOptions:
             `demonet.optim.chunking`).
         betas, eps: Adam's coefficients for ``base="adamw"``.
         bucket_cap_mb: blocks are transformed in buckets of at most this size (a larger tensor gets
-            a bucket of its own); scratch memory is three buckets. 4 MiB keeps a bucket's passes in
-            a CPU's last-level cache.
+            a bucket of its own); scratch memory is three buckets. None: by the parameters' device
+            (`demonet.optim.buckets.default_bucket_cap_mb`): 4 MiB on a CPU keeps a bucket's passes in
+            its last-level cache; 128 MiB on an accelerator keeps the kernels a step launches a fixed
+            number, not one set per 4 MiB of parameters.
         chunks: an explicit (h, w) chunk per parameter name, instead of `chunk_policy` on its shape.
             A sharded parameter (a DTensor, e.g. under FSDP2's ``fully_shard``) is optimized on its
             local shard (``to_local()``); giving it the whole parameter's chunk keeps the shard's
@@ -46,7 +48,7 @@ class DeMoOptions:
     chunk_policy: str = "reference"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    bucket_cap_mb: float = 4.0
+    bucket_cap_mb: float | None = None
     chunks: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -59,7 +61,8 @@ class DeMoOptions:
             (len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
              f"betas should be in [0, 1), got {self.betas}"),
             (self.eps > 0.0, f"eps should be > 0, got {self.eps}"),
-            (self.bucket_cap_mb > 0.0, f"bucket_cap_mb should be > 0, got {self.bucket_cap_mb}"),
+            (self.bucket_cap_mb is None or self.bucket_cap_mb > 0.0,
+             f"bucket_cap_mb should be > 0 or None, got {self.bucket_cap_mb}"),
         ]
         _raise_first(checks)
         for name, hw in self.chunks.items():

@@ -13,9 +13,9 @@ import torch
 
 from .buckets import Bucket, local_tensor
 from .dct import add_blocks_, block_view
-from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow, sqrt_exact
+from .exact import as_opmath, decode_exact, decode_sign, fast_float32_gemm, ipow, sqrt_exact, terms_log2
 from .options import DeMoOptions
-from .payload import Payload
+from .payload import Compressed, Payload
 
 __all__ = ["RoundOutcome"]
 
@@ -59,11 +59,14 @@ class RoundOutcome:
         self._apply(aggregate, lr)
 
     def _apply(self, aggregate: Payload, lr: float | None) -> None:
+        if self.options.base == "adamw":  # every parameter's step count, in one multi-tensor op
+            torch._foreach_add_([self.state[s.param]["step"] for b in self._buckets for s in b.slots], 1.0)
+        group_e_s = _group_terms_log2(self._buckets, aggregate)
         for bucket in self._buckets:
             group = self.param_groups[bucket.group]
             step_lr, wd = group["lr"] if lr is None else lr, group["weight_decay"]
             u_BHW, t_BHW, _ = self._scratch_for(bucket)
-            self._decode(bucket, aggregate, u_BHW, sign=self.options.base == "sign")
+            self._decode(bucket, aggregate, u_BHW, group_e_s, sign=self.options.base == "sign")
             if self.options.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)
             step = as_opmath(-step_lr, u_BHW.dtype)
@@ -90,23 +93,27 @@ class RoundOutcome:
             if params:
                 torch._foreach_add_(params, updates, alpha=step)
 
-    def _decode(self, bucket: Bucket, agg: Payload, u_BHW: torch.Tensor, sign: bool) -> None:
+    def _decode(self, bucket: Bucket, agg: Payload, u_BHW: torch.Tensor, group_e_s: list[int], sign: bool) -> None:
         """u = IDCT(aggregate) for the bucket's blocks, exactly (`decode_exact`), or sign(u) with `sign`
-        (`decode_sign` where float32 GEMMs are IEEE: the same bits, faster): the same bits everywhere."""
+        (`decode_sign` where float32 GEMMs are IEEE: the same bits, faster): the same bits everywhere.
+        `group_e_s`: each decode group's bound on a block's entries (`_group_terms_log2`)."""
         d_h, d_w = bucket.exact_bases
         parts = [agg.tensors[s.name] for s in bucket.slots]
         width = max(c.k for c in parts)
         # an aggregate decoded from the wire is on the CPU: it goes to the parameters' device
-        idx_BS = torch.cat([_pad_cols(c.idx, width, c.idx[:, :1]) for c in parts]).to(u_BHW.device)
-        val_BS = torch.cat([_pad_cols(c.val, width, 0.0) for c in parts]).to(u_BHW.device)
+        idx_BS, val_BS = (t.to(u_BHW.device) for t in _padded_rows(bucket, parts, width))
         need = bucket.num_blocks * (width * (bucket.h + bucket.w) + bucket.h * bucket.w)
         work = self._exact_work.get(u_BHW.device)
         if work is None or work.numel() < need:
             work = self._exact_work[u_BHW.device] = torch.empty(need, dtype=torch.float64, device=u_BHW.device)
+        e_s: int | torch.Tensor = group_e_s[bucket.decode_groups[0]]
+        if bucket.group_B is not None:  # a bucket of several decode groups: each block its group's bound
+            e_s = torch.tensor([group_e_s[g] for g in bucket.decode_groups])
+            e_s = e_s.to(u_BHW.device)[bucket.group_B].unsqueeze(1)  # (B, 1)
         if sign and u_BHW.dtype == torch.float32 and fast_float32_gemm(u_BHW.device):
-            decode_sign(idx_BS, val_BS, d_h, d_w, u_BHW, work)
+            decode_sign(idx_BS, val_BS, d_h, d_w, u_BHW, work, e_s)
             return
-        decode_exact(idx_BS, val_BS, d_h, d_w, u_BHW, work)
+        decode_exact(idx_BS, val_BS, d_h, d_w, u_BHW, work, e_s)
         if sign:
             u_BHW.sign_()
 
@@ -119,10 +126,7 @@ class RoundOutcome:
         """
         assert bucket.exp_avg_BN is not None and bucket.exp_avg_sq_BN is not None
         beta1, beta2 = self.options.betas
-        step_t = self.state[bucket.slots[0].param]["step"]
-        for slot in bucket.slots:
-            self.state[slot.param]["step"] += 1
-        step = int(step_t)
+        step = int(self.state[bucket.slots[0].param]["step"])  # `_apply` has counted this step
         dtype = u_BHW.dtype
         u_BN = u_BHW.view_as(bucket.exp_avg_BN)
         t_BN = t_BHW.view_as(u_BN)
@@ -131,7 +135,7 @@ class RoundOutcome:
         torch.mul(u_BN, u_BN, out=t_BN).mul_(as_opmath(1.0 - beta2, dtype))
         v_BN.mul_(as_opmath(beta2, dtype)).add_(t_BN)
         inv_bias2 = as_opmath(1.0 / math.sqrt(1.0 - ipow(beta2, step)), dtype)  # math.sqrt is correctly rounded
-        sqrt_exact(v_BN, out=t_BN).mul_(inv_bias2).add_(as_opmath(self.options.eps, dtype))
+        sqrt_exact(v_BN, out=t_BN, piece=bucket.cap).mul_(inv_bias2).add_(as_opmath(self.options.eps, dtype))
         torch.div(m_BN, t_BN, out=u_BN).mul_(as_opmath(1.0 / (1.0 - ipow(beta1, step)), dtype))
 
     @torch.no_grad()
@@ -187,6 +191,30 @@ def _restore_rows(m_CN: torch.Tensor, copy_CN: torch.Tensor | None, idx_CK: torc
     m_CN.scatter_add_(1, idx_CK, back_CK)
     if copy_CN is not None:  # an undoable compress is pending: its undo keeps this restore
         copy_CN.scatter_add_(1, idx_CK, back_CK)
+
+
+def _padded_rows(bucket: Bucket, parts: list[Compressed], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bucket's (B, S) indices and values, each tensor's rows padded to `width` entries with value 0 at
+    the row's first index, in a fixed number of ops (multi-tensor copies into views of two buffers)."""
+    idx_BS = torch.empty(bucket.num_blocks, width, dtype=parts[0].idx.dtype, device=parts[0].idx.device)
+    val_BS = torch.zeros(bucket.num_blocks, width, dtype=parts[0].val.dtype, device=parts[0].val.device)
+    rows = [slice(slot.start, slot.stop) for slot in bucket.slots]
+    torch._foreach_copy_([idx_BS[r, :c.k] for r, c in zip(rows, parts, strict=True)], [c.idx for c in parts])
+    torch._foreach_copy_([val_BS[r, :c.k] for r, c in zip(rows, parts, strict=True)], [c.val for c in parts])
+    short = [(r, c) for r, c in zip(rows, parts, strict=True) if c.k < width]
+    if short:
+        torch._foreach_copy_([idx_BS[r, c.k:] for r, c in short],
+                             [c.idx[:, :1].expand(-1, width - c.k) for _, c in short])
+    return idx_BS, val_BS
+
+
+def _group_terms_log2(buckets: list[Bucket], agg: Payload) -> list[int]:
+    """Each decode group's e_S (`terms_log2`): of the most entries a tensor of the group has in `agg`."""
+    widths: dict[int, int] = {}
+    for bucket in buckets:
+        for slot in bucket.slots:
+            widths[slot.decode_group] = max(widths.get(slot.decode_group, 0), agg.tensors[slot.name].k)
+    return [terms_log2(widths[g]) for g in range(len(widths))]
 
 
 def _pad_cols(x_CK: torch.Tensor, width: int, fill: torch.Tensor | float) -> torch.Tensor:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ENCODINGS", "Compressed", "Expected", "Payload", "matrix_shape", "num_chunks", "quantize", "to_host"]
+__all__ = ["ENCODINGS", "Compressed", "Expected", "Payload", "matrix_shape", "num_chunks", "quantize", "quantize_rows",
+           "to_host"]
 
 Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 """A model's parameters as name -> (shape, dtype), in order: what a parameter download must fit."""
@@ -190,3 +191,35 @@ def quantize(val_CK: torch.Tensor, encoding: str) -> tuple[torch.Tensor, torch.T
         sign_CK = torch.where(val_CK < 0, -1.0, 1.0)
         return (sign_CK * scale_C1).to(val_CK.dtype), scale_C1
     raise ValueError(f"encoding should be one of {ENCODINGS}, got {encoding!r}")
+
+
+def quantize_rows(val_BK: torch.Tensor, encoding: str, slot_B: torch.Tensor,
+                  num_slots: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`quantize` of every tensor of a bucket at once: the same values and scales, in a fixed number of ops.
+
+    Args:
+        val_BK: (B, K) values of the bucket's chunks, tensor after tensor.
+        encoding: one of `ENCODINGS`.
+        slot_B: (B,) int64, the tensor (0 .. num_slots - 1) each row belongs to (``fp16`` only: its scale
+            is one per tensor).
+        num_slots: the tensors in the bucket.
+
+    Returns:
+        (the values; the scales: (B, 1) for ``int8`` and ``sign``, a tensor's rows slice it; (num_slots,)
+        for ``fp16``, a tensor's scale is its entry; None for the others).
+    """
+    if encoding != "fp16":
+        return quantize(val_BK, encoding)  # per-chunk scales or none: a bucket's rows quantize as its tensors'
+    amax_S = val_BK.new_zeros(num_slots).scatter_reduce_(0, slot_B, val_BK.abs().amax(dim=1), "amax")
+    _, e_S = torch.frexp(amax_S)
+    # as `quantize`: amax / 2^exp in [2^13, 2^14), at least 2^-126, and 1 where amax is 0 or not finite
+    exp_S = torch.where((amax_S == 0) | ~amax_S.isfinite(), 0, (e_S - _FP16_TARGET_EXP).clamp_(min=-126))
+    scale_S = _pow2_float32(exp_S)
+    exp_B1 = exp_S[slot_B].unsqueeze(1)
+    deq_BK = (val_BK * _pow2_float32(-exp_B1).to(val_BK.dtype)).to(torch.float16).to(val_BK.dtype)
+    return deq_BK.mul_(_pow2_float32(exp_B1).to(val_BK.dtype)), scale_S
+
+
+def _pow2_float32(exp: torch.Tensor) -> torch.Tensor:
+    """2.0 ** exp in float32 from its bits, exactly, for integer exponents in [-126, 127]."""
+    return ((exp.to(torch.int32) + 127) << 23).view(torch.float32)
