@@ -50,9 +50,9 @@ class _Run:
 
     def __init__(self, tmp_path: Path, faults: dict[tuple[str, int], str], *, overlap: int,
                  stop_at: int | None = None, hold: int | None = None, wrap: Any = None, round_s: float = 0.0,
-                 lockstep: bool = False, max_micro_batches: int = 16) -> None:
+                 lockstep: bool = False, max_micro_batches: int = 16, slow_s: float = 0.0) -> None:
         self.tmp_path, self.stop_at, self.overlap, self.hold, self.wrap = tmp_path, stop_at, overlap, hold, wrap
-        self.round_s = round_s
+        self.round_s, self.slow_s = round_s, slow_s
         self.hub = LocalCoordinator(_cfg(round_s=round_s, lockstep=lockstep, max_micro_batches=max_micro_batches),
                                     total_rounds=ROUNDS, faults=faults,
                                     on_close=self._closed)
@@ -80,6 +80,14 @@ class _Run:
                                                            checkpoint=self.tmp_path / f"peer-{peer_id}.pt")
         if peer_id == FAULTY and self.wrap is not None:  # its client's calls and its trainer's steps
             self.wrap(client)
+        if peer_id == FAULTY and self.slow_s:  # a slower accelerator: each micro-batch takes slow_s more
+            loss, slow_s = trainer.loss, self.slow_s
+
+            def sleeping(model: Any, batch: Any) -> Any:
+                time.sleep(slow_s)
+                return loss(model, batch)
+
+            trainer.loss = sleeping
         loop = RoundLoop(trainer, membership, membership.client, peer_id, self.tmp_path / f"metrics-{peer_id}.jsonl",
                          checkpoint_every=0, stop_grace_s=0.2, overlap=self.overlap, round_s=self.round_s)
         self.loops[peer_id] = loop
@@ -387,19 +395,7 @@ async def test_rounds_by_the_clock_size_each_peers_work_and_weight_its_payload(t
     """`round_s`: the faulty peer's micro-batches take 0.15 s (a slower accelerator), p0's a few ms. Each trains
     until its cut-off: p0 more micro-batches, the slow one fewer (at least one), both in every round, both on the
     canonical digest, each row with the samples its payload was weighted by."""
-    import time
-
-    def slow(client: Any) -> None:
-        trainer = run.trainers[FAULTY]
-        loss = trainer.loss
-
-        def sleeping(model: Any, batch: Any) -> Any:
-            time.sleep(0.15)
-            return loss(model, batch)
-
-        trainer.loss = sleeping
-
-    run = _Run(tmp_path, {}, overlap=overlap, wrap=slow, round_s=0.4)
+    run = _Run(tmp_path, {}, overlap=overlap, slow_s=0.15, round_s=0.4)
     await run.run()
     assert run.codes == {"p0": 0, FAULTY: 0}
     fast, slow_rows = run.rows("p0"), run.rows(FAULTY)
@@ -416,21 +412,9 @@ async def test_the_automatic_round_length_turns_to_the_clock_for_a_slow_peer(tmp
     measures them, the coordinator announces rounds by the clock: p0 trains more micro-batches while the slow one
     trains its one, both in every round. With `lockstep` set, every round is one micro-batch each. (The case
     where the slow member sets the length is tests/integration/test_mixed_speed.py's and bench/mixed_speed.py's.)"""
-    import time
-
-    def slow(client: Any) -> None:
-        trainer = run.trainers[FAULTY]
-        loss = trainer.loss
-
-        def sleeping(model: Any, batch: Any) -> Any:
-            time.sleep(0.4)
-            return loss(model, batch)
-
-        trainer.loss = sleeping
-
     # 64 micro-batches of p0's few ms cover the slow one's 0.4 s, however loaded the machine (with 16, its
     # round could be out of reach of the median's: `RoundPace` would not stretch the round to it).
-    run = _Run(tmp_path, {}, overlap=0, wrap=slow, lockstep=lockstep, max_micro_batches=64)
+    run = _Run(tmp_path, {}, overlap=0, slow_s=0.4, lockstep=lockstep, max_micro_batches=64)
     await run.run()
     assert run.codes == {"p0": 0, FAULTY: 0}
     fast, slow_rows = run.rows("p0"), run.rows(FAULTY)
@@ -452,19 +436,7 @@ async def test_a_round_s_shorter_than_one_micro_batch_warns_and_the_peer_trains_
     micro-batch a round, and the round waits for it (a fixed round waits up to the round timeout): both are in
     every round, and the run makes progress."""
     import logging
-    import time
-
-    def slow(client: Any) -> None:
-        trainer = run.trainers[FAULTY]
-        loss = trainer.loss
-
-        def sleeping(model: Any, batch: Any) -> Any:
-            time.sleep(0.3)
-            return loss(model, batch)
-
-        trainer.loss = sleeping
-
-    run = _Run(tmp_path, {}, overlap=0, wrap=slow, round_s=0.05)
+    run = _Run(tmp_path, {}, overlap=0, slow_s=0.3, round_s=0.05)
     with caplog.at_level(logging.WARNING, logger="demonet.loop.round_loop"):
         await run.run()
     assert run.codes == {"p0": 0, FAULTY: 0}
