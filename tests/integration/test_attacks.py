@@ -87,7 +87,15 @@ async def test_a_flood_of_unfinished_submit_streams_is_capped_and_ended_and_the_
     assert set(refused["ended"]) <= {"response", "reset"} and refused["last_ended_s"] < 3.0, refused
     kinds = _kinds(await _document(coordinator.address))
     assert kinds.get("busy", 0) >= 4 and kinds.get("invalid", 0) >= 8, kinds
-    await _rounds(a, b, (await a.status()).round, 1)  # the rounds without payloads meanwhile were aborted
+    # The rounds without payloads meanwhile were aborted at their deadlines; the open one may reach its own
+    # between the status and the two submits (a loaded machine): then the next one.
+    for attempt in range(2):
+        try:
+            await _rounds(a, b, (await a.status()).round, 1)
+            break
+        except AssertionError:
+            if attempt:
+                raise
 
 
 async def test_a_replayed_leave_after_a_restart_and_a_replayed_heartbeat_are_refused(

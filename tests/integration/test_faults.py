@@ -145,15 +145,18 @@ def run_factory(tmp_path: Path, reap_children: Reaper, request: pytest.FixtureRe
                                                  **net)
 
 
-def _by_round(run: _Run, peers: list[str], rows: Callable[[str], list[dict[str, Any]]] | None = None
-              ) -> dict[int, dict[str, dict[str, Any]]]:
+def _by_round(run: _Run, peers: list[str], rows: Callable[[str], list[dict[str, Any]]] | None = None, *,
+              killed: bool = False) -> dict[int, dict[str, dict[str, Any]]]:
     """`rows_by_round` (of `run.rows` unless `rows`), plus one parameter digest per round across the peers
-    that completed it, the coordinator's (after the apply: the documented point, also when rounds overlap)."""
+    that completed it, the coordinator's (after the apply: the documented point, also when rounds overlap).
+    `killed`: the coordinator was killed mid-run; a round it published and died before applying has no
+    canonical digest in its rows ("": the next Submit's check stands in, docs/coordinator.md)."""
     by_round = rows_by_round(rows or run.rows, peers)
     for round_, got in sorted(by_round.items()):
         digests = {p: r["param_digest"] for p, r in got.items()}
         assert len(set(digests.values())) == 1, f"round {round_}: digests differ: {digests}"
-        assert {r["canonical_digest"] for r in got.values()} == set(digests.values()), got
+        canonical = {r["canonical_digest"] for r in got.values()}
+        assert canonical == set(digests.values()) or (killed and canonical == {""}), got
         assert {r["overlap"] for r in got.values()} == {run.overlap}, got
     return by_round
 
@@ -294,7 +297,7 @@ def test_the_coordinator_killed_mid_run_restarts_on_its_port_and_training_resume
     assert "resumed from" in run.log("coordinator-2")
     # The state is written after a round is published: a kill before the write completes makes the
     # peers do the rounds since again (tests/integration/test_persist.py); their last rows stand.
-    by_round = _by_round(run, ["a", "b"], lambda p: final_rows(run.rows(p)))  # one digest per round, no resync
+    by_round = _by_round(run, ["a", "b"], lambda p: final_rows(run.rows(p)), killed=True)  # one digest a round
     for p in ("a", "b"):
         assert [r["round"] for r in final_rows(run.rows(p))] == list(range(run.steps)), p  # past the kill, no gap
         log = run.log(p)
