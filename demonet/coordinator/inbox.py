@@ -67,8 +67,8 @@ class Inbox:
         self.accepted_digests[s.peer_id] = s.payload_digest
         self.losses[s.peer_id] = s.loss
         self.samples[s.peer_id] = s.samples
-        topk = max((int(c.idx.shape[-1]) for c in s.payload.tensors.values()), default=0)
-        self.metrics.uploaded(s.peer_id, s.size, s.stream_s, s.loss, samples=s.samples, topk=topk, need_s=s.need_s)
+        self.metrics.uploaded(s.peer_id, s.size, s.stream_s, s.loss, samples=s.samples, topk=s.payload.topk(),
+                              need_s=s.need_s)
 
     def contributions(self, contributors: tuple[str, ...]) -> tuple[list[Payload], list[int], list[float]]:
         """The contributors' payloads, their samples and the losses reported with them, in their order."""

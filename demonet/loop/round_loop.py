@@ -350,7 +350,7 @@ class RoundLoop:
         cost_s = flight.compute_s - flight.train_s + settled - t1  # this round's exchange: the cut-off leaves room
         if not self.overlap:  # an overlapped round's upload runs beside the next round's training
             cost_s += result.phases.get("encode", 0.0) + result.phases.get("submit", 0.0)
-        sent_k = max((int(c.idx.shape[-1]) for c in flight.payload.tensors.values()), default=0)
+        sent_k = flight.payload.topk()
         if self.link is not None:
             self.link.sent(sent_k, result.bytes_up, result.phases.get("submit", 0.0))
         self._paced(flight, cost_s, result.next_round_s)

@@ -84,6 +84,10 @@ class Payload:
         """Number of (index, value) entries."""
         return sum(c.idx.numel() for c in self.tensors.values())
 
+    def topk(self) -> int:
+        """Coefficients per chunk sent: the largest tensor's (a smaller chunk sends all it has); 0 when empty."""
+        return max((int(c.idx.shape[-1]) for c in self.tensors.values()), default=0)
+
 
 _COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 """One side stream per CUDA device for `to_host`'s copies."""
