@@ -160,7 +160,9 @@ def _payload(shape: tuple[int, ...], chunk: tuple[int, int], k: int, encoding: s
     gen = torch.Generator().manual_seed(seed)
     rows, n = num_chunks(shape, chunk), chunk[0] * chunk[1]
     idx_CK = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(rows)])  # (C, k)
-    raw_CK = 0.01 * torch.randn(rows, k, generator=gen)  # (C, k)
+    # Integers, not randn: torch's normal sampler takes a vectorized path whose bits differ by CPU kernel level,
+    # and the vectors must be the same on every machine. An int to float and an IEEE multiply are exact everywhere.
+    raw_CK = torch.randint(-2000, 2001, (rows, k), generator=gen).float() * 1e-5  # (C, k)
     val_CK, scale = quantize(raw_CK, encoding)
     return Payload(tensors={"layer.w": Compressed(idx_CK, val_CK, shape, chunk, scale)}, encoding=encoding)
 
