@@ -38,6 +38,7 @@ from demonet.transport import (
 
 from .link import LinkPace
 from .overlapped import overlapped_rounds
+from .pacing import PeerPace
 from .plain import plain_round
 from .rows import MetricsRow
 from .state import STOP_GRACE_S, InFlight, RoundLog, RoundOutcome, Unchecked, check_beats
@@ -80,15 +81,10 @@ class RoundLoop:
     """Rounds by the clock: each round trains micro-batches until `cutoff`; 0: the replica's fixed
     micro-batches (lockstep). `[net] round_s` at the start; then what the coordinator announces with each
     aggregate (`RoundResult.next_round_s`: the fixed length, the automatic one, or 0)."""
-    exchange_s: float = 0.0
-    """This peer's predicted exchange of a round: its compress, its upload and its settle (an average of the
-    recent rounds), which the cut-off leaves room for."""
-    micro_batch_s: float = 0.0
-    """This peer's recent micro-batches' mean time (0: none measured yet)."""
     link: LinkPace | None = None
     """This peer's uplink and the k it sends (`[optim] adaptive_topk`); None: `compression_topk` always."""
-    own_micro_batches: int = 1
-    """The micro-batches of this peer's own lockstep round (`--accumulate`), as its last lockstep round trained."""
+    timing: PeerPace = field(default_factory=PeerPace)
+    """This peer's micro-batch and exchange times (the cut-off and the report to the coordinator)."""
     _warned_slow: bool = field(default=False, init=False)
     round: int = 0
     digest: str = ""
@@ -174,30 +170,18 @@ class RoundLoop:
         the predicted exchange; None: lockstep. The replica trains at least one micro-batch anyway."""
         if not self.round_s:
             return None
-        return time.perf_counter() + self.round_s - self.exchange_s
+        return time.perf_counter() + self.round_s - self.timing.exchange_s
 
     def pace(self) -> Pace | None:
         """This peer's speed for the coordinator's automatic round length: its own round and a round of one
         micro-batch, exchange included (None before its first round is measured)."""
-        if not self.micro_batch_s:
-            return None
-        exchange_s = self.exchange_s  # at the full k: the length is set by the payloads a lockstep run sends
-        if self.link is not None and self.link.k:
-            exchange_s += max(0.0, self.link.upload_s(self.link.max_k) - self.link.upload_s(self.link.k))
-        return Pace(need_s=self.own_micro_batches * self.micro_batch_s + exchange_s,
-                    least_s=self.micro_batch_s + exchange_s)
+        return self.timing.report(self.link)
 
     def _paced(self, flight: InFlight, exchange_s: float, next_round_s: float | None) -> None:
         """After a round: this peer's micro-batch and exchange times, and the next round's length."""
-        if flight.micro_batches and flight.train_s:
-            took = flight.train_s / flight.micro_batches
-            self.micro_batch_s = took if not self.micro_batch_s else 0.7 * self.micro_batch_s + 0.3 * took
-        if not self.round_s:
-            self.own_micro_batches = flight.micro_batches
-        self.exchange_s = exchange_s if not self.exchange_s else 0.7 * self.exchange_s + 0.3 * exchange_s
+        least_s = self.timing.measured(flight.micro_batches, flight.train_s, exchange_s, lockstep=not self.round_s)
         if next_round_s is not None:
             self.round_s = next_round_s
-        least_s = self.micro_batch_s + self.exchange_s
         if self.round_s and least_s > self.round_s and not self._warned_slow:
             self._warned_slow = True
             self.log.warning("one micro-batch and the exchange take this peer %.2f s, over the round's %.2f s: it "
