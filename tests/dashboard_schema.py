@@ -28,7 +28,7 @@ MEMBER = {"id": str, "key": (str, type(None)), "state": str, "last_seen_s": NUMB
 REFUSAL = {"time": NUMBER, "peer": str, "round": OPT_INT, "kind": str, "reason": str}
 # In coordinator mode these are always numbers (DHT mode has no such things, and says null).
 COORDINATOR_RUN_NUMBERS = ("idle", "joiners", "submitted", "late", "clipped", "capped", "unauthorized")
-STATES = {"coordinator": {"member", "submitted", "idle", "joining", "left"},
+STATES = {"coordinator": {"member", "submitted", "idle", "spanning", "new", "joining", "left"},
           "dht": {"member", "missed", "resync", "excluded", "left"}}
 
 

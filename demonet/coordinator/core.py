@@ -208,7 +208,7 @@ class RoundCore:
                 self.metrics.refused(s.peer_id, s.round, "resync", reason)
                 raise SubmitRejected(reason, Refusal.RESYNC)
             self.inbox.accept(s)
-            self.pace.report(s.peer_id, s.need_s, s.least_s)
+            self.pace.report(s.peer_id, s.need_s, s.least_s, s.stream_s)
             self._changed()
             return self.rounds.round
 
@@ -341,9 +341,13 @@ class RoundCore:
 
     def _next_round_s(self, r: Rounds) -> float:
         """At a close: the next round's length (`RoundPace`), and how long that round waits for its members."""
-        was = self.pace.round_s
+        was, spanned = self.pace.round_s, r.spanning
         now_s = self.pace.close(r.members)
         r.limit_s = self.pace.deadline_s(self.cfg.net.round_timeout_s)
+        r.spanning = set(self.pace.spanning)
+        if r.spanning != spanned:
+            logger.info("[coordinator round=%d] rounds do not wait for the members whose micro-batch spans rounds: %s",
+                        r.round, ", ".join(sorted(r.spanning)) or "none")
         if self.pace.automatic and (was == 0.0) != (now_s == 0.0):
             logger.info("[coordinator round=%d] %s", r.round, f"rounds by the clock: {now_s:.2f} s (the members' "
                         "speeds differ)" if now_s else "lockstep rounds again (the members are alike)")

@@ -168,20 +168,25 @@ class LocalClient:
             error = refusal_error(e.kind.value, e.reason, round=round, open_round=core.rounds.round)
             if error is not None:
                 raise error from None
+        return await self.missed(round, payload, bytes_up=len(data))
+
+    async def missed(self, round: int, like: Payload, *, bytes_up: int = 0) -> RoundResult:
+        """A round's aggregate, decoded against the tensors of `like` (this peer's payload), once it closes."""
+        core = self.core
         try:
             closed = await core.aggregate(self.peer_id, round)
         except AggregateGone as e:
             raise StaleRound(f"round {round}: {e.reason}", open_round=core.rounds.round) from None
         aggregate = None
         if not closed.aborted:
-            expected = {name: (c.shape, c.chunk) for name, c in payload.tensors.items()}
+            expected = {name: (c.shape, c.chunk) for name, c in like.tensors.items()}
             _, aggregate = await asyncio.to_thread(wire.decode, closed.data, expected=expected)
         later = None
         if not closed.param_digest:
             later = asyncio.create_task(self._digest(round))
             later.add_done_callback(_retrieved)
         return RoundResult(round=round, aggregate=aggregate, contributors=closed.contributors,
-                           param_digest=closed.param_digest, aborted=closed.aborted, bytes_up=len(data),
+                           param_digest=closed.param_digest, aborted=closed.aborted, bytes_up=bytes_up,
                            bytes_down=len(closed.data), data=closed.data, next_round_s=closed.next_round_s,
                            digest_later=later)
 

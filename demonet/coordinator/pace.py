@@ -14,6 +14,11 @@ The automatic policy, per close, over the latest report of every member:
   `max_micro_batches` median rounds (or half the round timeout) does not stretch the round; it is waited for
   until the round's deadline (`deadline_s`) only.
 - Back to lockstep once the slowest is within `ALIKE_OFF` times the median again (hysteresis: no flapping).
+- A member slowed by its compute, not its link (its one-micro-batch round over `SPAN` times the median member's
+  round, its upload under `LINK_SHARE` of it), spans rounds instead: it is left out of the length above and
+  rounds do not wait for it (`spanning`); its payload, from parameters some rounds old, enters the round that is
+  open when it comes (docs/coordinator.md#mixed-speed-peers). Rounds stay as short as the others need: DeMo's
+  step moves every parameter by about the lr each round, so more rounds reach a loss sooner.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["ALIKE", "ALIKE_OFF", "MIN_GAP_S", "SLOWEST_MICRO_BATCHES", "RoundPace"]
+__all__ = ["ALIKE", "ALIKE_OFF", "LINK_SHARE", "MIN_GAP_S", "SLOWEST_MICRO_BATCHES", "SPAN", "RoundPace"]
 
 ALIKE = 1.5
 """Rounds go by the clock once the slowest member's round is over this many times the median member's."""
@@ -36,6 +41,11 @@ loss sooner: DeMo's sign step moves every parameter by the lr each round, howeve
 so rounds of twice the slowest one's (0.92x the samples of every peer kept busy, against 0.81x with once) took
 1.6x lockstep's time to the same loss in `demonet bench` (docs/evidence.md#mixed-swarms). The tenth over once
 lets a faster peer finish the micro-batch it would otherwise idle through."""
+SPAN = 2.0
+"""A member whose one-micro-batch round is over this many times the median member's round spans rounds..."""
+LINK_SHARE = 0.25
+"""...where its upload takes under this share of that round (a slow link stretches the round instead: a peer
+that spans downloads the parameters it missed, which a slow link cannot afford)."""
 SMOOTHING = 0.5
 """Each close moves the automatic length this far toward the newly computed one."""
 
@@ -59,6 +69,10 @@ class RoundPace:
     """The next round's length (0: lockstep)."""
     reports: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Each member's latest (need_s, least_s)."""
+    uploads: dict[str, float] = field(default_factory=dict)
+    """Each member's latest upload seconds, as the coordinator received its payload."""
+    spanning: set[str] = field(default_factory=set)
+    """The members whose one micro-batch spans rounds (automatic length only): rounds do not wait for them."""
 
     def __post_init__(self) -> None:
         if self.fixed_s and self.lockstep:
@@ -71,10 +85,12 @@ class RoundPace:
         """Whether the length follows the reports (neither fixed nor lockstep)."""
         return not self.fixed_s and not self.lockstep
 
-    def report(self, peer_id: str, need_s: float, least_s: float) -> None:
-        """A member's report, from its accepted payload; zeros (not measured yet) are ignored."""
+    def report(self, peer_id: str, need_s: float, least_s: float, upload_s: float = 0.0) -> None:
+        """A member's report, from its accepted payload, and how long that payload took to arrive; zeros (not
+        measured yet) are ignored."""
         if need_s > 0 and least_s > 0:
             self.reports[peer_id] = (need_s, least_s)
+            self.uploads[peer_id] = max(0.0, upload_s)
 
     def close(self, members: Iterable[str]) -> float:
         """At a round's close: the next round's length, from the latest reports of the current `members`."""
@@ -82,14 +98,25 @@ class RoundPace:
             return self.round_s
         members = set(members)
         self.reports = {p: r for p, r in self.reports.items() if p in members}
+        self.uploads = {p: u for p, u in self.uploads.items() if p in members}
         if not self.reports:
             return self.round_s
-        target = self._target(list(self.reports.values()))
+        self.spanning = self._spanning()
+        target = self._target([r for p, r in self.reports.items() if p not in self.spanning])
         if target == 0.0 or self.round_s == 0.0:
             self.round_s = target
         else:
             self.round_s += SMOOTHING * (target - self.round_s)
         return self.round_s
+
+    def _spanning(self) -> set[str]:
+        """The members slow by their compute by over `SPAN` times the median member's round (of three members at
+        least: with two, neither is the norm)."""
+        if len(self.reports) < 3:
+            return set()
+        median = statistics.median_low(need for need, _ in self.reports.values())
+        return {p for p, (_, least) in self.reports.items()
+                if least > SPAN * median and self.uploads.get(p, 0.0) < LINK_SHARE * least}
 
     def _target(self, reports: list[tuple[float, float]]) -> float:
         needs = [need for need, _ in reports]

@@ -63,10 +63,15 @@ class Rounds:
     its deadline: applied if at least `min_peers` payloads are in, aborted otherwise. Joiners become
     members when the next round opens; the very first peer of an idle run is admitted at once.
 
-    Membership is by work: a member missing from `max_idle_rounds` consecutive closed rounds (counted
-    from its first round as a member) is idle. Its heartbeats still keep it a member, but rounds no
-    longer wait for it; a payload of it accepted for the open round makes it active again. Otherwise one
-    peer that heartbeats and never submits would hold every round to its deadline.
+    Membership is by work (docs/coordinator.md#who-a-round-waits-for): a round waits only for the members
+    that have done work. A member none of whose payloads was ever accepted (a newcomer, or a Sybil that
+    heartbeats and never submits) is not waited on until its first payload is in; a round that opens with no
+    member that has any (the run's first round, say) waits for all of them. A member missing from `max_idle_rounds`
+    consecutive closed rounds (counted from its first round as a member) is idle. Its heartbeats still keep
+    it a member, but rounds no longer wait for it; a payload of it accepted for the open round makes it
+    active again. A member whose one micro-batch spans several rounds (`spanning`, which the coordinator's
+    pace sets at each close) is not waited on either: its payload enters whichever round is open when it
+    comes. Otherwise one peer that heartbeats and never submits, or one slow peer, would hold every round.
     """
 
     cfg: RoundConfig
@@ -79,6 +84,9 @@ class Rounds:
     started: bool = False  # the first round has opened
     missed: dict[str, int] = field(default_factory=dict)  # member -> consecutive closed rounds without its payload
     idle: set[str] = field(default_factory=set)  # members the round does not wait for (see the class docstring)
+    worked: set[str] = field(default_factory=set)  # peers with an accepted payload (kept when they leave: a peer that
+    # rejoins is waited on again at once; an id with no work costs a payload to count)
+    spanning: set[str] = field(default_factory=set)  # members slower than a round: not waited on, not counted idle
     limit_s: float = 0.0
     """How long the open round waits for its members (`deadline`); 0: `round_timeout_s`. Rounds by the
     automatic clock wait about twice their length (`demonet.coordinator.pace.RoundPace.deadline_s`)."""
@@ -95,8 +103,8 @@ class Rounds:
 
     @property
     def active(self) -> list[str]:
-        """The members the open round waits for: those not idle."""
-        return [p for p in self.members if p not in self.idle]
+        """The members the open round waits for: those with accepted work (`worked`), not idle, not spanning."""
+        return [p for p in self.members if p in self.worked and p not in self.idle and p not in self.spanning]
 
     def join(self, peer_id: str, now: float) -> int:
         """Add a peer; returns the first round it is a member of (a member rejoining: the open one)."""
@@ -108,6 +116,7 @@ class Rounds:
             if len(self.members) >= (1 if self.started else self.cfg.start_peers):
                 self.started = True
                 self.opened_at = now
+                self.worked.update(self.members)  # the run's first members: its first round waits for them all
                 logger.info("[coordinator round=%d] %s joined; the round opens now with %d members", self.round,
                             peer_id, len(self.members))
             return self.round
@@ -147,6 +156,7 @@ class Rounds:
         self.check_submit(peer_id, round)
         self.members[peer_id] = now
         self.submitted.append(peer_id)
+        self.worked.add(peer_id)
         if peer_id in self.idle:
             self.idle.discard(peer_id)
             logger.info("[coordinator round=%d] %s is active again: its payload is in, rounds wait for it", self.round,
@@ -198,13 +208,20 @@ class Rounds:
         late = sorted(set(self.members) - set(self.submitted))
         if late:
             logger.info("[coordinator round=%d] closed without %s", self.round, _names(late))
-        self._count_missed(late)
+        self._count_missed([p for p in late if p not in self.spanning and p in self.worked])
         self.round += 1
         self.submitted = []
         self.members.update(self.joiners)
         self.joiners = {}
         self.opened_at = now
+        self._found()
         return closed
+
+    def _found(self) -> None:
+        """As a round opens: where no member has accepted work (the run's first round, or every member that had
+        left), the round waits for them all, as if they had."""
+        if not any(p in self.worked for p in self.members):
+            self.worked.update(self.members)
 
     def _count_missed(self, late: list[str]) -> None:
         """At a close: a member in the round counts one more missed round, or none if its payload is in."""
@@ -224,6 +241,7 @@ class Rounds:
     def _forget(self, peer_id: str) -> None:
         self.missed.pop(peer_id, None)
         self.idle.discard(peer_id)
+        self.spanning.discard(peer_id)
 
     def _drop_silent(self, now: float) -> None:
         limit = now - self.cfg.heartbeat_timeout_s
@@ -238,7 +256,8 @@ class Rounds:
         """What survives a restart: the open round, the members (their clocks restart) and their missed
         rounds, from which the idle ones follow (a resumed round does not wait for them either)."""
         return {"round": self.round, "members": sorted(self.members), "joiners": sorted(self.joiners),
-                "missed": {p: n for p, n in sorted(self.missed.items()) if p in self.members}}
+                "missed": {p: n for p, n in sorted(self.missed.items()) if p in self.members},
+                "worked": sorted(self.worked)}
 
     @classmethod
     def from_state(cls, cfg: RoundConfig, state: dict[str, Any], now: float) -> Rounds:
@@ -256,6 +275,8 @@ class Rounds:
         rounds.missed = {p: int(n) for p, n in state.get("missed", {}).items() if p in rounds.members}
         limit = cfg.max_idle_rounds
         rounds.idle = {p for p, n in rounds.missed.items() if limit and n >= limit}
+        # A state saved before members without work existed: every member had done work.
+        rounds.worked = set(state.get("worked", [*rounds.members, *rounds.joiners]))
         return rounds
 
 

@@ -45,7 +45,17 @@ def status_document(rounds: Rounds, metrics: Metrics, *, now: float, param_diges
            "resyncs": t["resyncs"], "unauthorized": t["unauthorized"], "round_timeout_s": rounds.cfg.round_timeout_s,
            "round_length_s": round_length_s}
     submitted = set(rounds.submitted)
-    live = {p: ("submitted" if p in submitted else "idle" if p in rounds.idle else "member", now - seen)
-            for p, seen in rounds.members.items()}
+    live = {p: (_state(rounds, p, submitted), now - seen) for p, seen in rounds.members.items()}
     live.update({p: ("joining", now - seen) for p, seen in rounds.joiners.items()})
     return metrics.record.document("coordinator", "coordinator", run, live, since=since, keys=keys)
+
+
+def _state(rounds: Rounds, peer_id: str, submitted: set[str]) -> str:
+    """A member's state on the dashboard: whether its payload is in, and whether the open round waits for it."""
+    if peer_id in submitted:
+        return "submitted"
+    if peer_id in rounds.idle:
+        return "idle"
+    if peer_id in rounds.spanning:
+        return "spanning"
+    return "member" if peer_id in rounds.worked or peer_id in rounds.active else "new"

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from demonet.errors import DemonetError, PeerUnavailable
-from demonet.transport import Expected, JoinInfo, Parameters
+from demonet.optim import Payload
+from demonet.transport import Expected, JoinInfo, Parameters, RoundResult
 
 if TYPE_CHECKING:
     from .gatherer import DhtGatherer
@@ -98,6 +99,10 @@ class DhtMembership:
                         logger.warning("[%s] could not load the parameters of round %d: %s", self.info.peer_id, r, e)
                         break
         raise PeerUnavailable(f"not admitted to the run after {tries} tries in {wait_s:.0f} s")
+
+    async def moved_on(self, round: int, like: Payload, most: int) -> list[RoundResult] | None:
+        """DHT rounds do not let a peer span them (each slice owner merges the round's parts at its close)."""
+        return None
 
     async def heartbeat(self, round: int) -> None:
         """A DHT peer's announcements each round are its heartbeat."""

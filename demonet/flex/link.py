@@ -109,6 +109,10 @@ class NodeLink:
     async def catch_up(self, reason: DemonetError, round: int, expected: Expected) -> Parameters:
         return await self._on_rank0(lambda m: m.catch_up(reason, round, expected))
 
+    async def moved_on(self, round: int, like: Payload, most: int) -> list[RoundResult] | None:
+        """A node's ranks train in step with each other: a node does not span rounds."""
+        return None
+
     async def heartbeat(self, round: int) -> None:
         if self.inner is not None:  # rank 0 alone: no collective in the heartbeat task
             await self.inner.heartbeat(round)

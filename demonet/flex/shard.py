@@ -341,7 +341,7 @@ class FlexTrainer(DeMoSteps):
     def restore(self, payload: Payload) -> None:
         self.opt.restore(payload)
 
-    def settle(self, payload: Payload, result: Settled, contributed: bool) -> None:
+    def settle(self, payload: Payload | None, result: Settled, contributed: bool) -> None:
         """`demonet.train.trainer.settle` on this rank's rows of the aggregate."""
         settle(self.opt, payload, result, contributed, local=self.local_aggregate,
                lr=self.options.lr_at(result.round))

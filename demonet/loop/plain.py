@@ -12,11 +12,19 @@ from typing import TextIO
 
 import torch
 
+from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload
+from demonet.train.replica import Replica
+from demonet.transport import RoundResult
 
 from .state import LoopSteps, RoundOutcome
 
-__all__ = ["plain_round"]
+__all__ = ["MAX_STALENESS", "apply_missed", "caught_up_by_aggregates", "plain_round", "spanned"]
+
+MAX_STALENESS = 8
+"""The most rounds a gradient may be older than the round it is sent in (a coordinator keeps the aggregates of
+the last 8 rounds); an older one goes back into the momentum and leaves with the next payload, from the
+parameters the peer downloads (docs/coordinator.md#mixed-speed-peers)."""
 
 
 async def plain_round(loop: LoopSteps, metrics: TextIO | None) -> bool:
@@ -31,21 +39,27 @@ async def plain_round(loop: LoopSteps, metrics: TextIO | None) -> bool:
     t0 = time.perf_counter()
     encode_s = 0.0
     until = loop.cutoff()
-    if loop.unchecked is None:
+    stale, checked_s = 0, 0.0
+    if loop.unchecked is None and not loop.spans:
         encode = loop.encoder.encode_ahead(loop.round) if loop.encoder is not None else None
         loss, payload, staged, encode_s, train_s = await asyncio.to_thread(_train_step, loop, until, encode)
-        compute_s, checked_s = time.perf_counter() - t0 - encode_s, 0.0
+        compute_s = time.perf_counter() - t0 - encode_s
     else:
         loss = await asyncio.to_thread(loop.replica.forward_backward, until)
         compute_s = train_s = time.perf_counter() - t0
-        on_canonical, checked_s = await _check_before_compress(loop, metrics)
-        if not on_canonical:
-            return True
+        if loop.unchecked is not None:
+            on_canonical, checked_s = await _check_before_compress(loop, metrics)
+            if not on_canonical:
+                return True
         t1 = time.perf_counter()
         payload, staged = await asyncio.to_thread(loop.compress, loop.replica, False)
         compute_s += time.perf_counter() - t1
+        if loop.spans:
+            stale = await spanned(loop, payload)
+            if stale < 0:
+                return True
     flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, samples=loop.replica.samples())
-    flight.checked_s, flight.encode_s, flight.train_s = checked_s, encode_s, train_s
+    flight.checked_s, flight.encode_s, flight.train_s, flight.stale = checked_s, encode_s, train_s, stale
     flight.micro_batches = loop.replica.micro_batches()
     return await loop.land(flight, metrics, defer=True) != RoundOutcome.STOPPED
 
@@ -59,6 +73,74 @@ async def _check_before_compress(loop: LoopSteps, metrics: TextIO | None) -> tup
         return True, time.perf_counter() - t0
     await asyncio.to_thread(loop.replica.drop_gradients)
     return False, 0.0
+
+
+async def spanned(loop: LoopSteps, payload: Payload) -> int:
+    """After the forward, backward and compress of a peer whose micro-batch outlasted a round before
+    (`LoopSteps.spans`): where the run moved on meanwhile, apply the aggregates of the rounds since (each checked
+    against its canonical digest), so that `payload` is sent in the open round, from a gradient of parameters that
+    many rounds old (bounded staleness: the coordinator's rounds do not wait for such a peer,
+    `demonet.coordinator.pace.SPAN`). The compress does not read the parameters, so it comes first.
+
+    Returns:
+        how many rounds old the gradient is (0: on time, and the peer no longer asks); -1: the peer could not
+        get there by the aggregates (over `MAX_STALENESS` rounds, or off the canonical digest): the payload went
+        back into the momentum, the run's parameters are loaded, and the round is trained again from them.
+    """
+    try:
+        missed = await loop.membership.moved_on(loop.round, payload, MAX_STALENESS)
+    except DemonetError as e:
+        if isinstance(e, PeerUnavailable):
+            raise
+        loop.log.warning("%s: %s; its payload goes back into the momentum (docs/coordinator.md#mixed-speed-peers)",
+                         type(e).__name__, e)
+        await asyncio.to_thread(loop.replica.restore, payload)
+        await loop.load_parameters(await loop.membership.catch_up(e, loop.round, loop.replica.expected()))
+        return -1
+    if not missed:
+        loop.spans = False
+        return 0
+    if not await apply_missed(loop, missed) or not loop.go(loop.round):
+        await asyncio.to_thread(loop.replica.restore, payload)  # the run's parameters, or its end: not sent
+        return -1
+    loop.log.info("the micro-batch spanned %d rounds: applied their aggregates, its payload goes in round %d",
+                  len(missed), loop.round)
+    return len(missed)
+
+
+async def apply_missed(loop: LoopSteps, missed: list[RoundResult]) -> bool:
+    """Apply the aggregates of rounds this peer had nothing in, in order, each checked against its canonical
+    digest. Returns False where a digest differed: the peer then has the run's parameters, downloaded (a resync)."""
+    for result in missed:
+        loop.digest = await asyncio.to_thread(_apply_one, loop.replica, result)
+        loop.round = result.round + 1
+        canonical = await result.canonical_digest()
+        if loop.digest != canonical:
+            loop.log.warning("digest %s after applying round %d, the run has %s: downloading parameters",
+                             loop.digest[:12], result.round, canonical[:12])
+            await loop.load_parameters(await loop.membership.parameters(loop.round, loop.replica.expected(),
+                                                                        resync=True))
+            return False
+    return True
+
+
+async def caught_up_by_aggregates(loop: LoopSteps, like: Payload) -> bool:
+    """After a payload came too late for its round (and went back into the momentum): get back in step by the
+    aggregates of the rounds it missed, not the parameters (a coordinator limits their downloads). False where
+    that cannot be done (too many rounds, an aggregate gone, off the canonical digest): the caller downloads."""
+    try:
+        missed = await loop.membership.moved_on(loop.round, like, MAX_STALENESS)
+    except DemonetError as e:
+        if isinstance(e, PeerUnavailable):
+            raise
+        return False
+    return missed is not None and await apply_missed(loop, missed)
+
+
+def _apply_one(replica: Replica, result: RoundResult) -> str:
+    """Apply the aggregate of a round this peer had nothing in, and the digest after it (one worker thread)."""
+    replica.settle(None, result, False)
+    return replica.digest()
 
 
 def _train_step(loop: LoopSteps, until: float | None, encode: Callable[[Payload], None] | None = None

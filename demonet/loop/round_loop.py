@@ -39,7 +39,7 @@ from demonet.transport import (
 from .link import LinkPace
 from .overlapped import overlapped_rounds
 from .pacing import PeerPace
-from .plain import plain_round
+from .plain import caught_up_by_aggregates, plain_round
 from .rows import MetricsRow
 from .state import STOP_GRACE_S, InFlight, RoundLog, RoundOutcome, Unchecked, check_beats
 
@@ -86,6 +86,10 @@ class RoundLoop:
     timing: PeerPace = field(default_factory=PeerPace)
     """This peer's micro-batch and exchange times (the cut-off and the report to the coordinator)."""
     _warned_slow: bool = field(default=False, init=False)
+    spans: bool = field(default=False, init=False)
+    """This peer's payload came after its round closed (refused as stale): until a round finds it on time, each
+    plain round asks, after its forward and backward, whether the run moved on meanwhile, and if so sends its
+    gradient in the open round (`demonet.loop.plain.spanned`)."""
     round: int = 0
     digest: str = ""
     resyncs: int = 0
@@ -128,7 +132,7 @@ class RoundLoop:
                 self.digest = await asyncio.to_thread(self.replica.digest)
                 self.log.info("starting from the initial parameters (digest %s)", self.digest[:12])
             else:
-                await self._load(first)
+                await self.load_parameters(first)
             await asyncio.to_thread(self._resume)
             started = True
             return await self._rounds(beats)
@@ -194,7 +198,7 @@ class RoundLoop:
 
     # -- state ---------------------------------------------------------------------------------------
 
-    async def _load(self, params: Parameters) -> None:
+    async def load_parameters(self, params: Parameters) -> None:
         await asyncio.to_thread(self.replica.load, params.tensors)
         self.round, self.digest = params.round, await asyncio.to_thread(self.replica.digest)
         self.log.info("parameters of round %d loaded from %s (%d bytes, digest %s)", params.round, params.source,
@@ -320,8 +324,12 @@ class RoundLoop:
                 self.log.warning("%s: %s; the run's %d rounds are done: this peer ends at round %d", type(e).__name__,
                                  e, self.total_rounds, self.round)
                 return RoundOutcome.STOPPED
+            self.spans = isinstance(e, StaleRound)
+            if self.spans and not self.overlap and await caught_up_by_aggregates(self, flight.payload):
+                self.log.info("%s: %s; caught up by the aggregates since", type(e).__name__, e)
+                return RoundOutcome.CAUGHT_UP
             self.log.warning("%s: %s; catching up", type(e).__name__, e)
-            await self._load(await self.membership.catch_up(e, self.round, self.replica.expected()))
+            await self.load_parameters(await self.membership.catch_up(e, self.round, self.replica.expected()))
             return RoundOutcome.CAUGHT_UP
         wait_s = time.perf_counter() - t_wait
         if result is None:
@@ -349,6 +357,8 @@ class RoundLoop:
             row.phases["check"] = flight.checked_s
         if flight.encode_s:  # the gatherer's encode ahead, in the training's thread (`EncodesAhead`)
             row.phases["encode"] = flight.encode_s
+        if flight.stale:  # a count: how many rounds old the gradient's parameters were (`plain.spanned`)
+            row.phases["stale_rounds"] = flight.stale
         self.log.info("loss %.4f, up %d B, down %d B, %d contributors%s", flight.loss, result.bytes_up,
                       result.bytes_down, len(result.contributors), " (aborted)" if result.aborted else "")
         self.round += 1
@@ -388,7 +398,8 @@ class RoundLoop:
         if await self.membership.agree(bool(canonical) and self.digest != canonical):
             self.log.warning("digest %s after applying round %d, the run has %s: downloading parameters",
                              self.digest[:12], row.round, canonical[:12])
-            await self._load(await self.membership.parameters(self.round, self.replica.expected(), resync=True))
+            params = await self.membership.parameters(self.round, self.replica.expected(), resync=True)
+            await self.load_parameters(params)
             self.resyncs += 1
             row.param_digest, row.resynced = self.digest, True
             landed = RoundOutcome.CAUGHT_UP

@@ -16,7 +16,7 @@ import torch
 
 from demonet.optim import Payload
 from demonet.train.replica import Replica
-from demonet.transport import Digest, EncodesAhead, Gatherer, Membership, RoundResult
+from demonet.transport import Digest, EncodesAhead, Gatherer, Membership, Parameters, RoundResult
 
 from .rows import MetricsRow
 
@@ -62,6 +62,9 @@ class InFlight:
     """How many samples the payload was computed from (its weight in the merge)."""
     micro_batches: int = 1
     """How many micro-batches the round trained."""
+    stale: int = 0
+    """How many rounds older than the round it is sent in its gradient's parameters are (a peer whose
+    micro-batch spans rounds: `demonet.loop.plain.spanned`)."""
 
 
 @dataclass
@@ -99,12 +102,15 @@ class LoopSteps(Protocol):
     digest: str
     lookahead: bool
 
+    spans: bool
+    """This peer's micro-batch outlasted a round: ask whether the run moved on before compressing."""
     unchecked: Unchecked | None
     """A plain round whose canonical digest had not come by its settle: checked before the next compress."""
     encoder: EncodesAhead | None
     log: RoundLog
 
     def cutoff(self) -> float | None: ...
+    async def load_parameters(self, params: Parameters) -> None: ...
     def go(self, next_round: int) -> bool: ...
     def compress(self, replica: Replica, undoable: bool
                  ) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]: ...

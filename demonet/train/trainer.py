@@ -137,22 +137,25 @@ class MicroBatchPace:
         self.micro_batches, self.samples, self.count = micro_batches, max(1, samples), 0
 
 
-def settle(opt: DeMo, payload: Payload, result: Settled, contributed: bool,
+def settle(opt: DeMo, payload: Payload | None, result: Settled, contributed: bool,
            local: Callable[[Payload], Payload] = lambda p: p, lr: float | None = None) -> None:
     """Apply a round's outcome to an optimizer.
 
     The aggregate may hold only the largest merged coefficients, so a contributor restores the
     entries of its payload that the aggregate dropped; a peer whose payload missed the round
-    restores all of it; an aborted round restores the payload and applies nothing. `local` maps a
+    restores all of it; an aborted round restores the payload and applies nothing; None: this peer had nothing
+    in the round (a round it missed while its micro-batch spanned it): the aggregate is applied. `local` maps a
     whole-parameter payload to the optimizer's own rows (a FlexDeMo rank's shard). `lr`: the
     learning rate of the round's apply (`StepOptions.lr_at(result.round)`); None: the optimizer's.
     """
     if result.aggregate is None:
-        opt.restore(payload)
+        if payload is not None:
+            opt.restore(payload)
         return
     applied = local(result.aggregate)
     kept = local(result.kept) if result.kept is not None else applied
-    opt.restore(payload, kept=kept if contributed else None)
+    if payload is not None:
+        opt.restore(payload, kept=kept if contributed else None)
     opt.apply(applied, lr=lr)
 
 
@@ -317,7 +320,7 @@ class Trainer(DeMoSteps):
         """The payload reached no aggregate: give it back to the momentum (and undo a held lookahead)."""
         self.opt.restore(payload)
 
-    def settle(self, payload: Payload, result: Settled, contributed: bool) -> None:
+    def settle(self, payload: Payload | None, result: Settled, contributed: bool) -> None:
         settle(self.opt, payload, result, contributed, lr=self.options.lr_at(result.round))
 
     # -- checkpoints ---------------------------------------------------------------------------------

@@ -255,6 +255,19 @@ class Membership(Protocol):
         """Say this peer is alive at `round`; join again if the run dropped it (`keep_alive` calls it)."""
         ...
 
+    async def moved_on(self, round: int, like: Payload, most: int) -> list[RoundResult] | None:
+        """After the forward, backward and compress of `round` that outlasted rounds (a peer whose micro-batch
+        spans rounds): where the run has moved past `round`, the aggregates of the rounds since (`round` to the
+        open one, not included), decoded against `like` (the payload), for the peer to apply before it sends its
+        payload in the open round; None where it has not, or where the transport's rounds do not let a peer
+        span them (DHT mode, a FlexDeMo node).
+
+        Raises:
+            StaleRound: over `most` rounds have passed, or an aggregate is no longer kept (the peer catches up).
+            PeerUnavailable: the run could not be reached.
+        """
+        ...
+
     async def leave(self, round: int) -> None:
         """A graceful stop at `round`: tell the run, so that its rounds stop waiting for this peer (best effort:
         a run that cannot be told drops the peer as it drops a silent one)."""

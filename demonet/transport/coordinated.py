@@ -16,7 +16,7 @@ import torch
 from demonet.errors import DemonetError
 from demonet.optim import Payload
 
-from . import Digest, Expected, JoinInfo, Pace, Parameters, RoundResult, catch_up, catch_up_timeout_s
+from . import Digest, Expected, JoinInfo, Pace, Parameters, RoundResult, StaleRound, catch_up, catch_up_timeout_s
 
 __all__ = ["CoordinatorClient", "CoordinatorMembership"]
 
@@ -37,6 +37,7 @@ class CoordinatorClient(Protocol):
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
                      samples: int = 1, pace: Pace | None = None) -> RoundResult: ...
+    async def missed(self, round: int, like: Payload) -> RoundResult: ...
     async def close(self) -> None: ...
 
 
@@ -74,6 +75,15 @@ class CoordinatorMembership:
             logger.warning("[%s round=%d] the coordinator dropped this member: joining again", self.client.peer_id,
                            round)
             await self.join()
+
+    async def moved_on(self, round: int, like: Payload, most: int) -> list[RoundResult] | None:
+        open_round, member = await self.client.heartbeat(round)
+        if not member or open_round <= round:
+            return None  # on time; or dropped, which its Submit learns (NOT_MEMBER) and catches up from
+        if open_round - round > most:
+            raise StaleRound(f"round {round}: the run is at round {open_round}, over {most} rounds on",
+                             open_round=open_round)
+        return [await self.client.missed(r, like) for r in range(round, open_round)]
 
     async def leave(self, round: int) -> None:
         if await self.client.leave(round):

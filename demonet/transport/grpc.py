@@ -366,6 +366,30 @@ class GrpcClient:
                            bytes_down=len(got.data), data=got.data, phases=phases,
                            next_round_s=float(got.header.next_round_s), digest_later=got.trailer)
 
+    async def missed(self, round: int, like: Payload) -> RoundResult:
+        """The aggregate of a closed round this peer sent nothing to, validated against the tensors of `like` (this
+        peer's payload: the model's names, shapes and chunks); its canonical digest follows as in `gather`.
+
+        Raises:
+            StaleRound: the coordinator keeps it no longer.
+        """
+        expected = {name: (c.shape, c.chunk) for name, c in like.tensors.items()}
+
+        def aggregate() -> Awaitable[StreamedAggregate]:
+            return read_aggregate(self._stub.GetAggregate(aggregate_request(
+                self.identity, self._session, self.peer_id, round, self._next()), metadata=self._metadata,
+                timeout=self.wait_timeout_s), round, expected)
+
+        try:
+            got = await self._call(f"GetAggregate({round})", aggregate)
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in _LOST_CODES:
+                raise
+            raise await self._lost(round, e.details() or e.code().name) from None
+        return RoundResult(round=round, aggregate=got.aggregate, contributors=tuple(got.header.contributors),
+                           param_digest="", aborted=bool(got.header.aborted), bytes_up=0, bytes_down=len(got.data),
+                           data=got.data, next_round_s=float(got.header.next_round_s), digest_later=got.trailer)
+
     async def _lost(self, round: int, reason: str) -> Rejected:
         """What a lost round (its aggregate is gone) means for this peer, asked with a heartbeat."""
         open_round, member = await self.heartbeat(round)

@@ -1,8 +1,10 @@
 """Mixed-speed peers in coordinator mode, over real processes and sockets: rounds by the clock (`[net] round_s`),
 work sized to each peer, and the samples-weighted merge with its cap.
 
-A peer whose task sleeps 0.3 s a micro-batch (a slower accelerator) trains fewer micro-batches than the fast
-ones in each round and is in every round's aggregate; all peers end every round on the coordinator's digest.
+A peer whose task sleeps 0.3 s a micro-batch (a slower accelerator), with a fixed `round_s`, trains fewer
+micro-batches than the fast ones in each round and is in every round's aggregate; with the automatic length, its
+micro-batch spans rounds instead: rounds go at the fast peers' pace and its gradient enters a later round, from
+parameters some rounds old. All peers end every round they apply on the coordinator's digest.
 A peer that claims 10^9 samples is capped and counted; a claim of 0 is refused and changes nothing.
 """
 
@@ -17,6 +19,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -36,30 +39,30 @@ PEERS = {"fast-0": 0.0, "fast-1": 0.0, "slow": 0.3}
 """peer id -> the seconds its task sleeps per micro-batch."""
 
 
-@pytest.mark.parametrize("round_s", [1.0, 0.0], ids=["fixed", "automatic"])
-def test_a_slow_peer_trains_fewer_micro_batches_and_is_in_every_round(tmp_path: Path, round_s: float) -> None:
-    """`round_s` 1.0 s, or nothing set: the coordinator measures the first round, finds the slow peer's round
-    over the others', and announces rounds by the clock long enough for its one micro-batch."""
+def _run(tmp_path: Path, round_s: float, steps: int, peers: dict[str, float] = PEERS
+         ) -> tuple[dict[str, list[dict[str, Any]]], str]:
+    """Three peers (id -> seconds its task sleeps a micro-batch) and a coordinator, `steps` rounds: each peer's
+    metrics rows, the coordinator's log."""
     (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=20.0, round_s=round_s, max_micro_batches=6))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DEMONET_TOKEN": TOKEN}
     out, procs, logs = tmp_path / "out", {}, {}
     try:
         coordinator = subprocess.Popen(
             [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--config",
-             str(tmp_path / "run.toml"), "--task", "tests.integration.tasks:sleepy", "--steps", str(STEPS),
-             "--start-peers", str(len(PEERS))], stdout=subprocess.PIPE, stderr=open(tmp_path / "c.log", "wb"),
+             str(tmp_path / "run.toml"), "--task", "tests.integration.tasks:sleepy", "--steps", str(steps),
+             "--start-peers", str(len(peers))], stdout=subprocess.PIPE, stderr=open(tmp_path / "c.log", "wb"),
             env=env, cwd=ROOT, start_new_session=True)
         procs["coordinator"] = coordinator
         address = listening_line(coordinator, 60.0).split()[-1]
-        for peer_id, sleep_s in PEERS.items():
+        for peer_id, sleep_s in peers.items():
             logs[peer_id] = open(tmp_path / f"{peer_id}.log", "wb")
             procs[peer_id] = subprocess.Popen(
                 [sys.executable, "-m", "demonet", "peer", "--coordinator", address, "--peer-id", peer_id, "--out",
                  str(out), "--threads", "1", "--checkpoint-every", "0"], stdin=subprocess.DEVNULL,
                 stdout=logs[peer_id], stderr=logs[peer_id], env={**env, SLEEP_ENV: str(sleep_s)}, cwd=ROOT,
                 start_new_session=True)
-        codes = [procs[p].wait(timeout=240) for p in PEERS]
-        assert codes == [0] * len(PEERS), "\n".join((tmp_path / f"{p}.log").read_text()[-2000:] for p in PEERS)
+        codes = [procs[p].wait(timeout=240) for p in peers]
+        assert codes == [0] * len(peers), "\n".join((tmp_path / f"{p}.log").read_text()[-2000:] for p in peers)
     finally:
         for proc in procs.values():
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -67,7 +70,11 @@ def test_a_slow_peer_trains_fewer_micro_batches_and_is_in_every_round(tmp_path: 
             proc.wait(timeout=10)
         for f in logs.values():
             f.close()
-    rows = {p: metrics_rows(out, p) for p in PEERS}
+    return {p: metrics_rows(out, p) for p in peers}, (tmp_path / "c.log").read_text()
+
+
+def test_with_a_fixed_round_s_a_slow_peer_trains_fewer_micro_batches_and_is_in_every_round(tmp_path: Path) -> None:
+    rows, _ = _run(tmp_path, 1.0, STEPS)
     by_round = rows_by_round(lambda p: rows[p], list(PEERS))
     assert sorted(by_round) == list(range(STEPS))
     for round_, by_peer in by_round.items():
@@ -78,6 +85,25 @@ def test_a_slow_peer_trains_fewer_micro_batches_and_is_in_every_round(tmp_path: 
     assert micro["slow"] < micro["fast-0"] and micro["slow"] < micro["fast-1"], micro
     assert all(r["micro_batches"] >= 1 for rs in rows.values() for r in rs)
     assert samples["fast-0"] > samples["slow"] >= 1, samples
+
+
+def test_with_the_automatic_length_a_slow_peers_micro_batch_spans_rounds(tmp_path: Path) -> None:
+    """Nothing set: the coordinator measures the first round, finds the slow peer slow by its compute (its
+    upload is quick), and no longer waits for it. Rounds go at the fast peers' pace; each of the slow peer's
+    micro-batches outlasts rounds, and its gradient enters the round open when it is done."""
+    steps = 30
+    rows, log = _run(tmp_path, 0.0, steps, {"fast-0": 0.05, "fast-1": 0.05, "slow": 0.3})
+    assert "do not wait for the members whose micro-batch spans rounds: slow" in log
+    for p in ("fast-0", "fast-1"):
+        assert [r["round"] for r in rows[p]] == list(range(steps))
+    canonical = {r["round"]: r["canonical_digest"] for r in rows["fast-0"]}
+    assert all(r["param_digest"] == canonical[r["round"]] for rs in rows.values() for r in rs)
+    late = [r for r in rows["slow"] if r["phases"].get("stale_rounds")]
+    assert len(late) >= 2, [(r["round"], r["phases"]) for r in rows["slow"]]  # sent from older parameters...
+    assert all(r["contributors"] == len(PEERS) for r in late)  # ...and merged in the round it came in
+    assert len(rows["slow"]) < steps / 2  # it trained fewer rounds than there were, and held none of them
+    fast_s = statistics.median(r["round_time_s"] for r in rows["fast-0"][-10:])
+    assert fast_s < 0.3, fast_s  # under the slow peer's one micro-batch
 
 
 async def test_a_claim_of_a_billion_samples_is_capped_and_one_of_zero_is_refused(tmp_path: Path) -> None:
@@ -104,8 +130,9 @@ async def test_a_claim_of_a_billion_samples_is_capped_and_one_of_zero_is_refused
             lied[0].samples = 10**9
             await a.stub.Submit(iter(lied), metadata=a.md, timeout=30)
         assert bad_signature.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert (await a.stub.Submit(iter(parts(a, 10**9)), metadata=a.md, timeout=30)).accepted
+        # b first: a member with no payload accepted yet is not waited on, so a's would close the round
         assert (await b.stub.Submit(iter(parts(b, 2)), metadata=b.md, timeout=30)).accepted
+        assert (await a.stub.Submit(iter(parts(a, 10**9)), metadata=a.md, timeout=30)).accepted
         closed, _ = await a.aggregate(1)
         assert set(closed.contributors) == {"a", "b"}
         document = await a.stub.Status(pb.StatusRequest(detail=True), metadata=a.md, timeout=10)

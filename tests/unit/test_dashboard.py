@@ -199,14 +199,17 @@ def test_the_docs_describe_every_field() -> None:
 def test_an_idle_member_shows_as_idle() -> None:
     rounds, metrics = Rounds(cfg=RoundConfig(round_timeout_s=10.0, max_idle_rounds=1), now=0.0), Metrics()
     rounds.join("a", 0.0)
-    rounds.members["f"] = 0.0
+    rounds.members["f"] = rounds.members["n"] = 0.0
     rounds.submit("a", 0, 1.0)
-    rounds.close(10.0)  # "f" missed its one round: idle
+    rounds.submit("f", 0, 1.0)
+    rounds.close(2.0)
+    rounds.submit("a", 1, 3.0)
+    rounds.close(10.0)  # "f" missed its one round: idle; "n" never had a payload in: new, not waited on
     d = status_document(rounds, metrics, now=11.0, param_digest="", total_rounds=0)
     check_document(d, "coordinator")
-    assert d["run"]["members"] == 2 and d["run"]["idle"] == 1
-    assert {m["id"]: m["state"] for m in d["members"]} == {"a": "member", "f": "idle"}
-    assert "2 members (1 idle)" in format_status(d)
+    assert d["run"]["members"] == 3 and d["run"]["idle"] == 1
+    assert {m["id"]: m["state"] for m in d["members"]} == {"a": "member", "f": "idle", "n": "new"}
+    assert "3 members (1 idle)" in format_status(d)
 
 
 _NODE_HARNESS = """

@@ -513,6 +513,9 @@ class _FakeClient:
         self.joins += 1
         return _info(round=9)
 
+    async def heartbeat(self, round: int) -> tuple[int, bool]:
+        return round, True  # the run's open round is the peer's: on time
+
 
 def _info(round: int) -> JoinInfo:
     run = {"model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "seq_len": 16},
@@ -537,7 +540,7 @@ def _peer(outcomes: list[Any], tmp_path: Path) -> tuple[Any, _FakeClient]:
 
 
 async def _load(peer: Any, round: int) -> None:
-    await peer._load(await peer.membership.parameters(round, peer.replica.expected()))
+    await peer.load_parameters(await peer.membership.parameters(round, peer.replica.expected()))
 
 
 async def test_peer_catches_up_after_each_kind_of_refusal(tmp_path: Path) -> None:

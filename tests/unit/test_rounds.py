@@ -25,7 +25,8 @@ def test_closes_early_when_all_members_submit_and_at_the_deadline_otherwise() ->
     r = Rounds(cfg=CFG, now=0.0)
     for p in "abc":
         r.join(p, 0.0)
-    r.members.update(dict.fromkeys("bc", 0.0))  # all three are members of round 0
+    r.members.update(dict.fromkeys("bc", 0.0))  # all three are members of round 0, with work done
+    r.worked.update("bc")
     r.joiners.clear()
     for p in "ab":
         r.submit(p, 0, 1.0)
@@ -54,6 +55,7 @@ def test_a_member_that_leaves_is_not_waited_for_and_its_payload_in_still_counts(
     r = Rounds(cfg=CFG, now=0.0)
     r.join("a", 0.0)
     r.members.update(dict.fromkeys("bcd", 0.0))
+    r.worked.update("bcd")
     r.joiners["e"] = 0.0  # admitted for the next round
     r.submit("a", 0, 1.0)
     r.submit("b", 0, 1.0)
@@ -119,6 +121,7 @@ def test_restart_resumes_the_open_round_with_its_members() -> None:
     r.join("a", 0.0)
     r.join("b", 0.0)
     r.close(1.0)
+    r.worked.add("b")  # as if its payload had been in before the restart
     back = Rounds.from_state(CFG, r.state_dict(), now=50.0)
     assert back.round == 1 and set(back.members) == {"a", "b"} and back.deadline == 60.0
     assert back.join("a", 51.0) == 1  # a member reconnecting resumes the open round
@@ -168,7 +171,8 @@ def _round_with(r: Rounds, submitters: str, now: float) -> float:
 def _two_members(cfg: RoundConfig) -> Rounds:
     r = Rounds(cfg=cfg, now=0.0)
     r.join("a", 0.0)
-    r.members["f"] = 0.0  # "f" heartbeats and never submits
+    r.members["f"] = 0.0  # "f" had work in (a founding member), heartbeats and never submits again
+    r.worked.add("f")
     return r
 
 
@@ -232,9 +236,10 @@ def test_a_joiners_count_starts_at_its_first_round_as_a_member() -> None:
     assert r.join("j", 1.0) == 1  # admitted at round 0, a member from round 1
     now = _round_with(r, "a", 2.0)  # round 0 closes early: "j" is not a member yet
     assert now == 2.0 and "j" not in r.missed
-    now = _round_with(r, "a", now + 1.0)  # round 1: its first miss
+    now = _round_with(r, "aj", now + 1.0)  # round 1: its payload is in; from now on rounds wait for it
+    now = _round_with(r, "a", now + 1.0)  # round 2: its first miss
     assert r.missed["j"] == 1 and r.idle == set()
-    now = _round_with(r, "a", now + 1.0)  # round 2: its second
+    now = _round_with(r, "a", now + 1.0)  # round 3: its second
     assert r.idle == {"j"}
     opened = r.opened_at
     assert _round_with(r, "a", now + 1.0) == opened + 1.0
@@ -260,3 +265,51 @@ def test_the_idle_survive_a_restart_and_an_old_state_resumes_all_active() -> Non
     assert not back.due(101.0)  # everyone starts active
     with pytest.raises(ValueError, match="max_idle_rounds"):
         RoundConfig(max_idle_rounds=-1)
+
+
+def test_a_member_with_no_accepted_work_is_not_waited_on_until_its_first_payload() -> None:
+    """A newcomer (or a Sybil id that joins and heartbeats and never submits) does not hold a round; once a
+    payload of it is in, rounds wait for it. A round that opens with no member that has work waits for all."""
+    r = Rounds(cfg=RoundConfig(round_timeout_s=10.0, heartbeat_timeout_s=5.0, start_peers=2), now=0.0)
+    r.join("a", 0.0)
+    r.join("b", 0.0)  # the first round opens with both: it waits for both
+    r.submit("a", 0, 1.0)
+    assert not r.due(1.0)
+    r.submit("b", 0, 2.0)
+    assert r.due(2.0)
+    r.close(2.0)
+    for i in range(50):
+        r.join(f"sybil-{i}", 2.5)
+    r.submit("a", 1, 3.0)
+    r.submit("b", 1, 3.0)
+    r.close(3.0)  # the sybils are members of round 2 now
+    r.submit("a", 2, 4.0)
+    r.submit("b", 2, 4.0)
+    assert r.due(4.0)  # 50 members without work: not waited on
+    assert not r.missed and not r.idle  # and not counted as missing either
+    r.close(4.0)
+    r.submit("sybil-0", 3, 5.0)  # an honest newcomer's first payload: counted; rounds wait for it now
+    r.submit("a", 3, 5.0)
+    r.close(5.0)
+    r.submit("a", 4, 6.0)
+    r.submit("b", 4, 6.0)
+    assert not r.due(6.0) and r.active == ["a", "b", "sybil-0"]
+    r.spanning.add("sybil-0")  # its micro-batch spans rounds (the pace says so): not waited on either
+    assert r.due(6.0)
+    r.leave("a")
+    r.leave("b")
+    r.leave("sybil-0")
+    r.close(7.0)  # every member left has no work: the next round waits for them all
+    assert len(r.active) == 49
+
+
+def test_the_members_with_work_survive_a_restart() -> None:
+    r = Rounds(cfg=RoundConfig(round_timeout_s=10.0), now=0.0)
+    r.join("a", 0.0)
+    r.join("new", 0.5)
+    r.submit("a", 0, 1.0)
+    r.close(1.0)
+    back = Rounds.from_state(RoundConfig(round_timeout_s=10.0), r.state_dict(), now=5.0)
+    assert back.worked == {"a"} and back.active == ["a"]
+    old = {k: v for k, v in r.state_dict().items() if k != "worked"}  # saved before the rule: all had work
+    assert Rounds.from_state(RoundConfig(round_timeout_s=10.0), old, now=5.0).worked == {"a", "new"}
