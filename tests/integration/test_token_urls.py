@@ -24,10 +24,13 @@ import numpy as np
 import pytest
 import torch
 
+from demonet.config import load_config
 from demonet.train.remote import RetryPolicy
 from demonet.train.shards import TokenDataError, write_shards
+from demonet.train.task import build_task
 from demonet.train.token_data import open_tokens
 from demonet.train.tokens import write_tokens
+from demonet.train.trainer import Trainer
 from tests.integration.common import listening_line
 from tests.procs import Reaper
 
@@ -164,6 +167,22 @@ def test_a_new_reader_with_the_pin_finds_everything_in_the_cache_and_fetches_not
     assert third.reader is not None
     third.reader.shard(int(cached[0].stem))
     assert server.get("_served")["served"] == before + SHARD_TOKENS * 2
+
+
+def test_the_builtin_task_trains_on_a_url_with_the_local_files_batches(
+        served: tuple[Server, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    server, path = served
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default cache folder
+    sizes = {"model": {"vocab_size": 5000, "seq_len": 31, "d_model": 32, "n_layers": 1, "n_heads": 2},
+             "train": {"batch_size": 2, "seq_len": 31}}
+    url_cfg = load_config(None, {"DEMONET_TRAIN_TOKENS": server.url("corpus.tok")}, sizes)
+    local_cfg = load_config(None, {"DEMONET_TRAIN_TOKENS": str(path)}, sizes)
+    remote, local = build_task(url_cfg).batches(3), build_task(local_cfg).batches(3)
+    assert all(_equal(next(remote), next(local)) for _ in range(6))
+    trainer = Trainer.for_run(url_cfg, data_seed=3, device=torch.device("cpu"))
+    loss, _ = trainer.train_step()
+    assert np.isfinite(loss) and trainer.batches.state_dict() == {"seed": 3, "rank": 0, "num_batches": 1}
+    assert list((tmp_path / "xdg" / "demonet" / "tokens").glob("*/*.shard"))
 
 
 def test_bad_urls_are_refused_with_the_reason(served: tuple[Server, Path], tmp_path: Path) -> None:
