@@ -62,10 +62,10 @@ def _handler(state: _State) -> type[BaseHTTPRequestHandler]:
                 self.send_header(key, value)
             self.end_headers()
             sent = body[: len(body) // 2] if cut else body
-            self.wfile.write(sent)
-            if count:
+            if count:  # before the write: a client that has the bytes finds them counted
                 with state.lock:
                     state.served += len(sent)
+            self.wfile.write(sent)
             if cut:  # the rest never comes: the client sees a short body and a closed connection
                 self.wfile.flush()
                 self.close_connection = True

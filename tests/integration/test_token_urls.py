@@ -91,6 +91,7 @@ def test_batches_from_the_url_are_the_local_files_and_the_bytes_served_stay_near
     num_batches = 100
     for _ in range(num_batches):
         assert _equal(next(local), next(remote))
+    data.close()  # waits for the last prefetch, which the count includes
     served_bytes = server.get("_served")["served"]
     window_bytes = num_batches * BATCH * (SEQ_LEN + 1) * 2
     sidecar_bytes = Path(f"{path}.shards").stat().st_size
