@@ -155,8 +155,11 @@ def _train(args: argparse.Namespace) -> int:
                       "tokens": args.tokens, "seed": args.seed, "device": args.device, "task": args.task},
             "optim": {"lr": args.lr, "compression_topk": args.compression_topk, "encoding": args.encoding},
         })
-        if cfg.train.tokens:  # before any peer starts: a missing file or a vocab the model does not cover
-            open_tokens(cfg.train.tokens).check_vocab(cfg.model.vocab_size)
+        if cfg.train.tokens:  # before any peer starts: a missing file, a vocab the model does not cover, no
+            tokens = open_tokens(cfg.train.tokens)  # validation part to evaluate on
+            tokens.check_vocab(cfg.model.vocab_size)
+            if cfg.train.eval_every and not cfg.train.task:
+                tokens.batches(batch_size=1, seq_len=cfg.train.seq_len, seed=0, part="val")
     except (ValueError, OSError, ImportError, RuntimeError) as e:
         print(f"demonet train: {e}", file=sys.stderr)
         return 2

@@ -171,3 +171,14 @@ def test_data_shard_command_writes_the_sidecar_and_tokenize_writes_one_too(tmp_p
     assert (printed["shards"], printed["pin"]) == (5, open_tokens(out).pin)
     assert main(["data", "tokenize", str(text), "--out", str(tmp_path / "b.tok"), "--shard-tokens", "0"]) == 2
     assert "--shard-tokens should be >= 1" in capsys.readouterr().err and not (tmp_path / "b.tok").exists()
+
+
+def test_train_refuses_a_one_shard_file_it_cannot_validate_on_before_any_peer_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bytes.tok"
+    write_tokens(path, [IDS % 256], vocab_size=256, tokenizer="bytes")
+    write_shards(path, 8192)
+    assert main(["train", "--tokens", str(path), "--steps", "1", "--peers", "1", "--out", str(tmp_path / "run"),
+                 "--no-progress"]) == 2
+    assert "has a single shard, so no validation part" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
