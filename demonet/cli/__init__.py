@@ -51,7 +51,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     peer_parser = sub.add_parser("peer", help="train as one peer of a coordinator's run (or of a DHT run: --dht)",
                                  description="Join a coordinator, download its parameters, train its rounds; or, "
                                              "with --dht, meet the other peers on a hivemind DHT.")
-    data_parser = sub.add_parser("data", help="prepare training data: tokenize text into a token file",
+    data_parser = sub.add_parser("data", help="prepare training data: tokenize text into a token file, shard one",
                                  description="Prepare training data (docs/data.md).")
     sub.add_parser("bench", add_help=False, help="compare with AdamW-DDP and hivemind over shaped links (root)")
     status_parser = sub.add_parser(
@@ -147,7 +147,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from demonet.config import load_config
     from demonet.loop.local import run_local
-    from demonet.train.tokens import TokenFile
+    from demonet.train.token_data import open_tokens
 
     try:
         cfg = load_config(args.config, os.environ, {
@@ -155,9 +155,12 @@ def _train(args: argparse.Namespace) -> int:
                       "tokens": args.tokens, "seed": args.seed, "device": args.device, "task": args.task},
             "optim": {"lr": args.lr, "compression_topk": args.compression_topk, "encoding": args.encoding},
         })
-        if cfg.train.tokens:  # before any peer starts: a missing file or a vocab the model does not cover
-            TokenFile.open(cfg.train.tokens).check_vocab(cfg.model.vocab_size)
-    except (ValueError, FileNotFoundError) as e:
+        if cfg.train.tokens:  # before any peer starts: a missing file, a vocab the model does not cover, no
+            tokens = open_tokens(cfg.train.tokens)  # validation part to evaluate on
+            tokens.check_vocab(cfg.model.vocab_size)
+            if cfg.train.eval_every and not cfg.train.task:
+                tokens.batches(batch_size=1, seq_len=cfg.train.seq_len, seed=0, part="val")
+    except (ValueError, OSError, ImportError, RuntimeError) as e:
         print(f"demonet train: {e}", file=sys.stderr)
         return 2
     if args.threads:

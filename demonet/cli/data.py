@@ -1,4 +1,5 @@
-"""`demonet data tokenize`: text files in, one token file out (the format: docs/data.md, demonet.train.tokens).
+"""`demonet data tokenize`: text files in, one token file and its sidecar of shard hashes out; `demonet data shard`:
+the sidecar of an existing token file (the formats: docs/data.md, demonet.train.tokens and .shards).
 
 Reads its flags and hands explicit arguments to demonet.train.tokenizer and .tokens; no training, no network.
 """
@@ -15,6 +16,7 @@ from typing import Any
 import numpy.typing as npt
 from tqdm import tqdm
 
+from demonet.train.shards import DEFAULT_SHARD_TOKENS, SIDECAR_SUFFIX, write_shards
 from demonet.train.tokenizer import Tokenizer, load_tokenizer
 from demonet.train.tokens import DTYPES, write_tokens
 
@@ -36,12 +38,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tokenize.add_argument("--dtype", choices=sorted(DTYPES),
                           help="token type (default: uint16 when the vocab fits, else uint32)")
     tokenize.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _shard_tokens(tokenize)
+    shard = sub.add_parser(
+        "shard", help="write the sidecar (FILE.shards) of an existing token file",
+        description="Cut a token file into shards and write the SHA-256 of each to FILE.shards, so peers can read it "
+                    "by range from a URL and verify every shard; prints the file's pin (docs/data.md).")
+    shard.add_argument("file", metavar="FILE", help="a token file written by `demonet data tokenize`")
+    _shard_tokens(shard)
+
+
+def _shard_tokens(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+                        help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS}); a peer fetches whole shards")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs `demonet data ...`; prints the written header as JSON; 2 on bad input, with nothing written."""
+    """Runs `demonet data ...`; prints what it wrote as JSON; 2 on bad input, with nothing written."""
+    if args.data_command == "shard":
+        return _shard(args)
     inputs = [Path(p) for p in args.inputs]
     try:
+        if args.shard_tokens < 1:
+            raise ValueError(f"--shard-tokens should be >= 1, got {args.shard_tokens}")
         missing = [str(p) for p in inputs if not p.is_file()]
         if missing:
             raise ValueError(f"input files not found: {', '.join(missing)}")
@@ -51,10 +69,23 @@ def run(args: argparse.Namespace) -> int:
                   disable=args.no_progress or not sys.stderr.isatty()) as bar:
             header = write_tokens(args.out, _encode(tokenizer, inputs, bar), vocab_size=tokenizer.vocab_size,
                                   tokenizer=tokenizer.name, dtype=args.dtype)
+        table, pin = write_shards(args.out, args.shard_tokens)
     except (ValueError, OSError, ImportError) as e:
         print(f"demonet data tokenize: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"out": args.out, "inputs": len(inputs), "input_bytes": total, **vars(header)}, indent=2))
+    print(json.dumps({"out": args.out, "inputs": len(inputs), "input_bytes": total, **vars(header),
+                      "shards": table.num_shards, "shard_tokens": table.shard_tokens, "pin": pin}, indent=2))
+    return 0
+
+
+def _shard(args: argparse.Namespace) -> int:
+    try:
+        table, pin = write_shards(args.file, args.shard_tokens)
+    except (ValueError, OSError) as e:
+        print(f"demonet data shard: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"file": args.file, "sidecar": args.file + SIDECAR_SUFFIX, "shards": table.num_shards,
+                      "shard_tokens": table.shard_tokens, "num_tokens": table.num_tokens, "pin": pin}, indent=2))
     return 0
 
 

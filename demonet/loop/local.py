@@ -24,7 +24,7 @@ from demonet.coordinator.local import LocalCoordinator
 from demonet.coordinator.state import ClosedAggregate
 from demonet.train.data import Batches, load_corpus, split
 from demonet.train.model import GPT
-from demonet.train.tokens import TokenBatches, TokenFile
+from demonet.train.token_data import open_tokens
 from demonet.train.trainer import Trainer
 from demonet.transport.coordinated import CoordinatorMembership
 
@@ -40,8 +40,8 @@ def _val_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """4 fixed validation batches from the validation part of the run's token file or corpus."""
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
     if cfg.train.tokens:
-        batches = TokenBatches(TokenFile.open(cfg.train.tokens).split()[1], batch_size=8, seq_len=cfg.train.seq_len,
-                               seed=12345)
+        batches = open_tokens(cfg.train.tokens).batches(batch_size=8, seq_len=cfg.train.seq_len, seed=12345,
+                                                        part="val")
     else:
         batches = Batches(split(load_corpus(cfg.train.corpus or None))[1], batch_size=8, seq_len=cfg.train.seq_len,
                           seed=12345)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from demonet.train.task import Specs, Task, param_specs
-from demonet.train.tokens import TokenBatches, TokenFile
+from demonet.train.token_data import open_tokens
 
 __all__ = ["COPIED_FILES", "TASK", "causal_lm", "model_config", "next_token_loss", "param_specs_of", "run_model_dir"]
 
@@ -99,8 +99,9 @@ def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128, 
     demonet seeds torch with the run seed, so every process starts from the same parameters; with weights
     there too, they are loaded (`from_pretrained(model, local_files_only=True)`) to fine-tune. The parameters
     are float32. Each peer draws `batch_size` windows of `seq_len` + 1 tokens per batch from the file's first
-    95% (`TokenBatches`, with the peer's seed). `tokenizer` (the identity a token file's header names, e.g.
-    ``bytes`` or ``NAME@HASH``) holds every peer to token files of that tokenizer; empty: any.
+    95% (`TokenData.batches`, with the peer's seed); `tokens` is a path or a URL (docs/data.md). `tokenizer`
+    (the identity a token file's header names, e.g. ``bytes`` or ``NAME@HASH``) holds every peer to token files
+    of that tokenizer; empty: any.
 
     Raises:
         ValueError: a bad model directory (see `model_config`), a bad token file, a token file whose vocab is
@@ -108,7 +109,7 @@ def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128, 
             bad sizes.
     """
     config = model_config(model)
-    token_file = TokenFile.open(tokens)
+    token_file = open_tokens(tokens)
     token_file.check_tokenizer(tokenizer)
     vocab_size = getattr(config, "vocab_size", None)
     if isinstance(vocab_size, int) and token_file.header.vocab_size > vocab_size:
@@ -119,8 +120,7 @@ def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128, 
     if isinstance(max_positions, int) and isinstance(seq_len, int) and seq_len > max_positions:
         raise ValueError(f"seq_len should be at most {max_positions}, the max_position_embeddings of "
                          f"{Path(model) / 'config.json'}; got {seq_len}")
-    train_N, _ = token_file.split()
-    TokenBatches(train_N, batch_size=batch_size, seq_len=seq_len, seed=0)  # checks the sizes now, not in a peer
+    token_file.batches(batch_size=batch_size, seq_len=seq_len, seed=0)  # checks the sizes now, not in a peer
     tf = _transformers()
     if any((Path(model) / name).is_file() for name in _WEIGHTS):
         net = tf.AutoModelForCausalLM.from_pretrained(str(model), local_files_only=True)
@@ -129,7 +129,7 @@ def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128, 
     net.float().train()  # from_pretrained leaves eval mode (no dropout), and may load another dtype
 
     def batches(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return TokenBatches(train_N, batch_size=batch_size, seq_len=seq_len, seed=seed)
+        return token_file.batches(batch_size=batch_size, seq_len=seq_len, seed=seed)
 
     return Task(model=net, batches=batches, loss=next_token_loss)
 

@@ -19,7 +19,7 @@ import torch
 
 from .data import Batches, load_corpus, split
 from .model import GPT
-from .tokens import TokenBatches, TokenFile
+from .token_data import open_tokens
 
 __all__ = ["Task", "build_task", "first_difference", "gpt_loss", "param_specs", "pin_tokenizer"]
 
@@ -52,21 +52,20 @@ def gpt_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
 
 
 def _builtin(cfg: Any) -> Task:
-    """The byte-level GPT on the run's token file (`[train] tokens`) or corpus bytes.
+    """The byte-level GPT on the run's token file (`[train] tokens`: a path or URL) or corpus bytes.
 
     Raises:
         ValueError: the token file is not one, its vocab is larger than the model's, or it was made with
             another tokenizer than `[train] tokenizer`.
     """
     if cfg.train.tokens:
-        tokens = TokenFile.open(cfg.train.tokens)
+        tokens = open_tokens(cfg.train.tokens)
         tokens.check_vocab(cfg.model.vocab_size)
         tokens.check_tokenizer(cfg.train.tokenizer)
 
     def batches(seed: int) -> Iterator[Any]:
         if cfg.train.tokens:
-            return TokenBatches(tokens.split()[0], batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
-                                seed=seed)
+            return tokens.batches(batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=seed)
         train_data, _ = split(load_corpus(cfg.train.corpus or None))
         return Batches(train_data, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=seed)
 
@@ -96,7 +95,7 @@ def pin_tokenizer(cfg: Any) -> Any:
     """
     if not cfg.train.tokens or cfg.train.tokenizer:
         return cfg
-    tokenizer = TokenFile.open(cfg.train.tokens).header.tokenizer
+    tokenizer = open_tokens(cfg.train.tokens).header.tokenizer
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tokenizer=tokenizer))
 
 

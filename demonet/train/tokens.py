@@ -21,8 +21,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["DTYPES", "HEADER_BYTES", "MAGIC", "VERSION", "TokenBatches", "TokenFile", "TokenHeader", "choose_dtype",
-           "read_header", "write_tokens"]
+__all__ = ["DTYPES", "HEADER_BYTES", "MAGIC", "VERSION", "TokenBatches", "TokenFile", "TokenHeader", "check_stream",
+           "check_tokenizer", "check_vocab", "choose_dtype", "parse_header", "read_header", "resumed_count",
+           "write_tokens"]
 
 MAGIC = b"DEMOTOKS"
 """The first 8 bytes of every token file."""
@@ -136,31 +137,54 @@ def read_header(path: str | Path) -> TokenHeader:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"token file {str(path)!r} not found")
-    size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(HEADER_BYTES)
+    return parse_header(raw, str(path), path.stat().st_size)
+
+
+def parse_header(raw: bytes, where: str, size: int | None = None) -> TokenHeader:
+    """Checks a token file's first 256 bytes (`raw`), and its size in bytes when known (`size`).
+
+    Raises:
+        ValueError: naming `where`, as `read_header`.
+    """
     if len(raw) < len(MAGIC) or raw[: len(MAGIC)] != MAGIC:
-        raise ValueError(f"{path} is not a demonet token file (it should start with {MAGIC!r}); "
+        raise ValueError(f"{where} is not a demonet token file (it should start with {MAGIC!r}); "
                          "write one with `demonet data tokenize`")
     if len(raw) < HEADER_BYTES:
-        raise ValueError(f"{path} is truncated: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+        raise ValueError(f"{where} is truncated: {size if size is not None else len(raw)} bytes, shorter than the "
+                         f"{HEADER_BYTES}-byte header")
     magic, version, itemsize, num_tokens, vocab_size = _FIXED.unpack_from(raw)
     if version != VERSION:
-        raise ValueError(f"{path} is token file version {version}; this demonet reads version {VERSION}")
+        raise ValueError(f"{where} is token file version {version}; this demonet reads version {VERSION}")
     dtype = next((name for name, n in DTYPES.items() if n == itemsize), None)
     if dtype is None:
-        raise ValueError(f"{path} has tokens of {itemsize} bytes; they should be 2 (uint16) or 4 (uint32)")
+        raise ValueError(f"{where} has tokens of {itemsize} bytes; they should be 2 (uint16) or 4 (uint32)")
     if vocab_size < 1:
-        raise ValueError(f"{path} has a vocab size of {vocab_size}; it should be >= 1")
-    if size != HEADER_BYTES + num_tokens * itemsize:
+        raise ValueError(f"{where} has a vocab size of {vocab_size}; it should be >= 1")
+    if size is not None and size != HEADER_BYTES + num_tokens * itemsize:
         what = "truncated" if size < HEADER_BYTES + num_tokens * itemsize else "longer than its header says"
-        raise ValueError(f"{path} is {what}: {size} bytes, but the header says {num_tokens} {dtype} tokens "
+        raise ValueError(f"{where} is {what}: {size} bytes, but the header says {num_tokens} {dtype} tokens "
                          f"({HEADER_BYTES + num_tokens * itemsize} bytes with the header)")
     try:
-        name = raw[_FIXED.size:].rstrip(b"\0").decode("utf-8")
+        name = raw[_FIXED.size : HEADER_BYTES].rstrip(b"\0").decode("utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"{path} has a tokenizer name that is not UTF-8") from None
+        raise ValueError(f"{where} has a tokenizer name that is not UTF-8") from None
     return TokenHeader(dtype=dtype, num_tokens=num_tokens, vocab_size=vocab_size, tokenizer=name)
+
+
+def check_vocab(header: TokenHeader, where: str, vocab_size: int) -> None:
+    """Raises ValueError unless a model with `vocab_size` ids covers every id the file at `where` may hold."""
+    if header.vocab_size > vocab_size:
+        raise ValueError(f"model.vocab_size should be >= {header.vocab_size}, the vocab of the token file "
+                         f"{where} (tokenizer {header.tokenizer}); got {vocab_size}")
+
+
+def check_tokenizer(header: TokenHeader, where: str, tokenizer: str) -> None:
+    """Raises ValueError unless the file at `where` was made with `tokenizer` (its identity; empty: any)."""
+    if tokenizer and header.tokenizer != tokenizer:
+        raise ValueError(f"the token file {where} was made with tokenizer {header.tokenizer!r}; the "
+                         f"run's is {tokenizer!r} (make it again with `demonet data tokenize` and that tokenizer)")
 
 
 @dataclass(frozen=True)
@@ -188,15 +212,11 @@ class TokenFile:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises ValueError unless a model with `vocab_size` ids covers every id the file may hold."""
-        if self.header.vocab_size > vocab_size:
-            raise ValueError(f"model.vocab_size should be >= {self.header.vocab_size}, the vocab of the token file "
-                             f"{self.path} (tokenizer {self.header.tokenizer}); got {vocab_size}")
+        check_vocab(self.header, str(self.path), vocab_size)
 
     def check_tokenizer(self, tokenizer: str) -> None:
         """Raises ValueError unless the file was made with `tokenizer` (its identity; empty: any)."""
-        if tokenizer and self.header.tokenizer != tokenizer:
-            raise ValueError(f"the token file {self.path} was made with tokenizer {self.header.tokenizer!r}; the "
-                             f"run's is {tokenizer!r} (make it again with `demonet data tokenize` and that tokenizer)")
+        check_tokenizer(self.header, str(self.path), tokenizer)
 
     def split(self, val_fraction: float = 0.05) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
         """(train, val) views: the last `val_fraction` of the tokens is validation, as `demonet.train.data.split`."""
@@ -227,10 +247,7 @@ class TokenBatches:
             seed: the peer's data seed (`demonet.train.data.data_seed`), in [0, 2**64).
             rank: the peer's index, in [0, 2**64); peers with one seed and different ranks draw different batches.
         """
-        for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("seed", seed, 0),
-                                 ("rank", rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**64:
-                raise ValueError(f"{name} should be an int in [{low}, 2**64), got {value!r}")
+        check_stream(batch_size=batch_size, seq_len=seq_len, seed=seed, rank=rank)
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise ValueError(f"tokens should be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
         if len(tokens) < seq_len + 1:
@@ -264,10 +281,24 @@ class TokenBatches:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues at a position saved by `state_dict` of a stream with the same seed and rank."""
-        for key in ("seed", "rank"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"{key} should be {getattr(self, key)} to resume this stream, got {state[key]}")
-        num_batches = state["num_batches"]
-        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
-            raise ValueError(f"num_batches should be an int >= 0, got {num_batches!r}")
-        self.num_batches = num_batches
+        self.num_batches = resumed_count(state, seed=self.seed, rank=self.rank)
+
+
+def check_stream(*, batch_size: int, seq_len: int, seed: int, rank: int) -> None:
+    """Raises ValueError unless a batch stream's sizes and seeds are ints in range (one rule for both streams)."""
+    for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("seed", seed, 0),
+                             ("rank", rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**64:
+            raise ValueError(f"{name} should be an int in [{low}, 2**64), got {value!r}")
+
+
+def resumed_count(state: dict[str, Any], *, seed: int, rank: int) -> int:
+    """The batch count a stream with `seed` and `rank` continues at, from a `state_dict`; raises ValueError for a
+    state of another stream or a bad count."""
+    for key, value in (("seed", seed), ("rank", rank)):
+        if state[key] != value:
+            raise ValueError(f"{key} should be {value} to resume this stream, got {state[key]}")
+    num_batches = state["num_batches"]
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+        raise ValueError(f"num_batches should be an int >= 0, got {num_batches!r}")
+    return num_batches

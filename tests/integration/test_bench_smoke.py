@@ -23,6 +23,7 @@ SCRIPTS = {
     "attacks.py": r"^aggregates\s+\d+\s+\d+\s+\d+\s+\{\"codes\": ",
     "cli_start.py": r"^\| demonet --help \| \d+\.\d+ \| no \| (met|NOT met) \|$",
     "coordinator_scale.py": r"^\s+4\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+\d+$",
+    "data_reads.py": r"^\| 128 \| 8 \| 40 \| [\d,]+ \| [\d,]+ \| \d+\.\d{3}x \| [\d,]+ \|",
     "dht_exchange_cpu.py": r"^\| 4 \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+ \| [\d,]+ \| [\d,]+ \|$",
     "dht_round.py": r"^\| dht verify=0\.25 \| 2 \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+x \|.*\| yes \|",
     "evidence.py": r"^(smoke: skipped, .+|\| 100 Mbit/s \| demonet \| 2 \| .*x fewer \|.*)$",
