@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,19 +208,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.LeaveReply(left=await self.core.leave(request.peer_id, request.round))
 
     async def GetParameters(self, request: pb.ParametersRequest, context: Context) -> AsyncIterator[pb.PayloadPart]:
-        await self.admission.admit(request, context)
-        peer_id = await self.admission.peer_id(request.peer_id, context)
-        try:
-            await self.admission.signed(peer_id, request.signature, parameters_statement(
-                self.admission.session(peer_id) or b"", peer_id, request.round, request.resync, request.counter),
-                context, counter=request.counter)
-        except NotJoined as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}: join the run first")
-        try:
-            self.core.may_download(peer_id)
-        except SubmitRejected as e:  # a dropped peer joins again first: FAILED_PRECONDITION sends it to catch up
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.reason)
-        await self.admission.limit(self.limits.downloads, peer_id, "GetParameters", context)
+        peer_id = await self._downloader(request, "GetParameters", lambda session, peer_id: parameters_statement(
+            session, peer_id, request.round, request.resync, request.counter), context)
         if request.resync:
             self.core.inbox.resynced(peer_id, request.round,
                                f"its digest after applying round {request.round - 1} differed from the canonical one")
@@ -234,24 +223,32 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def GetTaskFiles(self, request: pb.TaskFilesRequest, context: Context) -> AsyncIterator[pb.PayloadPart]:
         """The run's task files, under GetParameters' admission and its rate (the bytes counted as the peer's)."""
+        peer_id = await self._downloader(request, "GetTaskFiles", lambda session, peer_id: task_files_statement(
+            session, peer_id, request.counter), context)
+        if not self._task_listing:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "this run ships no task files (its task is built from "
+                                "the run config alone, or from a module each peer has installed)")
+        self.metrics.add("bytes_down", len(self._task_files), peer=peer_id)
+        for part in wire.split(self._task_files):
+            yield part
+
+    async def _downloader(self, request: Any, what: str, statement: Callable[[bytes, str], bytes],
+                          context: Context) -> str:
+        """The member or joiner a signed download (GetParameters, GetTaskFiles) is from, within the downloads' rate
+        of its id; the call is aborted otherwise (FAILED_PRECONDITION sends a dropped peer to join again)."""
         await self.admission.admit(request, context)
         peer_id = await self.admission.peer_id(request.peer_id, context)
         try:
-            await self.admission.signed(peer_id, request.signature, task_files_statement(
-                self.admission.session(peer_id) or b"", peer_id, request.counter), context, counter=request.counter)
+            await self.admission.signed(peer_id, request.signature, statement(
+                self.admission.session(peer_id) or b"", peer_id), context, counter=request.counter)
         except NotJoined as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}: join the run first")
         try:
             self.core.may_download(peer_id)
         except SubmitRejected as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.reason)
-        if not self._task_listing:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "this run ships no task files (its task is built from "
-                                "the run config alone, or from a module each peer has installed)")
-        await self.admission.limit(self.limits.downloads, peer_id, "GetTaskFiles", context)
-        self.metrics.add("bytes_down", len(self._task_files), peer=peer_id)
-        for part in wire.split(self._task_files):
-            yield part
+        await self.admission.limit(self.limits.downloads, peer_id, what, context)
+        return peer_id
 
     async def Submit(self, request_iterator: AsyncIterator[pb.SubmitPart], context: Context) -> pb.SubmitReply:
         return await self.submissions.submit(request_iterator, context)
