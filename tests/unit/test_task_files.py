@@ -125,3 +125,49 @@ def test_a_peer_builds_from_its_copy_and_needs_the_token_file_it_names(tmp_path:
     with pytest.raises(ValueError, match=r"'data/corpus.tok' .* not on this machine: serve the token file over "
                                          r"http\(s\) or s3 and set \[task\] tokens to its URL"):
         with_shipped_files(missing, tmp_path)
+
+
+class _Coordinator:
+    """What `demonet.peer` fetches task files through: it records the joins and calls, and serves `files`."""
+
+    peer_id = "p"
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files, self.calls = files, []
+
+    async def join(self) -> None:
+        self.calls.append("join")
+
+    async def get_task_files(self, listing: tuple[tuple[str, int, str], ...]) -> dict[str, bytes]:
+        self.calls.append("GetTaskFiles")
+        return tf.decode_task_files(tf.encode_task_files(self.files), [tf.TaskFile(*f) for f in listing])
+
+
+def test_a_peer_fetches_the_files_once_and_builds_from_its_copy(tmp_path: Path) -> None:
+    import asyncio
+
+    from demonet.peer import _task_files
+    from demonet.transport import JoinInfo
+
+    tokens = tmp_path / "corpus.tok"
+    tokens.write_bytes(b"")
+    run = {"train": {"task": TASK}, "task": {"model": "models/tiny", "tokens": str(tokens)}}
+    info = JoinInfo(peer_id="p", round=0, run_config=run, data_seed=1, round_timeout_s=30.0,
+                    heartbeat_interval_s=5.0, total_rounds=0, task_files=tf.list_files(FILES))
+    coordinator = _Coordinator(FILES)
+
+    def fetch() -> tuple[dict[str, object], bool]:
+        return asyncio.run(_task_files(coordinator, coordinator, info, run, tmp_path / "out"))  # type: ignore[arg-type]
+
+    config, joined = fetch()
+    folder = Path(config["task"]["model"])  # type: ignore[index]
+    assert joined and coordinator.calls == ["join", "GetTaskFiles"] and tf.stored(folder, info.task_files)
+    assert folder.parent == (tmp_path / "out").resolve() and folder.name == tf.folder_name(tf.list_files(FILES))
+    assert fetch() == (config, False) and coordinator.calls == ["join", "GetTaskFiles"]  # a restart: no call
+    (folder / "tokenizer.json").write_bytes(b"{}")
+    coordinator.files = {**FILES, "tokenizer.json": b"X" + FILES["tokenizer.json"][1:]}  # a corrupted copy on the way
+    with pytest.raises(InvalidPayload, match="the bytes of tokenizer.json"):
+        fetch()
+    assert not tf.stored(folder, info.task_files)  # nothing of it written
+    other = {**run, "train": {"task": "mytasks:cnn"}}  # a user's task: never files, never a call
+    assert asyncio.run(_task_files(coordinator, coordinator, info, other, tmp_path)) == (other, False)  # type: ignore[arg-type]
