@@ -134,8 +134,8 @@ def decode_task_files(data: bytes, listing: Iterable[TaskFile]) -> dict[str, byt
         if len(body) != want[f.name].size or digest != want[f.name].sha256:
             raise InvalidPayload(f"GetTaskFiles: the bytes of {f.name} ({len(body):,}, SHA-256 {digest[:16]}) are "
                                  f"not the file the run lists ({want[f.name].size:,}, {want[f.name].sha256[:16]}): "
-                                 "the coordinator's folder changed since it started, or the file was corrupted on "
-                                 "the way; restart the coordinator if its files changed, then this peer")
+                                 "corrupted on the way, or not the coordinator's; start this peer again to fetch "
+                                 "the files again, and if it recurs, ask the run's operator")
         got[f.name] = body
     missing = sorted(set(want) - set(got))
     if missing:
