@@ -141,6 +141,9 @@ class TrainConfig:
     """The tokenizer every peer's token file must have been made with (its identity as the file's header
     names it: ``bytes``, or ``NAME@HASH``); empty: not checked. A coordinator whose run has `tokens` sets
     it from its own file, so a peer whose file came from another tokenizer is refused before it joins."""
+    tokens_pin: str = ""
+    """The pin every peer's `tokens` must have (the digest of its header and shard hashes, docs/data.md);
+    empty: not checked. A coordinator sets it from its own file, so a file swapped on a server is refused."""
     eval_every: int = 50
     """Steps between validation losses; 0 for none."""
     out: str = "runs/demo"

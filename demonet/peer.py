@@ -14,19 +14,23 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from demonet.config import load_config, load_token
-from demonet.errors import KeyFileError, PeerUnavailable
+from demonet.errors import InvalidPayload, KeyFileError, PeerUnavailable
 from demonet.log import setup_logging
 from demonet.loop import RoundLoop
 from demonet.loop.lifecycle import stop_on_signals, warm_up
 from demonet.loop.link import LinkPace
+from demonet.tasks import hf
 from demonet.train.task import first_difference, param_specs
 from demonet.train.trainer import Trainer
+from demonet.transport import JoinInfo
 from demonet.transport.coordinated import CoordinatorMembership
 from demonet.transport.grpc import GrpcClient
+from demonet.wire import task_files
 from demonet.wire.identity import Identity
 
 __all__ = ["add_arguments", "main", "run", "run_peer"]
@@ -59,7 +63,8 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
 
     Returns:
         0 after the run's last round or a graceful stop; 1 if the coordinator stayed unreachable; 2 if
-        this peer's model does not fit the run (it is never admitted).
+        this peer's model does not fit the run (it is never admitted), or the run's task files or token file
+        are not to be had here (refused before training).
     """
     if accumulate < 1:
         raise ValueError("accumulate should be >= 1")
@@ -71,9 +76,9 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
     except (OSError, KeyFileError) as e:
         logger.error("[%s] %s", peer_id, e)
         return 2
-    membership = CoordinatorMembership(GrpcClient(coordinator, token=token, peer_id=peer_id, root_cert=root_cert,
-                                                  reconnect_timeout_s=reconnect_timeout_s, identity=identity),
-                                       coordinator)
+    client = GrpcClient(coordinator, token=token, peer_id=peer_id, root_cert=root_cert,
+                        reconnect_timeout_s=reconnect_timeout_s, identity=identity)
+    membership = CoordinatorMembership(client, coordinator)
     with stop_on_signals(stop):
         try:
             await asyncio.to_thread(warm_up)
@@ -81,6 +86,7 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
             overrides = dict(run_info.run_config)
             if task:
                 overrides["train"] = {**overrides.get("train", {}), "task": task}
+            overrides, joined = await _task_files(client, membership, run_info, overrides, out)
             cfg = load_config(None, {}, overrides=overrides)
             trainer = Trainer.for_run(cfg, data_seed=run_info.data_seed, device=torch.device(device),
                                       accumulate=accumulate, checkpoint=out / f"peer-{peer_id}.pt")
@@ -88,6 +94,8 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
                 diff = first_difference(param_specs(trainer.model.named_parameters()), list(run_info.param_specs))
                 if diff is not None:
                     logger.error("[%s] refused: this peer's model does not fit the run's: %s", peer_id, diff)
+                    if joined:  # to fetch the task files: the rounds need not wait for it
+                        await membership.leave(run_info.round)
                     return 2
             info = await membership.join()
             loop = RoundLoop(trainer, membership, membership.client, peer_id, out / f"metrics-{peer_id}.jsonl",
@@ -103,11 +111,37 @@ async def run_peer(*, coordinator: str, token: str, peer_id: str, out: Path, dev
         except PeerUnavailable as e:
             logger.error("[%s] %s", peer_id, e)
             return 1
-        except ValueError as e:  # the task cannot be built
+        except (ValueError, InvalidPayload) as e:  # the task cannot be built, or its files are not the run's
             logger.error("[%s] %s", peer_id, e)
             return 2
         finally:
             await membership.close()
+
+
+async def _task_files(client: GrpcClient, membership: CoordinatorMembership, run_info: JoinInfo,
+                      overrides: dict[str, Any], out: Path) -> tuple[dict[str, Any], bool]:
+    """The run config with the Hugging Face task built from this peer's copy of the files the coordinator ships
+    (``OUT/task-HASH/``): fetched (which takes a join: GetTaskFiles is a member's call), checked against the
+    JoinReply's hashes and stored there, unless a copy there has them all already. Returns the config, and
+    whether it joined.
+
+    Raises:
+        ValueError: the run's token file is a path this machine does not have.
+        InvalidPayload: a file missing, one not listed, or bytes whose hash is not the listed one.
+    """
+    if not run_info.task_files or overrides.get("train", {}).get("task") != hf.TASK:
+        return overrides, False
+    listing = tuple(task_files.TaskFile(*f) for f in run_info.task_files)
+    folder = out / task_files.folder_name(listing)
+    overrides = hf.with_shipped_files(overrides, folder)
+    if task_files.stored(folder, listing):
+        return overrides, False
+    await membership.join()
+    files = await client.get_task_files(run_info.task_files)
+    await asyncio.to_thread(task_files.store, folder, files)
+    logger.info("[%s] the run's task files (%s: %d bytes) are in %s", client.peer_id,
+                ", ".join(f.name for f in listing), sum(f.size for f in listing), folder)
+    return overrides, True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

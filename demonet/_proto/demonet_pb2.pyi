@@ -188,7 +188,7 @@ class JoinRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., probe: bool = ..., public_key: _Optional[bytes] = ..., nonce: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds", "param_specs", "session", "protocol")
+    __slots__ = ("peer_id", "round", "run_config", "data_seed", "round_timeout_s", "heartbeat_interval_s", "total_rounds", "param_specs", "session", "protocol", "task_files")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class JoinReply(_message.Message):
     PARAM_SPECS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    TASK_FILES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     run_config: str
@@ -209,7 +210,38 @@ class JoinReply(_message.Message):
     param_specs: str
     session: bytes
     protocol: int
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ..., session: _Optional[bytes] = ..., protocol: _Optional[int] = ...) -> None: ...
+    task_files: _containers.RepeatedCompositeFieldContainer[TaskFile]
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., run_config: _Optional[str] = ..., data_seed: _Optional[int] = ..., round_timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., total_rounds: _Optional[int] = ..., param_specs: _Optional[str] = ..., session: _Optional[bytes] = ..., protocol: _Optional[int] = ..., task_files: _Optional[_Iterable[_Union[TaskFile, _Mapping]]] = ...) -> None: ...
+
+class TaskFile(_message.Message):
+    __slots__ = ("name", "size", "sha256", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    sha256: bytes
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TaskFiles(_message.Message):
+    __slots__ = ("version", "files")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    files: _containers.RepeatedCompositeFieldContainer[TaskFile]
+    def __init__(self, version: _Optional[int] = ..., files: _Optional[_Iterable[_Union[TaskFile, _Mapping]]] = ...) -> None: ...
+
+class TaskFilesRequest(_message.Message):
+    __slots__ = ("peer_id", "signature", "counter")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    signature: bytes
+    counter: int
+    def __init__(self, peer_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("peer_id", "round", "signature", "counter")

@@ -54,6 +54,11 @@ class CoordinatorStub(object):
                 request_serializer=demonet__pb2.ParametersRequest.SerializeToString,
                 response_deserializer=demonet__pb2.PayloadPart.FromString,
                 _registered_method=True)
+        self.GetTaskFiles = channel.unary_stream(
+                '/demonet.v1.Coordinator/GetTaskFiles',
+                request_serializer=demonet__pb2.TaskFilesRequest.SerializeToString,
+                response_deserializer=demonet__pb2.PayloadPart.FromString,
+                _registered_method=True)
         self.Submit = channel.stream_unary(
                 '/demonet.v1.Coordinator/Submit',
                 request_serializer=demonet__pb2.SubmitPart.SerializeToString,
@@ -98,6 +103,12 @@ class CoordinatorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def GetParameters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTaskFiles(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -148,6 +159,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'GetParameters': grpc.unary_stream_rpc_method_handler(
                     servicer.GetParameters,
                     request_deserializer=demonet__pb2.ParametersRequest.FromString,
+                    response_serializer=demonet__pb2.PayloadPart.SerializeToString,
+            ),
+            'GetTaskFiles': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetTaskFiles,
+                    request_deserializer=demonet__pb2.TaskFilesRequest.FromString,
                     response_serializer=demonet__pb2.PayloadPart.SerializeToString,
             ),
             'Submit': grpc.stream_unary_rpc_method_handler(
@@ -278,6 +294,33 @@ class Coordinator(object):
             target,
             '/demonet.v1.Coordinator/GetParameters',
             demonet__pb2.ParametersRequest.SerializeToString,
+            demonet__pb2.PayloadPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTaskFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/demonet.v1.Coordinator/GetTaskFiles',
+            demonet__pb2.TaskFilesRequest.SerializeToString,
             demonet__pb2.PayloadPart.FromString,
             options,
             channel_credentials,

@@ -211,7 +211,11 @@ def run(args: argparse.Namespace) -> int:
             "net": {"round_timeout_s": args.round_timeout_s, "min_peers": args.min_peers,
                     "start_peers": args.start_peers, "max_idle_rounds": args.max_idle_rounds},
         })
-        cfg = pin_tokenizer(cfg)  # the peers' token files must come from the tokenizer of this one
+        cfg = pin_tokenizer(cfg)  # the peers' token files must be this one (its tokenizer, its pin)
+        if cfg.train.task:
+            from demonet.tasks.hf import pin_task_tokens  # only its own task is changed
+
+            cfg = Config.from_dict(pin_task_tokens(cfg.to_dict()))
         if cfg.optim.base == "adamw":
             # Adam's moments are canonical (they follow from the applied aggregates alone), but the
             # coordinator does not hand them to joiners yet: a late joiner would drift. Refuse.

@@ -51,6 +51,9 @@ def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
         "GetParameters": grpc.unary_stream_rpc_method_handler(
             servicer.GetParameters, request_deserializer=_parser(pb.ParametersRequest),
             response_serializer=pb.PayloadPart.SerializeToString),
+        "GetTaskFiles": grpc.unary_stream_rpc_method_handler(
+            servicer.GetTaskFiles, request_deserializer=_parser(pb.TaskFilesRequest),
+            response_serializer=pb.PayloadPart.SerializeToString),
         "Submit": grpc.stream_unary_rpc_method_handler(
             servicer.Submit, request_deserializer=_parser(pb.SubmitPart, None),
             response_serializer=pb.SubmitReply.SerializeToString),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,14 @@ from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pb_grpc
 from demonet.config import Config
 from demonet.errors import AggregateGone, NotJoined, PeerUnavailable, SubmitRejected
-from demonet.wire.identity import aggregate_statement, heartbeat_statement, leave_statement, parameters_statement
+from demonet.wire import task_files
+from demonet.wire.identity import (
+    aggregate_statement,
+    heartbeat_statement,
+    leave_statement,
+    parameters_statement,
+    task_files_statement,
+)
 from demonet.wire.params import PROTOCOL, protocol_mismatch
 
 from . import weights
@@ -73,6 +80,21 @@ def _now() -> float:
     return time.monotonic()
 
 
+def _shipped(cfg: Config) -> tuple[list[pb.TaskFile], bytes]:
+    """The run's task files (the Hugging Face task's config and tokenizer files), read once at start: the list a
+    JoinReply carries, and the serialized TaskFiles message GetTaskFiles streams (b"" when there are none).
+
+    Raises:
+        ValueError: a file, or all of them, over the caps (`demonet.wire.task_files`), or one that cannot be read.
+    """
+    from demonet.tasks.hf import shipped_paths
+
+    files = task_files.read_task_files(shipped_paths(cfg.to_dict()))
+    if not files:
+        return [], b""
+    return task_files.listing_to_pb(task_files.list_files(files)), task_files.encode_task_files(files)
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Clock-synchronous rounds over gRPC; see proto/demonet.proto for the protocol.
 
@@ -99,6 +121,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.admission.identities.load_state(self.core.saved.get("identities", {}), _now())
         self.submissions = SubmitReader(self.core, self.admission, self.limits)
         self._param_specs = json.dumps([list(spec) for spec in self.core.param_specs])
+        self._task_listing, self._task_files = _shipped(cfg)
         self._init_params(self.core.saved is not None)
 
     def _init_params(self, resumed: bool) -> None:
@@ -155,7 +178,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.JoinReply(peer_id=peer_id, round=info.round, run_config=json.dumps(info.run_config),
                             data_seed=info.data_seed, round_timeout_s=info.round_timeout_s,
                             heartbeat_interval_s=info.heartbeat_interval_s, total_rounds=info.total_rounds,
-                            param_specs=self._param_specs, session=session, protocol=PROTOCOL)
+                            param_specs=self._param_specs, session=session, protocol=PROTOCOL,
+                            task_files=self._task_listing)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: Context) -> pb.HeartbeatReply:
         await self.admission.admit(request, context)
@@ -184,19 +208,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.LeaveReply(left=await self.core.leave(request.peer_id, request.round))
 
     async def GetParameters(self, request: pb.ParametersRequest, context: Context) -> AsyncIterator[pb.PayloadPart]:
-        await self.admission.admit(request, context)
-        peer_id = await self.admission.peer_id(request.peer_id, context)
-        try:
-            await self.admission.signed(peer_id, request.signature, parameters_statement(
-                self.admission.session(peer_id) or b"", peer_id, request.round, request.resync, request.counter),
-                context, counter=request.counter)
-        except NotJoined as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}: join the run first")
-        try:
-            self.core.may_download(peer_id)
-        except SubmitRejected as e:  # a dropped peer joins again first: FAILED_PRECONDITION sends it to catch up
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.reason)
-        await self.admission.limit(self.limits.downloads, peer_id, "GetParameters", context)
+        peer_id = await self._downloader(request, "GetParameters", lambda session, peer_id: parameters_statement(
+            session, peer_id, request.round, request.resync, request.counter), context)
         if request.resync:
             self.core.inbox.resynced(peer_id, request.round,
                                f"its digest after applying round {request.round - 1} differed from the canonical one")
@@ -207,6 +220,35 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.metrics.add("bytes_down", len(blob), peer=peer_id)
         for part in wire.split(blob):
             yield part
+
+    async def GetTaskFiles(self, request: pb.TaskFilesRequest, context: Context) -> AsyncIterator[pb.PayloadPart]:
+        """The run's task files, under GetParameters' admission and its rate (the bytes counted as the peer's)."""
+        peer_id = await self._downloader(request, "GetTaskFiles", lambda session, peer_id: task_files_statement(
+            session, peer_id, request.counter), context)
+        if not self._task_listing:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "this run ships no task files (its task is built from "
+                                "the run config alone, or from a module each peer has installed)")
+        self.metrics.add("bytes_down", len(self._task_files), peer=peer_id)
+        for part in wire.split(self._task_files):
+            yield part
+
+    async def _downloader(self, request: Any, what: str, statement: Callable[[bytes, str], bytes],
+                          context: Context) -> str:
+        """The member or joiner a signed download (GetParameters, GetTaskFiles) is from, within the downloads' rate
+        of its id; the call is aborted otherwise (FAILED_PRECONDITION sends a dropped peer to join again)."""
+        await self.admission.admit(request, context)
+        peer_id = await self.admission.peer_id(request.peer_id, context)
+        try:
+            await self.admission.signed(peer_id, request.signature, statement(
+                self.admission.session(peer_id) or b"", peer_id), context, counter=request.counter)
+        except NotJoined as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{e}: join the run first")
+        try:
+            self.core.may_download(peer_id)
+        except SubmitRejected as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.reason)
+        await self.admission.limit(self.limits.downloads, peer_id, what, context)
+        return peer_id
 
     async def Submit(self, request_iterator: AsyncIterator[pb.SubmitPart], context: Context) -> pb.SubmitReply:
         return await self.submissions.submit(request_iterator, context)

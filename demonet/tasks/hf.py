@@ -16,6 +16,7 @@ Shape legend: B = batch, T = time (tokens), V = vocab.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -29,14 +30,16 @@ import torch.nn.functional as F
 from demonet.train.task import Specs, Task, param_specs
 from demonet.train.token_data import open_tokens
 
-__all__ = ["COPIED_FILES", "TASK", "causal_lm", "model_config", "next_token_loss", "param_specs_of", "run_model_dir"]
+__all__ = ["COPIED_FILES", "TASK", "causal_lm", "model_config", "next_token_loss", "param_specs_of", "run_model_dir",
+           "shipped_paths", "with_shipped_files"]
 
 TASK = "demonet.tasks.hf:causal_lm"
 """This task's `--task` name, as a run config saves it."""
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
-"""What `demonet export` copies from the model directory into a model directory, where present."""
+"""What `demonet export` copies from the model directory into a model directory, where present, and what a
+coordinator ships to its peers (`shipped_paths`): never weights."""
 
 
 def _transformers() -> ModuleType:
@@ -92,7 +95,8 @@ def next_token_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Ten
     return F.cross_entropy(logits_BTV.flatten(0, 1).float(), y_BT.flatten())  # (B*T, V) against (B*T,)
 
 
-def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128, tokenizer: str = "") -> Task:
+def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128, tokenizer: str = "",
+              tokens_pin: str = "") -> Task:
     """A causal LM from a local directory, trained on windows of a token file with the next-token loss.
 
     With only a config.json in `model`, the model is built from it (`AutoModelForCausalLM.from_config`) after
@@ -109,8 +113,9 @@ def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128, 
             bad sizes.
     """
     config = model_config(model)
-    token_file = open_tokens(tokens)
+    token_file = open_tokens(tokens, pin=tokens_pin or None)
     token_file.check_tokenizer(tokenizer)
+    _check_model_tokenizer(Path(model), token_file.header.tokenizer, tokens)
     vocab_size = getattr(config, "vocab_size", None)
     if isinstance(vocab_size, int) and token_file.header.vocab_size > vocab_size:
         raise ValueError(f"{Path(model) / 'config.json'}: vocab_size should be >= {token_file.header.vocab_size}, "
@@ -134,6 +139,24 @@ def causal_lm(model: str, tokens: str, batch_size: int = 8, seq_len: int = 128, 
     return Task(model=net, batches=batches, loss=next_token_loss)
 
 
+def _check_model_tokenizer(model_dir: Path, named: str, tokens: str) -> None:
+    """The model folder's tokenizer.json, where it has one, is the tokenizer a token file's header names as
+    ``NAME@HASH`` (`demonet data tokenize`: HASH is 16 hex digits of its SHA-256); other names say no hash.
+
+    Raises:
+        ValueError: another tokenizer (the ids would mean other tokens to this model's vocab).
+    """
+    _, _, want = named.rpartition("@")
+    file = model_dir / "tokenizer.json"
+    if len(want) != 16 or any(c not in "0123456789abcdef" for c in want) or not file.is_file():
+        return
+    got = hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+    if got != want:
+        raise ValueError(f"the token file {tokens} was made with tokenizer {named}, but {file} hashes to {got}: "
+                         "tokenize the corpus with this tokenizer (demonet data tokenize --tokenizer "
+                         f"{model_dir}), or put the tokenizer the file was made with in the model folder")
+
+
 def param_specs_of(model_dir: str | Path) -> Specs:
     """The (name, shape, "float32") of the parameters of the model a directory configures, as `causal_lm`
     builds it, from a model on the meta device (no memory, no weights read).
@@ -154,3 +177,52 @@ def run_model_dir(config: Mapping[str, Any]) -> str | None:
         return None
     model = table.get("model")
     return model if isinstance(model, str) else None
+
+
+def shipped_paths(config: Mapping[str, Any]) -> dict[str, Path]:
+    """The files a coordinator of this task ships to its peers, by name: the `COPIED_FILES` its model folder holds
+    (a saved run config, `Config.to_dict()`); {} for a run of another task.
+
+    Raises:
+        ValueError: a run of this task whose model folder holds no config.json (see `model_config`).
+    """
+    model_dir = run_model_dir(config)
+    if model_dir is None:
+        return {}
+    paths = {name: Path(model_dir) / name for name in COPIED_FILES if (Path(model_dir) / name).is_file()}
+    if "config.json" not in paths:
+        model_config(model_dir)  # raises, naming what is wrong
+    return paths
+
+
+def with_shipped_files(config: Mapping[str, Any], folder: Path) -> dict[str, Any]:
+    """A saved run config of this task (`Config.to_dict()`) whose `[task] model` is `folder`, this peer's copy of
+    the files its coordinator ships, in place of the coordinator's own path. `[task] tokens` stays as given: a
+    URL, or a path that must then be on this machine too.
+
+    Raises:
+        ValueError: `tokens` is a local path this machine does not have (the fix is named).
+    """
+    table = dict(config.get("task") or {})
+    tokens = table.get("tokens")
+    if isinstance(tokens, str) and "://" not in tokens and not Path(tokens).exists():
+        raise ValueError(f"the run's token file {tokens!r} ([task] tokens) is a path that is not on this machine: "
+                         "serve the token file over http(s) or s3 and set [task] tokens to its URL (or copy the "
+                         "file to that path here)")
+    return {**config, "task": {**table, "model": str(folder.resolve())}}
+
+
+def pin_task_tokens(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved run config (`Config.to_dict()`) of this task with `[task] tokens_pin` set from its token file's
+    sidecar, where it has one and the pin is not set: the coordinator's file pins the run's, and each peer's
+    copy (a URL, or a path of its own) must have that pin; a run of another task, unchanged.
+
+    Raises:
+        ValueError: the token file cannot be read, or has another pin than a set one.
+    """
+    table = config.get("task")
+    if run_model_dir(config) is None or not isinstance(table, Mapping) or table.get("tokens_pin"):
+        return dict(config)
+    tokens = table.get("tokens")
+    pin = open_tokens(tokens).pin if isinstance(tokens, str) else None
+    return dict(config) if pin is None else {**config, "task": {**table, "tokens_pin": pin}}

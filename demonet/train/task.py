@@ -59,7 +59,7 @@ def _builtin(cfg: Any) -> Task:
             another tokenizer than `[train] tokenizer`.
     """
     if cfg.train.tokens:
-        tokens = open_tokens(cfg.train.tokens)
+        tokens = open_tokens(cfg.train.tokens, pin=cfg.train.tokens_pin or None)
         tokens.check_vocab(cfg.model.vocab_size)
         tokens.check_tokenizer(cfg.train.tokenizer)
 
@@ -87,16 +87,18 @@ def _load(spec: str) -> Callable[..., Any]:
 
 
 def pin_tokenizer(cfg: Any) -> Any:
-    """`cfg` with `[train] tokenizer` set from its token file's header, when it has `[train] tokens` and no
-    tokenizer yet: a coordinator hands this to its peers, whose token files must then match it.
+    """`cfg` with `[train] tokenizer` set from its token file's header, and `[train] tokens_pin` from its
+    sidecar (where it has one), when it has `[train] tokens` and they are not set yet: a coordinator hands this
+    to its peers, whose token files must then match it (the same file, wherever each peer reads it from).
 
     Raises:
-        ValueError: the token file cannot be read (as `build_task` would).
+        ValueError: the token file cannot be read (as `build_task` would), or has another pin than a set one.
     """
-    if not cfg.train.tokens or cfg.train.tokenizer:
+    if not cfg.train.tokens or (cfg.train.tokenizer and cfg.train.tokens_pin):
         return cfg
-    tokenizer = open_tokens(cfg.train.tokens).header.tokenizer
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tokenizer=tokenizer))
+    tokens = open_tokens(cfg.train.tokens, pin=cfg.train.tokens_pin or None)
+    return dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, tokenizer=cfg.train.tokenizer or tokens.header.tokenizer, tokens_pin=tokens.pin or ""))
 
 
 def build_task(cfg: Any) -> Task:

@@ -112,6 +112,9 @@ class JoinInfo:
     """No round has closed yet: every peer starts from the seeded initial parameters, nothing to download."""
     param_specs: tuple[tuple[str, tuple[int, ...], str], ...] | None = None
     """The run's parameters as (name, shape, dtype), which a peer's model must match; None: not said."""
+    task_files: tuple[tuple[str, int, str], ...] = ()
+    """The files the run's task is built from that the coordinator ships, as (name, size, SHA-256 hex)
+    (`demonet.wire.task_files.TaskFile`); (): none."""
 
 
 @dataclass(frozen=True)

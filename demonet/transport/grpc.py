@@ -23,6 +23,7 @@ from demonet._proto import demonet_pb2_grpc
 from demonet.errors import InvalidPayload, PeerUnavailable
 from demonet.optim import Payload
 from demonet.wire import params as wire_params
+from demonet.wire import task_files as wire_task_files
 from demonet.wire.identity import Identity
 from demonet.wire.signed import (
     aggregate_request,
@@ -32,6 +33,7 @@ from demonet.wire.signed import (
     leave_request,
     parameters_request,
     submit_parts,
+    task_files_request,
 )
 
 from . import Digest, JoinInfo, NotMember, Pace, Rejected, RoundResult, StaleRound, grpc_retry, refusal_error
@@ -295,6 +297,28 @@ class GrpcClient:
         if got < round:
             raise InvalidPayload(f"GetParameters({round}): got the parameters of round {got}")
         return got, tensors, len(data)
+
+    async def get_task_files(self, listing: tuple[tuple[str, int, str], ...]) -> dict[str, bytes]:
+        """Download the run's task files (a joined peer's call), each checked against `listing`, the JoinReply's.
+
+        Raises:
+            InvalidPayload: a file missing, one not listed, or bytes that are not the listed file's.
+            grpc.aio.AioRpcError: refused (FAILED_PRECONDITION: not joined; NOT_FOUND: the run ships none).
+        """
+        listed = tuple(wire_task_files.TaskFile(*f) for f in listing)
+
+        async def attempt() -> bytes:
+            parts = wire.Reassembler(max_bytes=wire_task_files.MAX_TOTAL_BYTES + (1 << 20))  # room for framing
+            data = None
+            request = task_files_request(self.identity, self._session, self.peer_id, self._next())
+            async for part in self._stub.GetTaskFiles(request, metadata=self._metadata, timeout=self.wait_timeout_s):
+                data = parts.add(part)
+            if data is None:
+                raise InvalidPayload("GetTaskFiles: the stream ended before the files were whole")
+            return data
+
+        data = await self._call("GetTaskFiles", attempt)
+        return await asyncio.to_thread(wire_task_files.decode_task_files, data, listed)
 
     async def gather(self, round: int, payload: Payload, *, loss: float, param_digest: Digest,
                      samples: int = 1, pace: Pace | None = None) -> RoundResult:

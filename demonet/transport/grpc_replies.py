@@ -19,6 +19,7 @@ from demonet import wire
 from demonet.errors import InvalidPayload
 from demonet.optim import Payload
 from demonet.wire.params import PROTOCOL, protocol_mismatch
+from demonet.wire.task_files import listing_from_pb
 
 from . import JoinInfo
 
@@ -75,7 +76,8 @@ def join_info(reply: Any, peer_id: str, address: str) -> JoinInfo:
     Raises:
         PermissionError: the coordinator at `address` speaks another protocol version (a peer probes first, so
             it was not admitted).
-        InvalidPayload: its run config or parameter specs do not parse.
+        InvalidPayload: its run config or parameter specs do not parse, or its task files are not a list this
+            peer takes (`demonet.wire.task_files.listing_from_pb`).
     """
     if reply.protocol != PROTOCOL:
         why = protocol_mismatch(reply.protocol, sender=f"the coordinator at {address}", receiver="this peer")
@@ -94,7 +96,7 @@ def join_info(reply: Any, peer_id: str, address: str) -> JoinInfo:
     return JoinInfo(peer_id=reply.peer_id or peer_id, round=int(reply.round), run_config=run_config,
                     data_seed=int(reply.data_seed), round_timeout_s=float(reply.round_timeout_s),
                     heartbeat_interval_s=float(reply.heartbeat_interval_s), total_rounds=int(reply.total_rounds),
-                    param_specs=specs)
+                    param_specs=specs, task_files=listing_from_pb(reply.task_files))
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:

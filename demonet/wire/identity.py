@@ -26,7 +26,7 @@ from demonet.errors import KeyFileError
 __all__ = ["KEY_BYTES", "SIGNATURE_BYTES", "Identity", "aggregate_statement", "fingerprint", "heartbeat_statement",
            "join_statement",
            "leave_statement", "parameters_statement", "parse_public", "public_text", "read_allowlist", "statement",
-           "submit_statement", "verify"]
+           "submit_statement", "task_files_statement", "verify"]
 
 KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -201,6 +201,10 @@ def parameters_statement(session: bytes, peer_id: str, round: int, resync: bool,
 
 def aggregate_statement(session: bytes, peer_id: str, round: int, submitting: bool, counter: int) -> bytes:
     return statement("aggregate", session, peer_id, round, submitting, counter)
+
+
+def task_files_statement(session: bytes, peer_id: str, counter: int) -> bytes:
+    return statement("task-files", session, peer_id, counter)
 
 
 def submit_statement(session: bytes, peer_id: str, round: int, payload_digest: bytes, param_digest: str,

@@ -16,12 +16,13 @@ from .identity import (
     leave_statement,
     parameters_statement,
     submit_statement,
+    task_files_statement,
 )
 from .params import PROTOCOL
 from .parts import DEFAULT_PART_BYTES, split
 
 __all__ = ["aggregate_request", "digest_part", "heartbeat_request", "join_request", "leave_request",
-           "parameters_request", "submit_parts"]
+           "parameters_request", "submit_parts", "task_files_request"]
 
 
 def join_request(identity: Identity, peer_id: str, nonce: bytes) -> pb.JoinRequest:
@@ -47,6 +48,11 @@ def parameters_request(identity: Identity, session: bytes, peer_id: str, round: 
                        resync: bool = False) -> pb.ParametersRequest:
     return pb.ParametersRequest(peer_id=peer_id, round=round, resync=resync, counter=counter, signature=identity.sign(
         parameters_statement(session, peer_id, round, resync, counter)))
+
+
+def task_files_request(identity: Identity, session: bytes, peer_id: str, counter: int) -> pb.TaskFilesRequest:
+    return pb.TaskFilesRequest(peer_id=peer_id, counter=counter,
+                               signature=identity.sign(task_files_statement(session, peer_id, counter)))
 
 
 def aggregate_request(identity: Identity, session: bytes, peer_id: str, round: int, counter: int, *,

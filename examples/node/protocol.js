@@ -49,6 +49,8 @@ const statements = {
     statement('parameters', [['y', session], ['s', peerId], ['i', round], ['b', resync], ['i', counter]]),
   aggregate: (session, peerId, round, submitting, counter) =>
     statement('aggregate', [['y', session], ['s', peerId], ['i', round], ['b', submitting], ['i', counter]]),
+  taskFiles: (session, peerId, counter) =>
+    statement('task-files', [['y', session], ['s', peerId], ['i', counter]]),
 };
 
 // -- parts (docs/protocol.md, Parts) ------------------------------------------------------------------

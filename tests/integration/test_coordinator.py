@@ -30,7 +30,13 @@ from demonet.transport.grpc import GrpcClient
 from demonet.wire import params as wire_params
 from demonet.wire.digest import param_digest
 from demonet.wire.identity import Identity
-from demonet.wire.signed import aggregate_request, join_request, parameters_request, submit_parts
+from demonet.wire.signed import (
+    aggregate_request,
+    join_request,
+    parameters_request,
+    submit_parts,
+    task_files_request,
+)
 from tests.integration.common import tiny_config
 from tests.procs import Reaper, free_port
 
@@ -342,7 +348,8 @@ async def test_requests_that_do_not_parse_get_a_clear_error_and_change_nothing(c
                 await call(junk, metadata=md, timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
             assert f"not a valid {message} message" in (err.value.details() or "")
-        for method, message in (("GetParameters", "ParametersRequest"), ("GetAggregate", "AggregateRequest")):
+        for method, message in (("GetParameters", "ParametersRequest"), ("GetAggregate", "AggregateRequest"),
+                                ("GetTaskFiles", "TaskFilesRequest")):
             stream = channel.unary_stream(f"/demonet.v1.Coordinator/{method}")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in stream(junk, metadata=md, timeout=10):
@@ -368,8 +375,24 @@ async def test_requests_that_do_not_parse_get_a_clear_error_and_change_nothing(c
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     after = await honest.status()
     assert (after.round, after.members, after.param_digest) == (before.round, before.members, before.param_digest)
-    assert after.rejected == before.rejected + 8
+    assert after.rejected == before.rejected + 9
     assert "Exception deserializing" not in (coordinator.tmp / "coordinator.log").read_text()
+
+
+async def test_get_task_files_is_a_joined_keys_call_and_a_gpt_run_ships_none(coordinator: Coordinator) -> None:
+    peer = Peer(coordinator.address, "asker")
+    await peer.join(load=False)
+    probe = await peer.stub.Join(pb.JoinRequest(peer_id="asker", probe=True, protocol=wire_params.PROTOCOL),
+                                 metadata=peer.md, timeout=10)
+    assert list(probe.task_files) == []  # the built-in task is built from the run config alone
+    for identity, code in ((Identity.generate(), grpc.StatusCode.PERMISSION_DENIED),  # another key's signature
+                           (peer.identity, grpc.StatusCode.NOT_FOUND)):
+        request = task_files_request(identity, peer.session, peer.peer_id, peer.next())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in peer.stub.GetTaskFiles(request, metadata=peer.md, timeout=10):
+                pass
+        assert err.value.code() == code, err.value
+    assert "ships no task files" in (err.value.details() or "")
 
 
 async def test_coordinator_killed_and_restarted_resumes(coordinator: Coordinator) -> None:

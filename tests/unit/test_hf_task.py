@@ -4,6 +4,7 @@ tiny Llama config in-process: what it builds, every refused input, and a bit-exa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -218,3 +219,30 @@ def test_export_says_when_the_runs_model_folder_is_not_here(tmp_path: Path, mode
     assert "is not a folder here; give the model folder with --hf-config MODELDIR" in capsys.readouterr().err
     assert demonet(["export", "--state-dir", str(tmp_path / "state"), "--out", str(tmp_path / "out"),
                     "--hf-config", str(tmp_path / "moved")]) == 0
+
+
+def test_a_token_file_of_another_tokenizer_than_the_model_folders_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    (model_dir / "tokenizer.json").write_bytes(b'{"model": {"type": "BPE"}}')  # only its hash is read
+    ours = hashlib.sha256((model_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+    ids = np.random.default_rng(0).integers(0, VOCAB, 4000)
+    write_tokens(tmp_path / "other.tok", [ids], vocab_size=VOCAB, tokenizer="bpe@0123456789abcdef")
+    with pytest.raises(ValueError, match=rf"made with tokenizer bpe@0123456789abcdef, but .*tokenizer.json hashes to "
+                                         rf"{ours}: tokenize the corpus with this tokenizer"):
+        causal_lm(model=str(model_dir), tokens=str(tmp_path / "other.tok"), batch_size=2, seq_len=16)
+    write_tokens(tmp_path / "ours.tok", [ids], vocab_size=VOCAB, tokenizer=f"bpe@{ours}")
+    assert causal_lm(model=str(model_dir), tokens=str(tmp_path / "ours.tok"), batch_size=2, seq_len=16).model
+
+
+def test_a_coordinator_whose_model_folder_holds_a_file_over_the_cap_refuses_to_start(
+        model_dir: Path, tokens: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from demonet.coordinator import main as coordinator
+    from demonet.wire.task_files import MAX_FILE_BYTES
+
+    with (model_dir / "tokenizer.json").open("wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: refused from its size before it is read, and before any port opens
+    (tmp_path / "run.toml").write_text(f'[train]\ntask = "{TASK}"\n[task]\nmodel = "{model_dir}"\ntokens = "{tokens}"\n'
+                                       "batch_size = 2\nseq_len = 16\n")
+    monkeypatch.setenv("DEMONET_TOKEN", "t")
+    assert coordinator(["--listen", "127.0.0.1:0", "--config", str(tmp_path / "run.toml"), "--no-dashboard"]) == 2
+    assert "tokenizer.json is 16,777,217 bytes; a task file is at most 16,777,216 bytes" in capsys.readouterr().err

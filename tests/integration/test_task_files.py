@@ -1,0 +1,161 @@
+"""A volunteer joins with one command: a `demonet coordinator` process of the Hugging Face task, whose `[task] model`
+is a relative path in its own working folder, ships the folder's config.json and tokenizer.json at join
+(docs/protocol.md#task-files), and a `demonet peer --coordinator` process started in an empty folder with an empty
+HOME, with no task, config or files, trains the run on them and ends on the coordinator's digest.
+
+The folder holds weights too (a fine-tune): they never ship; the peer builds the model from config.json and
+downloads the coordinator's parameters at join. GetTaskFiles is refused to a caller that has not joined, and a peer
+refuses a run whose token file is a path its machine does not have, before it trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+pytest.importorskip("transformers", reason="the Hugging Face task needs transformers (pip install 'demonet[hf]')")
+pytest.importorskip("tokenizers", reason="the BPE token file needs tokenizers (pip install 'demonet[hf]')")
+
+from demonet.coordinator.weights import read_state  # noqa: E402
+from demonet.train.data import default_corpus  # noqa: E402
+from demonet.train.tokens import write_tokens  # noqa: E402
+from demonet.transport.grpc import GrpcClient  # noqa: E402
+from tests.integration.common import listening_line, metrics_rows, rows_by_round  # noqa: E402
+from tests.procs import Reaper  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+TASK = "demonet.tasks.hf:causal_lm"
+TOKEN = "task-files-token"
+VOCAB = 384
+STEPS = 3
+SHIPPED = ["config.json", "generation_config.json", "tokenizer.json"]
+"""What the model folder holds beside its weights (`save_pretrained` writes the generation config)."""
+ENV = {**os.environ, "DEMONET_TOKEN": TOKEN,
+       "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def _model_folder(folder: Path, corpus: Path) -> str:
+    """A tiny Llama with weights (a fine-tune) and a BPE tokenizer trained here; returns the tokenizer's name as
+    `demonet data tokenize` writes it (NAME@16 hex digits of its tokenizer.json's SHA-256)."""
+    import tokenizers
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train([str(corpus)], tokenizers.trainers.BpeTrainer(
+        vocab_size=VOCAB, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(11)  # not the run's seed: a peer that built its own init would not be on these weights
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    bpe.save(str(folder / "tokenizer.json"))
+    return f"tiny@{hashlib.sha256((folder / 'tokenizer.json').read_bytes()).hexdigest()[:16]}"
+
+
+@pytest.fixture(scope="module")
+def coordinator_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The coordinator's working folder: models/tiny (config.json, model.safetensors, tokenizer.json) and a run
+    config naming it by a relative path; the token file is elsewhere, by an absolute path."""
+    root = tmp_path_factory.mktemp("coordinator")
+    data = tmp_path_factory.mktemp("data")
+    (data / "corpus.txt").write_bytes(default_corpus())
+    (root / "models").mkdir()
+    name = _model_folder(root / "models" / "tiny", data / "corpus.txt")
+    import tokenizers
+
+    bpe = tokenizers.Tokenizer.from_file(str(root / "models" / "tiny" / "tokenizer.json"))
+    ids = bpe.encode((data / "corpus.txt").read_text(encoding="utf-8"), add_special_tokens=False).ids
+    write_tokens(data / "corpus.tok", [ids], vocab_size=VOCAB, tokenizer=name)
+    (root / "run.toml").write_text(
+        f'[train]\ntask = "{TASK}"\n'
+        f'[task]\nmodel = "models/tiny"\ntokens = "{data / "corpus.tok"}"\nbatch_size = 4\nseq_len = 32\n'
+        "[net]\nround_timeout_s = 30.0\nstart_peers = 1\n")
+    return root
+
+
+def _coordinator(folder: Path, config: str, reap: Reaper, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    proc = reap.add(subprocess.Popen(
+        [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--config", config, "--steps",
+         str(STEPS), "--state-dir", f"state-{Path(config).stem}"], stdout=subprocess.PIPE,
+        stderr=reap.open(log, "wb"), env=ENV, cwd=folder))
+    line = listening_line(proc, 120)
+    assert line.startswith("listening on "), log.read_text()[-3000:]
+    return proc, line.split()[-1]
+
+
+def _peer(address: str, tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`demonet peer --coordinator ADDRESS` in an empty folder, with an empty HOME: its folder and how it ended."""
+    empty, home = tmp_path / "empty", tmp_path / "home"
+    empty.mkdir()
+    home.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "demonet", "peer", "--coordinator", address, "--peer-id", "solo",
+                           "--threads", "1"], capture_output=True, text=True, timeout=300,
+                          env={**ENV, "HOME": str(home)}, cwd=empty, check=False)
+    return empty, proc
+
+
+async def _unjoined_call(address: str) -> tuple[list[str], grpc.StatusCode]:
+    """A probe's list of task files, and what GetTaskFiles answers a caller that never joined."""
+    client = GrpcClient(address, token=TOKEN, peer_id="visitor", reconnect_timeout_s=30.0)
+    try:
+        probe = await client.join(probe=True)
+        try:
+            await client.get_task_files(probe.task_files)
+        except grpc.aio.AioRpcError as e:
+            return [f[0] for f in probe.task_files], e.code()
+        return [f[0] for f in probe.task_files], grpc.StatusCode.OK
+    finally:
+        await client.close()
+
+
+def test_a_peer_in_an_empty_folder_trains_the_run_on_the_files_it_ships(coordinator_folder: Path, tmp_path: Path,
+                                                                      reap_children: Reaper) -> None:
+    coordinator, address = _coordinator(coordinator_folder, "run.toml", reap_children, tmp_path / "coordinator.log")
+    listed, code = asyncio.run(_unjoined_call(address))
+    assert listed == SHIPPED and code == grpc.StatusCode.FAILED_PRECONDITION
+    empty, peer = _peer(address, tmp_path)
+    assert peer.returncode == 0, peer.stderr[-4000:]
+    reap_children.stop([coordinator], 30.0)
+    (copy,) = (empty / "runs" / "peer").glob("task-*")
+    shipped = coordinator_folder / "models" / "tiny"
+    assert "model.safetensors" in {p.name for p in shipped.iterdir()}
+    assert sorted(p.name for p in copy.iterdir()) == SHIPPED  # never the weights
+    assert all((copy / n).read_bytes() == (shipped / n).read_bytes() for n in SHIPPED)
+    assert f"the run's task files ({', '.join(SHIPPED)}" in peer.stderr
+    by_round = rows_by_round(lambda p: metrics_rows(empty / "runs" / "peer", p), ["solo"])  # no resync either
+    assert sorted(by_round) == list(range(STEPS))
+    rows = [by_round[r]["solo"] for r in range(STEPS)]
+    assert all(r["param_digest"] == r["canonical_digest"] and r["resyncs"] == 0 for r in rows), rows
+    assert all(math.isfinite(r["loss"]) and r["loss"] < 1.5 * math.log(VOCAB) for r in rows), rows
+    assert rows[-1]["canonical_digest"] == read_state(coordinator_folder / "state-run").digest
+
+
+def test_a_peer_refuses_a_token_file_its_machine_does_not_have(coordinator_folder: Path, tmp_path: Path,
+                                                              reap_children: Reaper) -> None:
+    (coordinator_folder / "corpus.tok").write_bytes(Path(_tokens(coordinator_folder)).read_bytes())
+    (coordinator_folder / "relative.toml").write_text(
+        (coordinator_folder / "run.toml").read_text().replace(_tokens(coordinator_folder), "corpus.tok"))
+    coordinator, address = _coordinator(coordinator_folder, "relative.toml", reap_children,
+                                         tmp_path / "coordinator.log")
+    empty, peer = _peer(address, tmp_path)
+    reap_children.stop([coordinator], 15.0)
+    assert peer.returncode == 2, peer.stderr[-3000:]
+    assert ("the run's token file 'corpus.tok' ([task] tokens) is a path that is not on this machine: serve the "
+            "token file over http(s) or s3 and set [task] tokens to its URL") in peer.stderr
+    assert not list((empty / "runs" / "peer").glob("metrics-*")) and not list((empty / "runs" / "peer").glob("task-*"))
+
+
+def _tokens(folder: Path) -> str:
+    line = next(x for x in (folder / "run.toml").read_text().splitlines() if x.startswith("tokens = "))
+    return line.split('"')[1]
