@@ -16,9 +16,12 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers", reason="the Hugging Face task needs transformers (pip install 'demonet[hf]')")
@@ -84,25 +87,35 @@ def coordinator_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _coordinator(folder: Path, config: str, reap: Reaper, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _coordinator(folder: Path, config: str, reap: Reaper, log: Path, steps: int = STEPS
+                 ) -> tuple[subprocess.Popen[bytes], str]:
     proc = reap.add(subprocess.Popen(
         [sys.executable, "-m", "demonet", "coordinator", "--listen", "127.0.0.1:0", "--config", config, "--steps",
-         str(STEPS), "--state-dir", f"state-{Path(config).stem}"], stdout=subprocess.PIPE,
+         str(steps), "--state-dir", f"state-{Path(config).stem}"], stdout=subprocess.PIPE,
         stderr=reap.open(log, "wb"), env=ENV, cwd=folder))
     line = listening_line(proc, 120)
     assert line.startswith("listening on "), log.read_text()[-3000:]
     return proc, line.split()[-1]
 
 
-def _peer(address: str, tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+def _peer(address: str, tmp_path: Path, peer_id: str = "solo") -> tuple[Path, subprocess.CompletedProcess[str]]:
     """`demonet peer --coordinator ADDRESS` in an empty folder, with an empty HOME: its folder and how it ended."""
     empty, home = tmp_path / "empty", tmp_path / "home"
-    empty.mkdir()
+    empty.mkdir(parents=True)
     home.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "demonet", "peer", "--coordinator", address, "--peer-id", "solo",
+    proc = subprocess.run([sys.executable, "-m", "demonet", "peer", "--coordinator", address, "--peer-id", peer_id,
                            "--threads", "1"], capture_output=True, text=True, timeout=300,
                           env={**ENV, "HOME": str(home)}, cwd=empty, check=False)
     return empty, proc
+
+
+async def _run_config(address: str) -> dict[str, Any]:
+    """The run config a probe gets (what every peer builds from)."""
+    client = GrpcClient(address, token=TOKEN, peer_id="visitor", reconnect_timeout_s=30.0)
+    try:
+        return dict((await client.join(probe=True)).run_config)
+    finally:
+        await client.close()
 
 
 async def _unjoined_call(address: str) -> tuple[list[str], grpc.StatusCode]:
@@ -159,3 +172,60 @@ def test_a_peer_refuses_a_token_file_its_machine_does_not_have(coordinator_folde
 def _tokens(folder: Path) -> str:
     line = next(x for x in (folder / "run.toml").read_text().splitlines() if x.startswith("tokens = "))
     return line.split('"')[1]
+
+
+def test_a_volunteer_with_nothing_trains_ten_rounds_reading_the_run_s_token_file_by_range(
+        coordinator_folder: Path, tmp_path: Path, reap_children: Reaper) -> None:
+    """The whole one-command join: the token file (in shards, with its sidecar) is served over HTTP by a range
+    server; the coordinator pins it (`[task] tokens_pin`) and ships the model's files; a peer with nothing trains
+    10 rounds on the coordinator's digest, reading a small part of the file, and stops. Then the file on the
+    server is swapped for another: a new peer is refused before it trains, naming the run's pin."""
+    from demonet.train.shards import write_shards
+    from tests.integration.test_token_urls import Server
+
+    www = tmp_path / "www"
+    www.mkdir()
+    (www / "corpus.tok").write_bytes(Path(_tokens(coordinator_folder)).read_bytes())
+    _, pin = write_shards(www / "corpus.tok", 1024)
+    server = Server(www, reap_children)
+    (coordinator_folder / "url.toml").write_text((coordinator_folder / "run.toml").read_text().replace(
+        _tokens(coordinator_folder), server.url("corpus.tok")))
+    coordinator, address = _coordinator(coordinator_folder, "url.toml", reap_children, tmp_path / "coordinator.log",
+                                         steps=1000)
+    assert asyncio.run(_run_config(address))["task"]["tokens_pin"] == pin  # the coordinator's file pins the run's
+    folder, home = tmp_path / "empty", tmp_path / "home"
+    folder.mkdir()
+    home.mkdir()
+    peer = reap_children.add(subprocess.Popen(
+        [sys.executable, "-m", "demonet", "peer", "--coordinator", address, "--peer-id", "solo", "--threads", "1"],
+        stdout=subprocess.DEVNULL, stderr=reap_children.open(tmp_path / "solo.log", "wb"),
+        env={**ENV, "HOME": str(home)}, cwd=folder))
+    metrics = folder / "runs" / "peer" / "metrics-solo.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
+        assert peer.poll() is None and time.monotonic() < deadline, (tmp_path / "solo.log").read_text()[-3000:]
+        time.sleep(0.2)
+    reap_children.stop([peer], 60.0)  # SIGTERM: it ends its open round and leaves
+    rows = metrics_rows(folder / "runs" / "peer", "solo")
+    assert [r["round"] for r in rows[:10]] == list(range(10))
+    assert all(r["param_digest"] == r["canonical_digest"] for r in rows)
+    size = (www / "corpus.tok").stat().st_size
+    served = server.get("_served")["served"]
+    assert served < size / 2, (served, size)  # the windows it trained on and their shards, never the whole file
+
+    other = np.fromfile(www / "corpus.tok", dtype="<u2", offset=256)[::-1].astype(np.int64)
+    swapped = tmp_path / "swapped.tok"
+    write_tokens(swapped, [other], vocab_size=VOCAB, tokenizer=_tokenizer_of(coordinator_folder))
+    (www / "corpus.tok").write_bytes(swapped.read_bytes())  # the same header and size, other tokens: another pin
+    write_shards(www / "corpus.tok", 1024)
+    second, refused = _peer(address, tmp_path / "second", "second")
+    reap_children.stop([coordinator], 30.0)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert pin in refused.stderr, refused.stderr[-3000:]
+    assert not list((second / "runs" / "peer").glob("metrics-*"))
+
+
+def _tokenizer_of(folder: Path) -> str:
+    from demonet.train.tokens import read_header
+
+    return read_header(_tokens(folder)).tokenizer
