@@ -178,7 +178,8 @@ def test_a_volunteer_with_nothing_trains_ten_rounds_reading_the_run_s_token_file
         coordinator_folder: Path, tmp_path: Path, reap_children: Reaper) -> None:
     """The whole one-command join: the token file (in shards, with its sidecar) is served over HTTP by a range
     server; the coordinator pins it (`[task] tokens_pin`) and ships the model's files; a peer with nothing trains
-    10 rounds on the coordinator's digest, reading a small part of the file, and stops. Then the file on the
+    10 rounds on the coordinator's digest, reading a small part of the file, through a restart of the data
+    server, and stops. Then the file on the
     server is swapped for another: a new peer is refused before it trains, naming the run's pin."""
     from demonet.train.shards import write_shards
     from tests.integration.test_token_urls import Server
@@ -202,10 +203,19 @@ def test_a_volunteer_with_nothing_trains_ten_rounds_reading_the_run_s_token_file
         env={**ENV, "HOME": str(home)}, cwd=folder))
     metrics = folder / "runs" / "peer" / "metrics-solo.jsonl"
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 10):
-        assert peer.poll() is None and time.monotonic() < deadline, (tmp_path / "solo.log").read_text()[-3000:]
-        time.sleep(0.2)
+
+    def trained(rounds: int) -> None:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= rounds):
+            assert peer.poll() is None and time.monotonic() < deadline, (tmp_path / "solo.log").read_text()[-3000:]
+            time.sleep(0.1)
+
+    trained(4)
+    server.kill()  # the data server goes down mid-run and comes back on its port: retries, not the run
+    time.sleep(3.0)  # rounds of a few tens of ms: the peer needs its next shards meanwhile
+    server.start()
+    trained(10)
     reap_children.stop([peer], 60.0)  # SIGTERM: it ends its open round and leaves
+    assert "trying again" in (tmp_path / "solo.log").read_text()
     rows = metrics_rows(folder / "runs" / "peer", "solo")
     assert [r["round"] for r in rows[:10]] == list(range(10))
     assert all(r["param_digest"] == r["canonical_digest"] for r in rows)
