@@ -8,14 +8,15 @@ a hivemind DHT, no coordinator):
 
 - `lockstep`: `[net] lockstep = true`, every peer trains one micro-batch a round; rounds wait for the slowest;
 - `automatic` (coordinator mode): nothing set (the default): the coordinator sets the round length from the
-  peers' reports, every peer trains as many micro-batches as fit before its cut-off, the merge weights each
-  payload by its samples;
+  peers' reports; here the slow peer is slow by its compute, so its micro-batch spans rounds, the rounds keep
+  the fast peers' pace, and its payloads enter later rounds; the merge weights each payload by its samples;
 - `fixed`: `[net] round_s = --round-s`, otherwise as `automatic`;
 - `fast-only`: the three fast peers alone, nothing set (alike: lockstep).
 
 It prints, for each, the rounds per second, the samples computed and applied per second (the samples of the
-payloads in the rounds' aggregates over the wall-clock time of those rounds), each peer's median micro-batches a
-round, and the final loss; then the ratios the goals are stated in:
+payloads in the rounds' aggregates over the wall-clock time of those rounds), the time to the target loss (the
+fast peers' alone at their end, each averaged over 8 rounds), the oldest gradient sent (rounds), each peer's
+median micro-batches a round and its rounds in, and the final loss; then the ratios the goals are stated in:
 - automatic and fixed samples/s against the ideal: the fast peers' rate plus the slow one's own, one micro-batch
   per its sleep each (goal >= 0.95x); lockstep against the three fast alone (what adding the slow peer costs in
   lockstep);
@@ -42,6 +43,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "mixed-speed-bench"
 GOAL_IDEAL = 0.95
+WINDOW = 8
+"""Rounds the loss is averaged over for the time to the target loss (one round's training loss is noisy)."""
 
 
 def task(**table: Any) -> Any:
@@ -134,7 +137,11 @@ def run(sleeps: list[float], round_s: float | None, steps: int, max_micro: int, 
 
 def summarize(rows: dict[str, list[dict[str, Any]]], skip: int) -> dict[str, Any]:
     """Rounds/s and samples/s over the rounds from `skip` on (wall-clock between the rows of round skip - 1
-    and the last round, the latest peer's), the median micro-batches per peer, the final loss."""
+    and the last round, the latest peer's), the median micro-batches per peer, the final loss, and the loss
+    against the time since round skip - 1 (`curve`: each round's mean training loss over its rows).
+
+    A peer writes a row for each round its payload was in (a spanning peer: the rounds its payloads entered),
+    so the samples applied are those of every row of a round that was not aborted."""
     by_round: dict[int, list[dict[str, Any]]] = {}
     for peer_rows in rows.values():
         for r in peer_rows:
@@ -142,36 +149,49 @@ def summarize(rows: dict[str, list[dict[str, Any]]], skip: int) -> dict[str, Any
     rounds = sorted(n for n in by_round if n >= skip)
     start = max(r["time"] for r in by_round[skip - 1])
     end = max(r["time"] for r in by_round[rounds[-1]])
-    applied = [r for n in rounds for r in by_round[n] if not r["aborted"] and r["contributors"] == len(rows)]
+    applied = [r for n in rounds for r in by_round[n] if not r["aborted"]]
     incomplete = sum(1 for n in rounds if any(r["contributors"] < len(rows) for r in by_round[n]))
+    stale = [r["phases"].get("stale_rounds", 0) for rs in rows.values() for r in rs if r["round"] >= skip]
     return {"rounds_per_s": len(rounds) / (end - start),
             "samples_per_s": sum(r["samples"] for r in applied) / (end - start),
             "micro": {p: statistics.median(r["micro_batches"] for r in rs if r["round"] >= skip)
                       for p, rs in rows.items()},
+            "rows": {p: sum(1 for r in rs if r["round"] >= skip) for p, rs in rows.items()},
+            "stale_max": max(stale, default=0),
             "loss": statistics.fmean(r["loss"] for r in by_round[rounds[-1]]), "incomplete_rounds": incomplete,
+            "curve": [(max(r["time"] for r in by_round[n]) - start, statistics.fmean(r["loss"] for r in by_round[n]))
+                      for n in rounds],
             "digests_agree": all(len({r["param_digest"] for r in by_round[n]}) == 1 for n in rounds)}
+
+
+def time_to(curve: list[tuple[float, float]], target: float, window: int = WINDOW) -> float | None:
+    """The first time the mean loss of the last `window` rounds is at or below `target`; None: never."""
+    for i in range(window - 1, len(curve)):
+        if statistics.fmean(loss for _, loss in curve[i - window + 1 : i + 1]) <= target:
+            return curve[i][0]
+    return None
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sleeps-s", default="0.25,0.25,0.25,1.0", help="seconds each peer's micro-batch sleeps")
     parser.add_argument("--round-s", type=float, default=2.2, help="the fixed system's [net] round_s")
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=2, help="rounds left out at the start")
     parser.add_argument("--max-micro-batches", type=int, default=16)
     parser.add_argument("--smoke", action="store_true", help="short sleeps and 4 rounds: a check that it runs")
     parser.add_argument("--dht", action="store_true", help="DHT mode: peers on a hivemind DHT, no coordinator")
     args = parser.parse_args()
     if args.smoke:
-        args.sleeps_s, args.round_s, args.steps, args.skip = "0.02,0.02,0.02,0.08", 0.4, 4, 1
+        args.sleeps_s, args.round_s, args.steps, args.skip = "0.02,0.02,0.02,0.08", 0.4, 10, 1
     sleeps = [float(x) for x in args.sleeps_s.split(",")]
     slow = max(sleeps)
     fast = [s for s in sleeps if s < slow] or sleeps[:-1]
     batch = 16
-    systems: dict[str, tuple[list[float], float | None]] = {"lockstep": (sleeps, None)}
+    systems: dict[str, tuple[list[float], float | None]] = {"fast-only": (fast, 0.0), "lockstep": (sleeps, None)}
     if not args.dht:  # DHT mode has no automatic length: its round_s = 0 is lockstep
         systems["automatic"] = (sleeps, 0.0)
-    systems.update({"fixed": (sleeps, args.round_s), "fast-only": (fast, 0.0)})
+    systems["fixed"] = (sleeps, args.round_s)
     results = {}
     for name, (peer_sleeps, round_s) in systems.items():
         with tempfile.TemporaryDirectory() as tmp:
@@ -184,12 +204,20 @@ def main() -> int:
     print(f"mixed-speed swarm, {'DHT' if args.dht else 'coordinator'} mode: sleeps {sleeps} s a micro-batch of "
           f"{batch}; fixed round_s = {args.round_s} s; "
           f"rounds {args.skip}-{args.steps - 1}")
-    print(f"{'system':10} {'rounds/s':>9} {'samples/s':>10} {'loss':>7} {'incomplete':>10} {'digests':>8}  "
-          f"micro-batches a round (median, per peer)")
+    fast_curve = results["fast-only"]["curve"]
+    target = statistics.fmean(loss for _, loss in fast_curve[-WINDOW:])  # where the fast peers alone end
+    print(f"{'system':10} {'rounds/s':>9} {'samples/s':>10} {'loss':>7} {'to target':>10} {'incomplete':>10} "
+          f"{'stale':>6} {'digests':>8}  micro-batches a round (median) / rows, per peer")
     for name, r in results.items():
+        reached = time_to(r["curve"], target)
+        per_peer = " ".join(f"{m:g}/{r['rows'][p]}" for p, m in r["micro"].items())
+        to_target = "-" if reached is None else f"{reached:.1f} s"
         print(f"{name:10} {r['rounds_per_s']:9.2f} {r['samples_per_s']:10.1f} {r['loss']:7.3f} "
-              f"{r['incomplete_rounds']:10d} {'agree' if r['digests_agree'] else 'DIFFER':>8}  "
-              f"{' '.join(f'{m:g}' for m in r['micro'].values())}")
+              f"{to_target:>10} {r['incomplete_rounds']:10d} {r['stale_max']:6d} "
+              f"{'agree' if r['digests_agree'] else 'DIFFER':>8}  "
+              f"{per_peer}")
+    print(f"target loss {target:.4f}: the fast peers' alone, mean of their last {WINDOW} rounds; 'to target': the "
+          f"first time the mean of {WINDOW} rounds is at or below it, from round {args.skip - 1}'s end")
     print(f"lockstep / fast-only samples/s: {results['lockstep']['samples_per_s'] / fast_alone:.2f}x "
           "(what adding the slow peer costs in lockstep)")
     for name in ("automatic", "fixed"):

@@ -14,7 +14,7 @@ The automatic policy, per close, over the latest report of every member:
   `max_micro_batches` median rounds (or half the round timeout) does not stretch the round; it is waited for
   until the round's deadline (`deadline_s`) only.
 - Back to lockstep once the slowest is within `ALIKE_OFF` times the median again (hysteresis: no flapping).
-- A member slowed by its compute, not its link (its one-micro-batch round over `SPAN` times the median member's
+- A member slowed by its compute, not its link (its one-micro-batch round over `SPAN` (1.5) times the median member's
   round, its upload under `LINK_SHARE` of it), spans rounds instead: it is left out of the length above and
   rounds do not wait for it (`spanning`); its payload, from parameters some rounds old, enters the round that is
   open when it comes (docs/coordinator.md#mixed-speed-peers). Rounds stay as short as the others need: DeMo's
@@ -41,7 +41,7 @@ loss sooner: DeMo's sign step moves every parameter by the lr each round, howeve
 so rounds of twice the slowest one's (0.92x the samples of every peer kept busy, against 0.81x with once) took
 1.6x lockstep's time to the same loss in `demonet bench` (docs/evidence.md#mixed-swarms). The tenth over once
 lets a faster peer finish the micro-batch it would otherwise idle through."""
-SPAN = 2.0
+SPAN = ALIKE
 """A member whose one-micro-batch round is over this many times the median member's round spans rounds..."""
 LINK_SHARE = 0.25
 """...where its upload takes under this share of that round (a slow link stretches the round instead: a peer
