@@ -296,7 +296,7 @@ class ParametersRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class SubmitPart(_message.Message):
-    __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature", "digest_follows", "samples", "need_s", "least_s")
+    __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature", "digest_follows", "samples", "need_s", "least_s", "train_s")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +307,7 @@ class SubmitPart(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NEED_S_FIELD_NUMBER: _ClassVar[int]
     LEAST_S_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_S_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     param_digest: str
@@ -317,7 +318,8 @@ class SubmitPart(_message.Message):
     samples: int
     need_s: float
     least_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., digest_follows: bool = ..., samples: _Optional[int] = ..., need_s: _Optional[float] = ..., least_s: _Optional[float] = ...) -> None: ...
+    train_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., digest_follows: bool = ..., samples: _Optional[int] = ..., need_s: _Optional[float] = ..., least_s: _Optional[float] = ..., train_s: _Optional[float] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted", "reason", "resync", "refusal", "open_round")

@@ -208,7 +208,7 @@ class RoundCore:
                 self.metrics.refused(s.peer_id, s.round, "resync", reason)
                 raise SubmitRejected(reason, Refusal.RESYNC)
             self.inbox.accept(s)
-            self.pace.report(s.peer_id, s.need_s, s.least_s, s.stream_s)
+            self.pace.report(s.peer_id, s.need_s, s.least_s, s.train_s)
             self._changed()
             return self.rounds.round
 

@@ -161,7 +161,8 @@ class LocalClient:
         submission = Submission(peer_id=self.peer_id, round=round, payload=decoded,
                                 payload_digest=hashlib.sha256(data).digest(), param_digest=await param_digest.known(),
                                 loss=loss, size=len(data), samples=samples,
-                                need_s=pace.need_s if pace else 0.0, least_s=pace.least_s if pace else 0.0)
+                                need_s=pace.need_s if pace else 0.0, least_s=pace.least_s if pace else 0.0,
+                                train_s=pace.train_s if pace else 0.0)
         try:
             await core.submit(submission)
         except SubmitRejected as e:

@@ -14,11 +14,12 @@ The automatic policy, per close, over the latest report of every member:
   `max_micro_batches` median rounds (or half the round timeout) does not stretch the round; it is waited for
   until the round's deadline (`deadline_s`) only.
 - Back to lockstep once the slowest is within `ALIKE_OFF` times the median again (hysteresis: no flapping).
-- A member slowed by its compute, not its link (its one-micro-batch round over `SPAN` (1.5) times the median member's
-  round, its upload under `LINK_SHARE` of it), spans rounds instead: it is left out of the length above and
-  rounds do not wait for it (`spanning`); its payload, from parameters some rounds old, enters the round that is
-  open when it comes (docs/coordinator.md#mixed-speed-peers). Rounds stay as short as the others need: DeMo's
-  step moves every parameter by about the lr each round, so more rounds reach a loss sooner.
+- A member slowed by its compute, not its link (its one-micro-batch round over `SPAN` (1.5) times the median
+  member's round, at least `COMPUTE_SHARE` of it its forward and backward, `train_s`), spans rounds instead: it
+  is left out of the length above and rounds do not wait for it (`spanning`); its payload, from parameters some
+  rounds old, enters the round that is open when it comes (docs/coordinator.md#mixed-speed-peers). Rounds stay
+  as short as the others need: DeMo's step moves every parameter by about the lr each round, so more rounds
+  reach a loss sooner.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["ALIKE", "ALIKE_OFF", "LINK_SHARE", "MIN_GAP_S", "SLOWEST_MICRO_BATCHES", "SPAN", "RoundPace"]
+__all__ = ["ALIKE", "ALIKE_OFF", "COMPUTE_SHARE", "MIN_GAP_S", "SLOWEST_MICRO_BATCHES", "SPAN", "RoundPace"]
 
 ALIKE = 1.5
 """Rounds go by the clock once the slowest member's round is over this many times the median member's."""
@@ -43,9 +44,9 @@ so rounds of twice the slowest one's (0.92x the samples of every peer kept busy,
 lets a faster peer finish the micro-batch it would otherwise idle through."""
 SPAN = ALIKE
 """A member whose one-micro-batch round is over this many times the median member's round spans rounds..."""
-LINK_SHARE = 0.25
-"""...where its upload takes under this share of that round (a slow link stretches the round instead: a peer
-that spans downloads the parameters it missed, which a slow link cannot afford)."""
+COMPUTE_SHARE = 0.5
+"""...where at least this share of that round is its forward and backward (a slow link stretches the round
+instead: a peer that spans downloads the aggregates it missed, which a slow link cannot afford)."""
 SMOOTHING = 0.5
 """Each close moves the automatic length this far toward the newly computed one."""
 
@@ -69,8 +70,8 @@ class RoundPace:
     """The next round's length (0: lockstep)."""
     reports: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Each member's latest (need_s, least_s)."""
-    uploads: dict[str, float] = field(default_factory=dict)
-    """Each member's latest upload seconds, as the coordinator received its payload."""
+    trains: dict[str, float] = field(default_factory=dict)
+    """Each member's latest `train_s`: one micro-batch's forward and backward alone."""
     spanning: set[str] = field(default_factory=set)
     """The members whose one micro-batch spans rounds (automatic length only): rounds do not wait for them."""
 
@@ -85,12 +86,11 @@ class RoundPace:
         """Whether the length follows the reports (neither fixed nor lockstep)."""
         return not self.fixed_s and not self.lockstep
 
-    def report(self, peer_id: str, need_s: float, least_s: float, upload_s: float = 0.0) -> None:
-        """A member's report, from its accepted payload, and how long that payload took to arrive; zeros (not
-        measured yet) are ignored."""
+    def report(self, peer_id: str, need_s: float, least_s: float, train_s: float = 0.0) -> None:
+        """A member's report, from its accepted payload; zeros (not measured yet) are ignored."""
         if need_s > 0 and least_s > 0:
             self.reports[peer_id] = (need_s, least_s)
-            self.uploads[peer_id] = max(0.0, upload_s)
+            self.trains[peer_id] = max(0.0, train_s)
 
     def close(self, members: Iterable[str]) -> float:
         """At a round's close: the next round's length, from the latest reports of the current `members`."""
@@ -98,7 +98,7 @@ class RoundPace:
             return self.round_s
         members = set(members)
         self.reports = {p: r for p, r in self.reports.items() if p in members}
-        self.uploads = {p: u for p, u in self.uploads.items() if p in members}
+        self.trains = {p: t for p, t in self.trains.items() if p in members}
         if not self.reports:
             return self.round_s
         self.spanning = self._spanning()
@@ -116,7 +116,7 @@ class RoundPace:
             return set()
         median = statistics.median_low(need for need, _ in self.reports.values())
         return {p for p, (_, least) in self.reports.items()
-                if least > SPAN * median and self.uploads.get(p, 0.0) < LINK_SHARE * least}
+                if least > SPAN * median and self.trains.get(p, 0.0) >= COMPUTE_SHARE * least}
 
     def _target(self, reports: list[tuple[float, float]]) -> float:
         needs = [need for need, _ in reports]

@@ -38,7 +38,7 @@ __all__ = ["REFUSALS", "SubmitReader"]
 logger = logging.getLogger(__name__)
 
 _MOST_S = 86400.0
-"""The largest round time a peer may report (`need_s`, `least_s`): a day."""
+"""The largest round time a peer may report (`need_s`, `least_s`, `train_s`): a day."""
 
 REFUSALS = {Refusal.STALE: pb.REFUSAL_STALE, Refusal.FUTURE: pb.REFUSAL_FUTURE,
             Refusal.NOT_MEMBER: pb.REFUSAL_NOT_MEMBER, Refusal.DUPLICATE: pb.REFUSAL_DUPLICATE,
@@ -152,7 +152,7 @@ class SubmitReader:
             open_round = await core.submit(Submission(
                 peer_id=head.peer_id, round=head.round, payload=payload, payload_digest=head.part.payload_digest,
                 param_digest=param_digest, loss=head.loss, size=len(data), stream_s=stream_s,
-                samples=int(head.samples), need_s=head.need_s, least_s=head.least_s))
+                samples=int(head.samples), need_s=head.need_s, least_s=head.least_s, train_s=head.train_s))
         except SubmitRejected as e:
             return _reply(e, core.rounds.round)
         except PeerUnavailable as e:
@@ -172,9 +172,9 @@ class SubmitReader:
             raise InvalidPayload("the first part carries a parameter digest although it was to follow")
         await self._check_signature(head, head.signature, head.param_digest, context)
         check_samples(head.samples, self.core.cfg.net.max_samples_per_round)
-        if not all(0.0 <= s <= _MOST_S for s in (head.need_s, head.least_s)):  # NaN fails too
-            raise InvalidPayload(f"need_s and least_s should be seconds between 0 and {_MOST_S:g}, got "
-                                 f"{head.need_s!r} and {head.least_s!r}")
+        if not all(0.0 <= s <= _MOST_S for s in (head.need_s, head.least_s, head.train_s)):  # NaN fails too
+            raise InvalidPayload(f"need_s, least_s and train_s should be seconds between 0 and {_MOST_S:g}, got "
+                                 f"{head.need_s!r}, {head.least_s!r} and {head.train_s!r}")
         # refuse before reading (and decoding) the rest of the stream
         self.core.inbox.check(head.peer_id, head.round, head.part.payload_digest, early=head.digest_follows)
         self._open_stream(head, ends)
@@ -190,7 +190,7 @@ class SubmitReader:
         try:
             await self.admission.signed(head.peer_id, signature, submit_statement(
                 self.admission.session(head.peer_id) or b"", head.peer_id, head.round, head.part.payload_digest,
-                param_digest, head.loss, head.samples, head.need_s, head.least_s), context)
+                param_digest, head.loss, head.samples, head.need_s, head.least_s, head.train_s), context)
         except NotJoined as e:
             raise self.core.inbox.refuse(SubmitRejected(f"{e}: join the run first", Refusal.NOT_MEMBER), head.peer_id,
                                    head.round, b"") from None

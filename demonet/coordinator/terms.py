@@ -52,3 +52,5 @@ class Submission:
     the automatic round length, `demonet.coordinator.pace`)."""
     least_s: float = 0.0
     """The same for a round of one micro-batch."""
+    train_s: float = 0.0
+    """One micro-batch's forward and backward alone (0: not measured)."""

@@ -52,4 +52,4 @@ class PeerPace:
         if link is not None and link.k:
             exchange_s += max(0.0, link.upload_s(link.max_k) - link.upload_s(link.k))
         return Pace(need_s=self.own_micro_batches * self.micro_batch_s + exchange_s,
-                    least_s=self.micro_batch_s + exchange_s)
+                    least_s=self.micro_batch_s + exchange_s, train_s=self.micro_batch_s)

@@ -97,8 +97,10 @@ def pin_tokenizer(cfg: Any) -> Any:
     if not cfg.train.tokens or (cfg.train.tokenizer and cfg.train.tokens_pin):
         return cfg
     tokens = open_tokens(cfg.train.tokens, pin=cfg.train.tokens_pin or None)
-    return dataclasses.replace(cfg, train=dataclasses.replace(
-        cfg.train, tokenizer=cfg.train.tokenizer or tokens.header.tokenizer, tokens_pin=tokens.pin or ""))
+    tokenizer, pin = cfg.train.tokenizer or tokens.header.tokenizer, tokens.pin or ""
+    if (tokenizer, pin) == (cfg.train.tokenizer, cfg.train.tokens_pin):
+        return cfg  # a file without a sidecar has no pin: nothing more to set
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, tokenizer=tokenizer, tokens_pin=pin))
 
 
 def build_task(cfg: Any) -> Task:

@@ -126,6 +126,8 @@ class Pace:
     """Seconds for a round of this peer's own micro-batches: training, compress, upload and apply."""
     least_s: float = 0.0
     """The same for a round of one micro-batch."""
+    train_s: float = 0.0
+    """One micro-batch's forward and backward alone: what of `least_s` is compute, not the link."""
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,7 @@ def task_files_statement(session: bytes, peer_id: str, counter: int) -> bytes:
 
 
 def submit_statement(session: bytes, peer_id: str, round: int, payload_digest: bytes, param_digest: str,
-                     loss: float, samples: int = 1, need_s: float = 0.0, least_s: float = 0.0) -> bytes:
+                     loss: float, samples: int = 1, need_s: float = 0.0, least_s: float = 0.0,
+                     train_s: float = 0.0) -> bytes:
     return statement("submit", session, peer_id, round, payload_digest, param_digest, float(loss), int(samples),
-                     float(need_s), float(least_s))
+                     float(need_s), float(least_s), float(train_s))

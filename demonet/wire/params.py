@@ -18,10 +18,10 @@ from .digest import dtype_name, param_digest
 
 __all__ = ["MAX_PARAMETER_BYTES", "PROTOCOL", "decode_parameters", "encode_parameters", "protocol_mismatch"]
 
-PROTOCOL = 2
+PROTOCOL = 3
 """The protocol version (docs/protocol.md, "Versions"): `Parameters.version`, and `protocol` in a JoinRequest and
-its JoinReply. 2: the parameter digest hashes length-prefixed canonical bytes; 1 hashed Python's text of the
-dtype and shape."""
+its JoinReply. 3: the submit statement signs `train_s`; 2: the parameter digest hashes length-prefixed canonical
+bytes; 1 hashed Python's text of the dtype and shape."""
 
 MAX_PARAMETER_BYTES = 8 * 2**30
 """Largest serialized Parameters message accepted (protobuf itself stops at 2 GiB per message)."""

@@ -7,7 +7,7 @@ const zlib = require('node:zlib');
 const protobuf = require('protobufjs');
 
 const DOMAIN = Buffer.from('demonet/v1\0', 'latin1');
-const PROTOCOL = 2;
+const PROTOCOL = 3;
 
 // -- signed statements (docs/protocol.md, Signed statements) ------------------------------------------
 

@@ -29,44 +29,45 @@ def test_a_hiccup_of_milliseconds_does_not_turn_rounds_over() -> None:
 
 
 def test_a_slow_link_turns_rounds_to_the_clock_long_enough_for_its_one_micro_batch() -> None:
-    """Three peers of 0.35 s a round and one of 1.1 s whose upload takes 0.5 s (a slow link, one micro-batch
-    each): the round is the slow one's one micro-batch and exchange and a tenth, so it is in every round and the
-    others train four."""
+    """Three peers of 0.35 s a round and one of 1.1 s of which its forward and backward are 0.25 s (a slow link,
+    one micro-batch each): the round is the slow one's one micro-batch and exchange and a tenth, so it is in every
+    round and the others train four."""
     pace = _pace()
     for peer in "abc":
         pace.report(peer, 0.35, 0.35)
-    pace.report("slow", 1.1, 1.1, upload_s=0.5)
+    pace.report("slow", 1.1, 1.1, train_s=0.25)
     assert pace.close(["a", "b", "c", "slow"]) == pytest.approx(1.21)
     assert pace.deadline_s(30.0) == pytest.approx(3.42)  # twice the length and a second
     # The next close moves halfway toward a new target (the slow one got slower), never jumps.
-    pace.report("slow", 2.1, 2.1, upload_s=1.0)
+    pace.report("slow", 2.1, 2.1, train_s=0.25)
     assert pace.close(["a", "b", "c", "slow"]) == pytest.approx(1.21 + 0.5 * (2.31 - 1.21))
     assert pace.spanning == set()
 
 
 def test_a_member_too_slow_for_any_round_is_not_waited_for() -> None:
-    """One micro-batch of 100 s, over 16 median rounds of 0.35 s (5.6 s): the round is not stretched toward it."""
+    """One micro-batch round of 100 s (99 s of it its link), over 16 median rounds of 0.35 s (5.6 s): the round is
+    not stretched toward it."""
     pace = _pace()
     for peer in "abc":
         pace.report(peer, 0.35, 0.35)
-    pace.report("glacial", 100.0, 100.0, upload_s=90.0)
+    pace.report("glacial", 100.0, 100.0, train_s=1.0)
     assert pace.close(["a", "b", "c", "glacial"]) == pytest.approx(1.1 * 0.35)  # as if it were not there
 
 
 def test_a_member_slow_by_its_compute_spans_rounds_and_rounds_stay_lockstep() -> None:
-    """Three peers of 0.35 s a round and one whose micro-batch takes 1.1 s, its upload 10 ms: it spans rounds
+    """Three peers of 0.35 s a round and one whose round is 1.1 s, 1.0 s of it its forward and backward: it spans rounds
     (its payload enters the round open when it comes) and rounds stay as short as the three need. Its report
     stays, so once it is as fast as the others it is waited on again."""
     pace = _pace()
     for peer in "abc":
-        pace.report(peer, 0.35, 0.35, upload_s=0.01)
-    pace.report("slow", 1.1, 1.1, upload_s=0.01)
+        pace.report(peer, 0.35, 0.35, train_s=0.25)
+    pace.report("slow", 1.1, 1.1, train_s=1.0)
     assert pace.close(["a", "b", "c", "slow"]) == 0.0 and pace.spanning == {"slow"}
-    pace.report("slow", 0.5, 0.5, upload_s=0.01)  # under SPAN times the median: alike again, waited on
+    pace.report("slow", 0.5, 0.5, train_s=0.4)  # under SPAN times the median: alike again, waited on
     assert pace.close(["a", "b", "c", "slow"]) == 0.0 and pace.spanning == set()
     two = _pace()  # of two members neither is the norm: the clock covers the slower one
     two.report("a", 0.35, 0.35)
-    two.report("slow", 1.1, 1.1)
+    two.report("slow", 1.1, 1.1, train_s=1.0)
     assert two.close(["a", "slow"]) > 0 and two.spanning == set()
 
 
@@ -74,7 +75,7 @@ def test_rounds_go_back_to_lockstep_once_the_slow_member_leaves() -> None:
     pace = _pace()
     for peer in "abc":
         pace.report(peer, 0.35, 0.35)
-    pace.report("slow", 1.1, 1.1, upload_s=0.5)
+    pace.report("slow", 1.1, 1.1, train_s=0.25)
     assert pace.close(["a", "b", "c", "slow"]) > 0
     assert pace.close(["a", "b", "c"]) == 0.0  # its report goes with its membership
 

@@ -13,6 +13,7 @@ from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 from demonet.tasks.hf import TASK, shipped_paths, with_shipped_files
 from demonet.wire import task_files as tf
+from demonet.wire.params import PROTOCOL
 
 FILES = {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b'{"model": {"type": "BPE"}}' * 50}
 
@@ -81,7 +82,7 @@ def test_a_missing_an_unlisted_or_an_unreadable_file_is_refused() -> None:
     with pytest.raises(InvalidPayload, match="not a TaskFiles message"):
         tf.decode_task_files(b"\xff\xff\xff", listing)
     other_version = pb.TaskFiles(version=1).SerializeToString()
-    with pytest.raises(InvalidPayload, match="TaskFiles version 1, this peer speaks 2"):
+    with pytest.raises(InvalidPayload, match=f"TaskFiles version 1, this peer speaks {PROTOCOL}"):
         tf.decode_task_files(other_version, listing)
 
 

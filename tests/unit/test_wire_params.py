@@ -50,11 +50,11 @@ def test_bad_parameters_are_rejected(edit: str) -> None:
         decode_parameters(_tampered(edit), expected=EXPECTED)
 
 
-@pytest.mark.parametrize("version", [0, 1, 3])
+@pytest.mark.parametrize("version", [0, 1, 2, 4])
 def test_parameters_of_another_protocol_version_name_both(version: int) -> None:
     msg = pb.Parameters()
     msg.ParseFromString(encode_parameters(NAMED, round=1))
-    assert msg.version == PROTOCOL == 2
+    assert msg.version == PROTOCOL == 3
     msg.version = version
     with pytest.raises(InvalidPayload, match=f"protocol {version or 1} and this peer protocol {PROTOCOL}"):
         decode_parameters(msg.SerializeToString(), expected=EXPECTED)
