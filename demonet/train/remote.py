@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -159,7 +160,7 @@ class ShardReader:
     """
 
     def __init__(self, source: Source, table: ShardTable, pin: str, *, cache: ShardCache | None = None,
-                 retry: RetryPolicy = DEFAULT_RETRY, keep: int = 8) -> None:
+                 retry: RetryPolicy = DEFAULT_RETRY, keep: int = 8, meta_s: float | None = None) -> None:
         """Sets up the reader; nothing is fetched until `shard` or `prefetch`.
 
         Args:
@@ -169,10 +170,13 @@ class ShardReader:
             cache: where verified shards are kept across restarts; None: nowhere (a local file).
             retry: how failed reads are tried again.
             keep: verified shards kept in memory.
+            meta_s: the seconds its opener took to read the header and sidecar, for the one line the reader logs
+                when its first shard is in (INFO); None: not known.
         """
         self.source, self.table, self.pin, self.cache, self.retry = source, table, pin, cache, retry
         self.bytes_fetched = 0
         """Bytes read from the source for shards (not from the cache)."""
+        self._meta_s, self._logged = meta_s, False
         self._dtype = _NUMPY[table.itemsize]
         self._keep = max(2, keep)
         self._memory: OrderedDict[int, npt.NDArray[Any]] = OrderedDict()
@@ -219,10 +223,12 @@ class ShardReader:
 
     def _run(self, index: int, future: Future[npt.NDArray[Any]]) -> None:
         """Loads shard `index` into memory and settles `future` with it, or with the error."""
+        start_s = time.monotonic()
         try:
-            data = self._cached(index)
+            data, how = self._cached(index), "from the cache"
             if data is None:
                 data = fetch(f"shard {index} of {self.source.location}", lambda: self._fetch(index), self.retry)
+                how = "fetched" if self.cache is not None else "read"
                 if self.cache is not None:
                     self.cache.put(index, data)
             ids = np.frombuffer(data, dtype=self._dtype)
@@ -230,12 +236,23 @@ class ShardReader:
                 self._memory[index] = ids
                 while len(self._memory) > self._keep:
                     self._memory.popitem(last=False)
+            self._log_first(index, len(data), how, time.monotonic() - start_s)
             future.set_result(ids)
         except BaseException as e:  # handed to whoever waits on the future, which raises it
             future.set_exception(e)
         finally:
             with self._lock:
                 self._pending.pop(index, None)
+
+    def _log_first(self, index: int, num_bytes: int, how: str, seconds: float) -> None:
+        """One INFO line per reader, for its first shard in: what a peer waits for before its first batch."""
+        with self._lock:
+            if self._logged:
+                return
+            self._logged = True
+        meta = "" if self._meta_s is None else f"; the header and sidecar took {self._meta_s:.3f} s"
+        logger.info("the first shard of %s in: shard %d, %d bytes, %s and verified in %.3f s%s", self.source.location,
+                    index, num_bytes, how, seconds, meta)
 
     def _cached(self, index: int) -> bytes | None:
         """The shard from the cache if it is there and still matches its hash; a bad copy is deleted."""

@@ -7,6 +7,7 @@ Training layer: imports the token, shard, source and reader modules; no demonet 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +109,7 @@ def open_tokens(location: str | Path, *, pin: str | None = None, cache_dir: Path
     if not is_url(location):
         return _open_local(Path(where.removeprefix("file://")), where, pin)
     source = open_source(where)
+    start_s = time.monotonic()
     root = cache_dir or default_cache_dir()
     raw = ShardCache(root, pin, cache_bytes).get_meta() if pin is not None else None
     if raw is None or pin_of(*raw) != pin:  # not saved yet, or a damaged copy
@@ -116,7 +118,8 @@ def open_tokens(location: str | Path, *, pin: str | None = None, cache_dir: Path
     table, found = _checked(raw, header, where, pin)
     cache = ShardCache(root, found, cache_bytes)
     cache.put_meta(*raw)
-    return TokenData(where, header, ShardReader(source, table, found, cache=cache, retry=retry), None)
+    reader = ShardReader(source, table, found, cache=cache, retry=retry, meta_s=time.monotonic() - start_s)
+    return TokenData(where, header, reader, None)
 
 
 def _open_local(path: Path, where: str, pin: str | None) -> TokenData:
@@ -128,11 +131,13 @@ def _open_local(path: Path, where: str, pin: str | None) -> TokenData:
                              "make it with `demonet data shard FILE`")
         file = TokenFile.open(path)
         return TokenData(where, file.header, None, file)
+    start_s = time.monotonic()
     header = read_header(path)
     with open(path, "rb") as f:
         raw = (f.read(HEADER_BYTES), sidecar.read_bytes())
     table, found = _checked(raw, header, where, pin)
-    return TokenData(where, header, ShardReader(FileSource(path), table, found), None)
+    return TokenData(where, header, ShardReader(FileSource(path), table, found, meta_s=time.monotonic() - start_s),
+                     None)
 
 
 def _checked(raw: tuple[bytes, bytes], header: TokenHeader, where: str, pin: str | None) -> tuple[ShardTable, str]:

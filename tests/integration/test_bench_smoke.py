@@ -41,6 +41,7 @@ SCRIPTS = {
     "signatures.py": r"^\| verify it \(coordinator\) \| \d+\.\d \|$",
     "task_vs_adamw.py": r"^loss at equal steps \(3\), demonet / AdamW, mean of the last \d+: \d+\.\d+",
     "value_coding.py": r"^\| one peer's \(fp32 values\) \| fp32 \| [\d,]+ \| [\d,]+ \| \d\.\d+ \|",
+    "volunteer_join.py": r"^\| 3 \| [\d,]+ \| [\d,]+ \| \d+\.\d{3}x \| [\d,]+ \| [\d,]+ \|$",
     "wire_bytes.py": r"^fp32\s+entropy\s+real\s+[\d,]+\s+\d+\.\d%",
 }
 """Each script, and a line of the table it prints (a figure, not only a header)."""

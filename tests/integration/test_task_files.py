@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -145,7 +146,9 @@ def test_a_peer_in_an_empty_folder_trains_the_run_on_the_files_it_ships(coordina
     assert "model.safetensors" in {p.name for p in shipped.iterdir()}
     assert sorted(p.name for p in copy.iterdir()) == SHIPPED  # never the weights
     assert all((copy / n).read_bytes() == (shipped / n).read_bytes() for n in SHIPPED)
-    assert f"the run's task files ({', '.join(SHIPPED)}" in peer.stderr
+    size = sum((shipped / n).stat().st_size for n in SHIPPED)
+    assert re.search(rf"the run's task files \({re.escape(', '.join(SHIPPED))}: {size} bytes, fetched and checked in "
+                     r"\d+\.\d{3} s\) are in ", peer.stderr), peer.stderr[-3000:]
     by_round = rows_by_round(lambda p: metrics_rows(empty / "runs" / "peer", p), ["solo"])  # no resync either
     assert sorted(by_round) == list(range(STEPS))
     rows = [by_round[r]["solo"] for r in range(STEPS)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +14,9 @@ import pytest
 import torch
 
 from demonet.cli import main
-from demonet.train.remote import RetryPolicy, ShardCache
+from demonet.train.remote import RetryPolicy, ShardCache, ShardReader
 from demonet.train.shards import ShardMismatch, ShardTable, TokenDataError, pin_of, split_shards, write_shards
+from demonet.train.sources import FileSource
 from demonet.train.token_data import open_tokens
 from demonet.train.tokens import HEADER_BYTES, TokenBatches, write_tokens
 from demonet.train.walk import ShardBatches
@@ -136,6 +139,34 @@ def test_a_corrupted_local_shard_is_refused_naming_it_and_no_batch_comes_out(tmp
         stream.batch(0)
     assert isinstance(caught.value.__cause__, ShardMismatch) and caught.value.__cause__.index == shard
     assert stream.num_batches == 0
+
+
+def test_a_reader_logs_one_line_for_its_first_shard_with_its_time_and_its_header_and_sidecars(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = _file(tmp_path)
+    caplog.set_level(logging.INFO, logger="demonet.train.remote")
+    data = open_tokens(path)
+    stream = data.batches(batch_size=4, seq_len=63, seed=1)  # one shard a batch
+    first = stream.windows(0)[0][0]
+    for _ in range(6):
+        next(stream)
+    data.close()
+    (line,) = [r.getMessage() for r in caplog.records if "first shard" in r.getMessage()]  # not one per shard
+    assert re.fullmatch(rf"the first shard of {re.escape(str(path))} in: shard {first}, 512 bytes, read and "
+                        r"verified in \d+\.\d{3} s; the header and sidecar took \d+\.\d{3} s", line), line
+
+    caplog.clear()
+    assert data.reader is not None
+    table, pin = data.reader.table, data.reader.pin
+    for _ in range(2):  # a reader with a cache: the next one finds the shard there
+        reader = ShardReader(FileSource(path), table, pin, cache=ShardCache(tmp_path / "cache", pin))
+        reader.shard(3)
+        reader.shard(4)
+        reader.close()
+    lines = [r.getMessage() for r in caplog.records if "first shard" in r.getMessage()]
+    assert [re.sub(r"\d+\.\d{3} s", "T", x) for x in lines] == [
+        f"the first shard of {path} in: shard 3, 512 bytes, {how} and verified in T" for how in ("fetched",
+                                                                                                 "from the cache")]
 
 
 def test_the_cache_keeps_verified_shards_within_its_cap_least_recently_used_out(tmp_path: Path) -> None:
