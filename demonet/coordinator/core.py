@@ -30,7 +30,7 @@ from .persist import HandOff, Persister
 from .rounds import ClosedRound, RoundConfig, Rounds
 from .state import CanonicalState, ClosedAggregate
 from .status import status_document
-from .terms import KEEP_AGGREGATES, CoreOptions, Submission
+from .terms import KEEP_AGGREGATE_BYTES, KEEP_AGGREGATES, MIN_KEPT_AGGREGATES, CoreOptions, Submission
 
 __all__ = ["RoundCore"]
 
@@ -212,6 +212,20 @@ class RoundCore:
             self._changed()
             return self.rounds.round
 
+    def stream_began(self, peer_id: str, round: int) -> None:
+        """A member's payload for `round` is on its way (its stream's first part is checked): if that is the open
+        round, it waits for it until the stream ends (`Rounds.active`: a newcomer's first payload, say)."""
+        if round == self.rounds.round and peer_id in self.rounds.members:
+            self.rounds.incoming.add(peer_id)
+
+    async def stream_ended(self, peer_id: str) -> None:
+        """A member's stream ended, its payload counted or not: the open round no longer waits for it as on its
+        way (it may close now)."""
+        async with self.cond:
+            if peer_id in self.rounds.incoming:
+                self.rounds.incoming.discard(peer_id)
+                self.cond.notify_all()
+
     # -- aggregates ----------------------------------------------------------------------------------
 
     async def aggregate(self, peer_id: str, round: int, *, submitting: bool = False) -> ClosedAggregate:
@@ -316,8 +330,10 @@ class RoundCore:
             self.on_open(r.round)
         assert decided.round == outcome.round, "the round changed while it was merged; calls should wait on `cond`"
         self.aggregates[closed.round] = closed
-        while len(self.aggregates) > KEEP_AGGREGATES:
-            self.aggregates.popitem(last=False)
+        kept = sum(len(a.data) for a in self.aggregates.values())
+        while len(self.aggregates) > KEEP_AGGREGATES or (kept > KEEP_AGGREGATE_BYTES
+                                                         and len(self.aggregates) > MIN_KEPT_AGGREGATES):
+            kept -= len(self.aggregates.popitem(last=False)[1].data)
         if applied is not None:
             self.applying = closed.round
         close_s = _now() - started  # the critical path: from here on, nothing waits for the apply but its digest

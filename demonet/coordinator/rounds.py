@@ -87,6 +87,7 @@ class Rounds:
     worked: set[str] = field(default_factory=set)  # peers with an accepted payload (kept when they leave: a peer that
     # rejoins is waited on again at once; an id with no work costs a payload to count)
     spanning: set[str] = field(default_factory=set)  # members slower than a round: not waited on, not counted idle
+    incoming: set[str] = field(default_factory=set)  # members whose payload for the open round is on its way
     limit_s: float = 0.0
     """How long the open round waits for its members (`deadline`); 0: `round_timeout_s`. Rounds by the
     automatic clock wait about twice their length (`demonet.coordinator.pace.RoundPace.deadline_s`)."""
@@ -103,8 +104,11 @@ class Rounds:
 
     @property
     def active(self) -> list[str]:
-        """The members the open round waits for: those with accepted work (`worked`), not idle, not spanning."""
-        return [p for p in self.members if p in self.worked and p not in self.idle and p not in self.spanning]
+        """The members the open round waits for: those with accepted work (`worked`), not idle, not spanning; and
+        any member whose payload for it is on its way (`incoming`: a newcomer's first, say), until it is in or
+        its stream ends."""
+        return [p for p in self.members if p in self.incoming
+                or (p in self.worked and p not in self.idle and p not in self.spanning)]
 
     def join(self, peer_id: str, now: float) -> int:
         """Add a peer; returns the first round it is a member of (a member rejoining: the open one)."""
@@ -211,6 +215,7 @@ class Rounds:
         self._count_missed([p for p in late if p not in self.spanning and p in self.worked])
         self.round += 1
         self.submitted = []
+        self.incoming = set()
         self.members.update(self.joiners)
         self.joiners = {}
         self.opened_at = now

@@ -42,7 +42,7 @@ from .terms import KEEP_AGGREGATES, CoreOptions
 
 __all__ = ["ROUND_WINDOW", "CoordinatorOptions", "CoordinatorServicer"]
 
-ROUND_WINDOW = KEEP_AGGREGATES
+ROUND_WINDOW = 8
 """A Heartbeat or Leave signed for a round this many rounds or more before the open one is stale: answered, never
 acted on (a peer that far behind catches up first)."""
 

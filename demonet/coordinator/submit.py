@@ -90,6 +90,17 @@ class SubmitReader:
 
     async def _read(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
                     ) -> pb.SubmitReply:
+        """One Submit stream (`_read_stream`); from its checked first part to its end, the open round it is for
+        waits for it (`RoundCore.stream_began`)."""
+        incoming: list[str] = []
+        try:
+            return await self._read_stream(request_iterator, context, incoming)
+        finally:
+            if incoming:
+                await self.core.stream_ended(incoming[0])
+
+    async def _read_stream(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any],
+                           incoming: list[str]) -> pb.SubmitReply:
         """One Submit stream, read part by part (its first within `first_part_s`), then handed to the core."""
         core = self.core
         began = time.perf_counter()  # the stream's start: its bytes over its duration are the sender's link speed
@@ -107,6 +118,8 @@ class SubmitReader:
                 if head is None:
                     head = part
                     await self._first_part(head, ends, context)
+                    incoming.append(head.peer_id)
+                    core.stream_began(head.peer_id, head.round)
                 elif (part.peer_id, part.round) != (head.peer_id, head.round):
                     raise InvalidPayload("parts of one submission name different peers or rounds")
                 if data is None:

@@ -11,10 +11,15 @@ from pathlib import Path
 
 from demonet.optim import Payload
 
-__all__ = ["KEEP_AGGREGATES", "CoreOptions", "Submission"]
+__all__ = ["KEEP_AGGREGATE_BYTES", "KEEP_AGGREGATES", "MIN_KEPT_AGGREGATES", "CoreOptions", "Submission"]
 
-KEEP_AGGREGATES = 8
-"""Closed rounds whose aggregate a slow peer can still download."""
+KEEP_AGGREGATES = 64
+"""Closed rounds whose aggregate a late peer can still download: it catches up by them, not by the parameters
+(a peer that spans rounds, a newcomer whose first download outlasted many short rounds)..."""
+KEEP_AGGREGATE_BYTES = 256 << 20
+"""...as long as they hold at most this many bytes in all (the oldest go first)..."""
+MIN_KEPT_AGGREGATES = 8
+"""...and at least this many, whatever their size."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,12 +19,14 @@ from demonet.transport import RoundResult
 
 from .state import LoopSteps, RoundOutcome
 
-__all__ = ["MAX_STALENESS", "apply_missed", "caught_up_by_aggregates", "plain_round", "spanned"]
+__all__ = ["CATCH_UP_ROUNDS", "MAX_STALENESS", "apply_missed", "caught_up_by_aggregates", "plain_round", "spanned"]
 
 MAX_STALENESS = 8
-"""The most rounds a gradient may be older than the round it is sent in (a coordinator keeps the aggregates of
-the last 8 rounds); an older one goes back into the momentum and leaves with the next payload, from the
-parameters the peer downloads (docs/coordinator.md#mixed-speed-peers)."""
+"""The most rounds a gradient may be older than the round it is sent in; an older one goes back into the momentum
+and leaves with the next payload (docs/coordinator.md#mixed-speed-peers)."""
+CATCH_UP_ROUNDS = 64
+"""The most rounds a peer catches up by their aggregates (a coordinator keeps up to 64); beyond, it downloads the
+parameters."""
 
 
 async def plain_round(loop: LoopSteps, metrics: TextIO | None) -> bool:
@@ -88,7 +90,7 @@ async def spanned(loop: LoopSteps, payload: Payload) -> int:
         back into the momentum, the run's parameters are loaded, and the round is trained again from them.
     """
     try:
-        missed = await loop.membership.moved_on(loop.round, payload, MAX_STALENESS)
+        missed = await loop.membership.moved_on(loop.round, payload, CATCH_UP_ROUNDS)
     except DemonetError as e:
         if isinstance(e, PeerUnavailable):
             raise
@@ -100,8 +102,14 @@ async def spanned(loop: LoopSteps, payload: Payload) -> int:
     if not missed:
         loop.spans = False
         return 0
-    if not await apply_missed(loop, missed) or not loop.go(loop.round):
-        await asyncio.to_thread(loop.replica.restore, payload)  # the run's parameters, or its end: not sent
+    too_old = len(missed) > MAX_STALENESS
+    if too_old:
+        loop.log.info("the micro-batch spanned %d rounds, over the %d a gradient may be old: its payload goes back "
+                      "into the momentum", len(missed), MAX_STALENESS)
+    if too_old or not await apply_missed(loop, missed) or not loop.go(loop.round):
+        await asyncio.to_thread(loop.replica.restore, payload)  # too old, the run's parameters, or its end: not sent
+        if too_old:
+            await apply_missed(loop, missed)
         return -1
     loop.log.info("the micro-batch spanned %d rounds: applied their aggregates, its payload goes in round %d",
                   len(missed), loop.round)
@@ -129,7 +137,7 @@ async def caught_up_by_aggregates(loop: LoopSteps, like: Payload) -> bool:
     aggregates of the rounds it missed, not the parameters (a coordinator limits their downloads). False where
     that cannot be done (too many rounds, an aggregate gone, off the canonical digest): the caller downloads."""
     try:
-        missed = await loop.membership.moved_on(loop.round, like, MAX_STALENESS)
+        missed = await loop.membership.moved_on(loop.round, like, CATCH_UP_ROUNDS)
     except DemonetError as e:
         if isinstance(e, PeerUnavailable):
             raise

@@ -46,13 +46,15 @@ def test_heterogeneous_links_the_slow_peer_misses_deadlines_without_stalling_the
     slow_rounds = [r["round"] for r in cluster.rows("slow")]
     missed = sorted(set(range(ROUNDS)) - set(slow_rounds))
     slow_log = cluster.log("slow")
-    stale = len(re.findall(r"StaleRound: .*; catching up", slow_log))
+    stale = len(re.findall(r"StaleRound: .*; (?:catching up|caught up by the aggregates)", slow_log))
     assert missed and stale >= 1, slow_log  # it really missed deadlines...
     assert len(re.findall(r"closed without slow", cluster.coordinator_log())) >= len(missed) - 1
-    # ...and stayed in sync: every parameter download it made carries the canonical digest of that round.
+    # ...and stayed in sync: it caught up by the aggregates it missed (each checked against its round's canonical
+    # digest), or by the parameters, and every parameter download it made carries the canonical digest.
     canonical = cluster.canonical()
     loads = cluster.loaded("slow")
-    assert len(loads) >= 1 + stale, loads
+    by_parameters = len(re.findall(r"; (?:catching up|its payload goes back into the momentum)", slow_log))
+    assert len(loads) >= 1 + by_parameters, (loads, by_parameters)
     for round_, digest in loads:
         if round_ > 0:
             assert canonical[round_ - 1][0] == digest, (round_, digest, canonical[round_ - 1])
@@ -74,10 +76,15 @@ def test_heterogeneous_links_the_slow_peer_misses_deadlines_without_stalling_the
 
 def test_a_late_joiner_over_a_slow_link_downloads_the_parameters_while_rounds_go_on(
         cluster: CoordinatorCluster) -> None:
-    # The small model's parameters are 475 kB: about 2 s at 2 Mbit/s, within the 4 s round it joins.
-    rounds, timeout_s = 30, 4.0
+    # The small model's parameters are 475 kB: about 2 s at 2 Mbit/s. Rounds do not wait for a newcomer until its
+    # first payload is in (docs/coordinator.md#who-a-round-waits-for): a and b go on, in rounds of about 0.3 s
+    # (`round_s`, up to 64 micro-batches of a few ms: lockstep rounds of the small model's milliseconds are shorter
+    # than the joiner's upload over its link, so it could never make one), and the late joiner catches up by the aggregates of the rounds its download outlasted
+    # (a few kB each) and sends its payload in the open round; from then on it is waited on, in every round.
+    rounds, timeout_s = 60, 4.0
     cluster.start(run_config(round_timeout_s=timeout_s, model="small", heartbeat_interval_s=0.5,
-                             heartbeat_timeout_s=6.0), steps=rounds, start_peers=2, delay_ms=10)
+                             heartbeat_timeout_s=6.0, round_s=0.3, max_micro_batches=64), steps=rounds,
+                  start_peers=2, delay_ms=10)
     late = cluster.peer("late", mbit=2, gated=True)
     a, b = cluster.peer("a", mbit=100), cluster.peer("b", mbit=100)
     cluster.wait_for(lambda: min(cluster.last_round("a"), cluster.last_round("b")) >= 5, "a and b's first rounds")
@@ -94,7 +101,7 @@ def test_a_late_joiner_over_a_slow_link_downloads_the_parameters_while_rounds_go
     assert late_rounds == list(range(first, rounds)), late_rounds  # in every round from its first on
     assert first < rounds - 8, first
     loads = cluster.loaded("late")
-    assert loads[0][0] == first and len(loads) == 1, loads  # one download, and it was in time
+    assert len(loads) == 1 and loads[0][0] <= first, loads  # one download; after it, the aggregates it missed
     size = int(re.search(r"parameters of round \d+ loaded from \S+ \((\d+) bytes", cluster.log("late"))[1])
     assert size > 400_000
     for n in range(first, rounds):

@@ -288,9 +288,14 @@ def test_a_member_with_no_accepted_work_is_not_waited_on_until_its_first_payload
     assert r.due(4.0)  # 50 members without work: not waited on
     assert not r.missed and not r.idle  # and not counted as missing either
     r.close(4.0)
-    r.submit("sybil-0", 3, 5.0)  # an honest newcomer's first payload: counted; rounds wait for it now
     r.submit("a", 3, 5.0)
+    r.submit("b", 3, 5.0)
+    r.incoming.add("sybil-0")  # its first payload is on its way (its stream's first part checked): waited on
+    assert not r.due(5.0)
+    r.submit("sybil-0", 3, 5.0)  # an honest newcomer's first payload: counted; rounds wait for it now
+    assert r.due(5.0)
     r.close(5.0)
+    assert r.incoming == set()
     r.submit("a", 4, 6.0)
     r.submit("b", 4, 6.0)
     assert not r.due(6.0) and r.active == ["a", "b", "sybil-0"]
