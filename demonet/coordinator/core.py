@@ -215,15 +215,13 @@ class RoundCore:
     def stream_began(self, peer_id: str, round: int) -> None:
         """A member's payload for `round` is on its way (its stream's first part is checked): if that is the open
         round, it waits for it until the stream ends (`Rounds.active`: a newcomer's first payload, say)."""
-        if round == self.rounds.round and peer_id in self.rounds.members:
-            self.rounds.incoming.add(peer_id)
+        self.rounds.arriving(peer_id, round)
 
     async def stream_ended(self, peer_id: str) -> None:
         """A member's stream ended, its payload counted or not: the open round no longer waits for it as on its
         way (it may close now)."""
         async with self.cond:
-            if peer_id in self.rounds.incoming:
-                self.rounds.incoming.discard(peer_id)
+            if self.rounds.arrived(peer_id):
                 self.cond.notify_all()
 
     # -- aggregates ----------------------------------------------------------------------------------

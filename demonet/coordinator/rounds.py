@@ -88,6 +88,7 @@ class Rounds:
     # rejoins is waited on again at once; an id with no work costs a payload to count)
     spanning: set[str] = field(default_factory=set)  # members slower than a round: not waited on, not counted idle
     incoming: set[str] = field(default_factory=set)  # members whose payload for the open round is on its way
+    tried: set[str] = field(default_factory=set)  # members with no work whose stream ended without a payload in
     limit_s: float = 0.0
     """How long the open round waits for its members (`deadline`); 0: `round_timeout_s`. Rounds by the
     automatic clock wait about twice their length (`demonet.coordinator.pace.RoundPace.deadline_s`)."""
@@ -243,8 +244,25 @@ class Rounds:
             logger.info("[coordinator round=%d] idle (no payload in %d rounds; rounds no longer wait for them "
                         "until they submit): %s", self.round, self.cfg.max_idle_rounds, _names(went_idle))
 
+    def arriving(self, peer_id: str, round: int) -> None:
+        """A member's payload for `round` is on its way: the open round waits for it until `arrived`. A member with
+        no accepted work gets this once (an id that opens a stream and never completes it holds one round, not
+        every round)."""
+        if round == self.round and peer_id in self.members and (peer_id in self.worked or peer_id not in self.tried):
+            self.incoming.add(peer_id)
+
+    def arrived(self, peer_id: str) -> bool:
+        """A member's stream ended, its payload counted or not; returns whether the open round waited for it."""
+        if peer_id not in self.incoming:
+            return False
+        self.incoming.discard(peer_id)
+        if peer_id not in self.worked:
+            self.tried.add(peer_id)
+        return True
+
     def _forget(self, peer_id: str) -> None:
         self.missed.pop(peer_id, None)
+        self.tried.discard(peer_id)
         self.idle.discard(peer_id)
         self.spanning.discard(peer_id)
 

@@ -290,7 +290,12 @@ def test_a_member_with_no_accepted_work_is_not_waited_on_until_its_first_payload
     r.close(4.0)
     r.submit("a", 3, 5.0)
     r.submit("b", 3, 5.0)
-    r.incoming.add("sybil-0")  # its first payload is on its way (its stream's first part checked): waited on
+    r.arriving("sybil-1", 3)  # a stream that never completes: waited on until it ends, and only once
+    assert not r.due(5.0)
+    assert r.arrived("sybil-1") and r.due(5.0)
+    r.arriving("sybil-1", 3)
+    assert "sybil-1" not in r.incoming and r.due(5.0)
+    r.arriving("sybil-0", 3)  # its first payload is on its way (its stream's first part checked): waited on
     assert not r.due(5.0)
     r.submit("sybil-0", 3, 5.0)  # an honest newcomer's first payload: counted; rounds wait for it now
     assert r.due(5.0)
