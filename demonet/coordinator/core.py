@@ -201,9 +201,13 @@ class RoundCore:
         async with self.cond:
             await self.wait_for(lambda: self.rounds.round >= s.round and self.applied(),
                                 f"round {s.round} to open and round {s.round - 1} to be applied")
-            if s.param_digest != self.state.digest and s.round == self.rounds.round:
+            canonical = self.state.digest if s.round == self.rounds.round else self._start_digest(s.round)
+            over = bool(self.opts.total_rounds) and self.rounds.round >= self.opts.total_rounds
+            if s.round < self.rounds.round and (canonical is None or over):
+                s = replace(s, late=0)  # its round's parameters are no longer known here, or the run is over: stale
+            elif s.param_digest != canonical and s.round <= self.rounds.round:
                 self.inbox.resynced(s.peer_id, s.round, f"it submitted with digest {s.param_digest[:12]}, the "
-                              f"canonical one is {self.state.digest[:12]}")
+                              f"canonical one is {(canonical or '')[:12]}")
                 reason = "parameter digest differs from the canonical one"
                 self.metrics.refused(s.peer_id, s.round, "resync", reason)
                 raise SubmitRejected(reason, Refusal.RESYNC)
@@ -223,6 +227,11 @@ class RoundCore:
         async with self.cond:
             if self.rounds.arrived(peer_id):
                 self.cond.notify_all()
+
+    def _start_digest(self, round: int) -> str | None:
+        """The canonical digest at the start of a closed `round` (after round - 1's apply), where still kept."""
+        before = self.aggregates.get(round - 1)
+        return before.param_digest if before is not None and before.param_digest else None
 
     # -- aggregates ----------------------------------------------------------------------------------
 

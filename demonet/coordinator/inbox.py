@@ -40,15 +40,20 @@ class Inbox:
         """Peer -> the digest of its payload in the open round (a retry of it is a duplicate, another one is not)."""
         self.resynced_at: dict[str, int] = {}
         """Peer -> the round of its last resync, so that a retried call is not counted twice."""
+        self.late_in: set[str] = set()
+        """Peers whose payload in the open round was computed for an earlier one (`late`)."""
+        self.counted: dict[str, int] = {}
+        """Peer -> the round its last accepted payload counted in: a payload of a closed round counts in the open one
+        (`late`) only if none of its sender's counted in that round or after (a retry of one that did is stale)."""
 
-    def check(self, peer_id: str, round: int, payload_digest: bytes, *, early: bool = False) -> None:
+    def check(self, peer_id: str, round: int, payload_digest: bytes, *, early: bool = False, late: int = 0) -> None:
         """What `accept` would refuse by the rounds alone, before the payload is read.
 
         Raises:
             SubmitRejected: counted (`refuse`).
         """
         try:
-            self.rounds_of().check_submit(peer_id, round, early=early)
+            self.rounds_of().check_submit(peer_id, round, early=early, late=self._late(peer_id, round, late))
         except SubmitRejected as e:
             raise self.refuse(e, peer_id, round, payload_digest) from None
 
@@ -60,15 +65,21 @@ class Inbox:
         """
         rounds = self.rounds_of()
         try:
-            rounds.submit(s.peer_id, s.round, time.monotonic())
+            rounds.submit(s.peer_id, s.round, time.monotonic(), late=self._late(s.peer_id, s.round, s.late))
         except SubmitRejected as e:
             raise self.refuse(e, s.peer_id, s.round, s.payload_digest) from None
+        self.counted[s.peer_id] = rounds.round
+        if s.round < rounds.round:
+            self.late_in.add(s.peer_id)
         self.payloads[s.peer_id] = s.payload
         self.accepted_digests[s.peer_id] = s.payload_digest
         self.losses[s.peer_id] = s.loss
         self.samples[s.peer_id] = s.samples
         self.metrics.uploaded(s.peer_id, s.size, s.stream_s, s.loss, samples=s.samples, topk=s.payload.topk(),
                               need_s=s.need_s)
+
+    def _late(self, peer_id: str, round: int, late: int) -> int:
+        return late if self.counted.get(peer_id, -1) < round else 0
 
     def contributions(self, contributors: tuple[str, ...]) -> tuple[list[Payload], list[int], list[float]]:
         """The contributors' payloads, their samples and the losses reported with them, in their order."""
@@ -82,6 +93,7 @@ class Inbox:
         round is merged, a stream's first part is still checked against both (a retry of a payload that is in
         is a duplicate, not a conflict)."""
         self.payloads, self.losses, self.samples, self.accepted_digests = {}, {}, {}, {}
+        self.late_in = set()
 
     def invalid(self, peer_id: str, round: int | None, reason: str) -> SubmitRejected:
         """Count and log a payload that failed validation; the refusal to answer with."""
@@ -93,7 +105,10 @@ class Inbox:
 
     def refuse(self, e: SubmitRejected, peer_id: str, round: int, payload_digest: bytes) -> SubmitRejected:
         """Count a refusal by the rounds; a duplicate of another payload than the one in is a conflict."""
-        if e.kind == Refusal.DUPLICATE and self.accepted_digests.get(peer_id) != payload_digest:
+        other = e.kind == Refusal.DUPLICATE and self.accepted_digests.get(peer_id) != payload_digest
+        if other and peer_id in self.late_in:  # its payload of an earlier round counts in this one: this one is late
+            e = SubmitRejected(f"{peer_id}'s payload of an earlier round counts in round {round}", Refusal.STALE)
+        elif other:
             reason = f"another payload from {peer_id} for round {round} is already in"
             self.metrics.refused(peer_id, round, "conflict", reason)
             return SubmitRejected(reason, Refusal.CONFLICT)

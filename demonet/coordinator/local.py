@@ -41,7 +41,7 @@ from .core import RoundCore
 from .metrics import Metrics
 from .rounds import ClosedRound, Rounds
 from .state import CanonicalState, ClosedAggregate
-from .terms import CoreOptions, Submission
+from .terms import LATE_ROUNDS, CoreOptions, Submission
 
 __all__ = ["FAULTS", "LocalClient", "LocalCoordinator"]
 
@@ -162,14 +162,19 @@ class LocalClient:
                                 payload_digest=hashlib.sha256(data).digest(), param_digest=await param_digest.known(),
                                 loss=loss, size=len(data), samples=samples,
                                 need_s=pace.need_s if pace else 0.0, least_s=pace.least_s if pace else 0.0,
-                                train_s=pace.train_s if pace else 0.0)
+                                train_s=pace.train_s if pace else 0.0, late=LATE_ROUNDS)
+        counted = round
         try:
-            await core.submit(submission)
+            counted = await core.submit(submission)
         except SubmitRejected as e:
             error = refusal_error(e.kind.value, e.reason, round=round, open_round=core.rounds.round)
             if error is not None:
                 raise error from None
-        return await self.missed(round, payload, bytes_up=len(data))
+        if counted <= round:
+            return await self.missed(round, payload, bytes_up=len(data))
+        # A late payload: it counts in the open round; the rounds between come first.
+        before = tuple([await self.missed(r, payload) for r in range(round, counted)])
+        return dataclasses.replace(await self.missed(counted, payload, bytes_up=len(data)), before=before)
 
     async def missed(self, round: int, like: Payload, *, bytes_up: int = 0) -> RoundResult:
         """A round's aggregate, decoded against the tensors of `like` (this peer's payload), once it closes."""

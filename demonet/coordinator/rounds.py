@@ -152,13 +152,14 @@ class Rounds:
         self._forget(peer_id)
         return member or joiner
 
-    def submit(self, peer_id: str, round: int, now: float) -> None:
-        """Count a member's payload for the open round.
+    def submit(self, peer_id: str, round: int, now: float, *, late: int = 0) -> None:
+        """Count a member's payload for the open round (`late`: one computed for a round up to this many before it,
+        which counts in the open round: see `check_submit`).
 
         Raises:
             SubmitRejected: not a member, a stale or future round, or a second payload.
         """
-        self.check_submit(peer_id, round)
+        self.check_submit(peer_id, round, late=late)
         self.members[peer_id] = now
         self.submitted.append(peer_id)
         self.worked.add(peer_id)
@@ -167,17 +168,21 @@ class Rounds:
             logger.info("[coordinator round=%d] %s is active again: its payload is in, rounds wait for it", self.round,
                         peer_id)
 
-    def check_submit(self, peer_id: str, round: int, *, early: bool = False) -> None:
+    def check_submit(self, peer_id: str, round: int, *, early: bool = False, late: int = 0) -> None:
         """What `submit` would reject, without changing anything (to refuse before reading a payload).
 
         `early`: a stream whose parameter digest follows its payload, which a member of the open round may
         send for the next round once its payload for the open round is in (an overlapped peer sends them in
         that order); `submit` counts it once that round is open. A member whose payload for the open round
         is not in (a coordinator restarted from an older state lost it) is told FUTURE, as for any round
-        that has not opened: it joins again and does the open round over.
+        that has not opened: it joins again and does the open round over. `late`: a payload of a closed round at
+        most this many rounds before the open one counts in the open round (a peer whose micro-batch outlasted
+        rounds, a newcomer that missed its first: bounded staleness, docs/coordinator.md#mixed-speed-peers).
         """
-        if round < self.round:
+        if round < self.round - late:
             raise SubmitRejected(f"round {round} is closed; the open round is {self.round}", Refusal.STALE)
+        if round < self.round:
+            round = self.round  # counts in the open round
         if peer_id not in self.members:
             raise SubmitRejected(f"{peer_id} is not a member of round {self.round}", Refusal.NOT_MEMBER)
         if round > self.round + (early and peer_id in self.submitted):

@@ -31,7 +31,7 @@ from .admission import Admission, caller_address
 from .core import RoundCore
 from .limits import Limits
 from .parts import Malformed, StreamEnd, parts_until
-from .terms import Submission
+from .terms import LATE_ROUNDS, Submission
 
 __all__ = ["REFUSALS", "SubmitReader"]
 
@@ -165,7 +165,8 @@ class SubmitReader:
             open_round = await core.submit(Submission(
                 peer_id=head.peer_id, round=head.round, payload=payload, payload_digest=head.part.payload_digest,
                 param_digest=param_digest, loss=head.loss, size=len(data), stream_s=stream_s,
-                samples=int(head.samples), need_s=head.need_s, least_s=head.least_s, train_s=head.train_s))
+                samples=int(head.samples), need_s=head.need_s, least_s=head.least_s, train_s=head.train_s,
+                late=0 if head.digest_follows else LATE_ROUNDS))
         except SubmitRejected as e:
             return _reply(e, core.rounds.round)
         except PeerUnavailable as e:
@@ -189,7 +190,8 @@ class SubmitReader:
             raise InvalidPayload(f"need_s, least_s and train_s should be seconds between 0 and {_MOST_S:g}, got "
                                  f"{head.need_s!r}, {head.least_s!r} and {head.train_s!r}")
         # refuse before reading (and decoding) the rest of the stream
-        self.core.inbox.check(head.peer_id, head.round, head.part.payload_digest, early=head.digest_follows)
+        self.core.inbox.check(head.peer_id, head.round, head.part.payload_digest, early=head.digest_follows,
+                              late=0 if head.digest_follows else LATE_ROUNDS)
         self._open_stream(head, ends)
 
     async def _check_signature(self, head: pb.SubmitPart, signature: bytes, param_digest: str,

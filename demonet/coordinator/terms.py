@@ -11,7 +11,13 @@ from pathlib import Path
 
 from demonet.optim import Payload
 
-__all__ = ["KEEP_AGGREGATE_BYTES", "KEEP_AGGREGATES", "MIN_KEPT_AGGREGATES", "CoreOptions", "Submission"]
+__all__ = ["KEEP_AGGREGATE_BYTES", "KEEP_AGGREGATES", "LATE_ROUNDS", "MIN_KEPT_AGGREGATES", "CoreOptions",
+           "Submission"]
+
+LATE_ROUNDS = 8
+"""A payload computed from the parameters of a round at most this many rounds before the open one counts in the
+open round (its sender then applies the aggregates of the rounds between): a peer whose micro-batch spans rounds,
+or a newcomer whose first payload missed its round, is not lost (bounded staleness)."""
 
 KEEP_AGGREGATES = 64
 """Closed rounds whose aggregate a late peer can still download: it catches up by them, not by the parameters
@@ -59,3 +65,6 @@ class Submission:
     """The same for a round of one micro-batch."""
     train_s: float = 0.0
     """One micro-batch's forward and backward alone (0: not measured)."""
+    late: int = 0
+    """How many rounds before the open one its round may be: it then counts in the open round (`LATE_ROUNDS`
+    for a payload whose digest came with it; 0 for one sent ahead)."""

@@ -54,6 +54,8 @@ async def overlapped_rounds(loop: LoopSteps, metrics: TextIO | None, beats: asyn
                 landed = await loop.land(landing, metrics)
                 if landed == RoundOutcome.APPLIED and not await loop.membership.agree(loop.go(loop.round)):
                     landed = RoundOutcome.STOPPED  # a stop came meanwhile
+                if landed == RoundOutcome.APPLIED and landing.round + 1 != loop.round:
+                    landed = RoundOutcome.CAUGHT_UP  # it counted in a later round: the next one's gradient is old
                 pending = False
                 if landed != RoundOutcome.APPLIED:
                     if ahead is not None:

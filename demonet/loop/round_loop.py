@@ -39,7 +39,7 @@ from demonet.transport import (
 from .link import LinkPace
 from .overlapped import overlapped_rounds
 from .pacing import PeerPace
-from .plain import caught_up_by_aggregates, plain_round
+from .plain import apply_missed, caught_up_by_aggregates, plain_round
 from .rows import MetricsRow
 from .state import STOP_GRACE_S, InFlight, RoundLog, RoundOutcome, Unchecked, check_beats
 
@@ -336,6 +336,13 @@ class RoundLoop:
             await asyncio.to_thread(self.replica.restore, flight.payload)
             self.log.info("abandoned the round")
             return RoundOutcome.STOPPED
+        if result.before:  # a late payload, counted in a later round: the rounds between come first
+            if not await apply_missed(self, list(result.before)):
+                await asyncio.to_thread(self.replica.restore, flight.payload)  # the run's parameters are loaded
+                return RoundOutcome.CAUGHT_UP
+            flight.stale = len(result.before)
+            self.log.info("its payload of round %d counted in round %d: applied the %d rounds between",
+                          result.before[0].round, result.round, len(result.before))
         t1 = time.perf_counter()
         self.digest = await asyncio.to_thread(self._settle, flight.payload, result)
         settled = time.perf_counter()

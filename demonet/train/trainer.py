@@ -156,6 +156,8 @@ def settle(opt: DeMo, payload: Payload | None, result: Settled, contributed: boo
     kept = local(result.kept) if result.kept is not None else applied
     if payload is not None:
         opt.restore(payload, kept=kept if contributed else None)
+    else:
+        opt.undo_lookahead()  # a held lookahead's parameters and base state go back first, as `restore` does
     opt.apply(applied, lr=lr)
 
 

@@ -169,6 +169,9 @@ class RoundResult:
     next_round_s: float | None = None
     """The next round's length, as the coordinator announced it with the aggregate (0: lockstep, each peer
     trains its own micro-batches); None: the transport does not say (the peer's own `[net] round_s` holds)."""
+    before: tuple[RoundResult, ...] = field(default=(), repr=False, compare=False)
+    """A late payload (computed for an earlier round, counted in this one: bounded staleness): the results of the
+    rounds from its own to this one, not included, which the peer applies first, as rounds it had nothing in."""
     digest_later: asyncio.Task[str] | None = field(default=None, repr=False, compare=False)
     """The canonical digest when it comes after the aggregate (coordinator mode: the GetAggregate stream's
     trailer, sent once the coordinator applied the round); `param_digest` is "" then. Settle first, then

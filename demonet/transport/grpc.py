@@ -7,6 +7,7 @@ or torch.distributed. Every RPC carries the run token; every wait on the network
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -352,8 +353,8 @@ class GrpcClient:
         try:
             if not beside and round - 1 in self._submitted:
                 await self._submitted[round - 1].wait()
-            param_digest = await self._submit(round, data, loss=loss, param_digest=param_digest, samples=samples,
-                                              pace=pace)
+            param_digest, counted = await self._submit(round, data, loss=loss, param_digest=param_digest,
+                                                       samples=samples, pace=pace)
         except BaseException:
             if early is not None:
                 drop_early(early)
@@ -361,6 +362,10 @@ class GrpcClient:
         finally:
             ended.set()
         t2 = time.perf_counter()
+        if counted > round:  # a late payload: it counts in the open round, after the rounds between
+            if early is not None:
+                drop_early(early)
+            return await self._late(round, counted, payload, len(data), {"encode": t1 - t0, "submit": t2 - t1})
         for attempt in range(_RESUBMITS + 1):
             try:
                 if early is not None:
@@ -373,7 +378,8 @@ class GrpcClient:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION and attempt < _RESUBMITS:
                     # A restarted coordinator lost this payload: send it again rather than lose the round.
                     logger.info("[%s] GetAggregate(%d): %s; submitting again", self.peer_id, round, e.details())
-                    await self._submit(round, data, loss=loss, param_digest=param_digest, samples=samples, pace=pace)
+                    await self._submit(round, data, loss=loss, param_digest=param_digest, samples=samples,
+                                       pace=pace)
                     continue
                 if e.code() not in _LOST_CODES:
                     raise
@@ -389,6 +395,14 @@ class GrpcClient:
                            param_digest="", aborted=bool(got.header.aborted), bytes_up=len(data),
                            bytes_down=len(got.data), data=got.data, phases=phases,
                            next_round_s=float(got.header.next_round_s), digest_later=got.trailer)
+
+    async def _late(self, round: int, counted: int, payload: Payload, size: int, phases: dict[str, float]
+                    ) -> RoundResult:
+        """The result of a payload of `round` that counts in round `counted` (a late one): that round's aggregate,
+        with the rounds from `round` on before it (`RoundResult.before`)."""
+        before = tuple([await self.missed(r, payload) for r in range(round, counted)])
+        result = await self.missed(counted, payload)
+        return dataclasses.replace(result, bytes_up=size, before=before, phases=phases)
 
     async def missed(self, round: int, like: Payload) -> RoundResult:
         """The aggregate of a closed round this peer sent nothing to, validated against the tensors of `like` (this
@@ -422,8 +436,9 @@ class GrpcClient:
         return StaleRound(f"round {round}: {reason}; the open round is {open_round}", open_round=open_round)
 
     async def _submit(self, round: int, data: bytes, *, loss: float, param_digest: Digest,
-                      samples: int = 1, pace: Pace | None = None) -> Digest:
-        """One payload's Submit, tried again while BUSY; returns the digest it went with.
+                      samples: int = 1, pace: Pace | None = None) -> tuple[Digest, int]:
+        """One payload's Submit, tried again while BUSY; returns the digest it went with, and the round it counts
+        in (a later one than `round` for a late payload: bounded staleness).
 
         Raises:
             Rejected: refused (the subclass says what to do).
@@ -470,12 +485,12 @@ class GrpcClient:
             await asyncio.sleep(busy_s)
             busy_s = min(2 * busy_s, 1.0)
         if reply.accepted:
-            return Digest(digest.value)
+            return Digest(digest.value), max(round, int(reply.open_round))
         kind = "resync" if reply.resync else pb.Refusal.Name(reply.refusal).removeprefix("REFUSAL_").lower()
         error = refusal_error(kind, reply.reason, round=round, open_round=int(reply.open_round))
         if error is not None:
             raise error
-        return Digest(digest.value)
+        return Digest(digest.value), round
 
     async def close(self) -> None:
         """Close the channel; calls still open are cancelled."""

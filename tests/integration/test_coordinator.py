@@ -315,7 +315,7 @@ async def test_a_get_aggregate_beside_its_submit_waits_for_the_payload_and_gets_
     assert not beside.done(), "the call waits for the round's close"
     assert (await a.status()).submitted == 0, "the call is no submission"
     payloads = []
-    for peer in (a, b):
+    for peer in (b, a):  # b first: a member with no payload accepted yet is not waited on
         x, y = next(peer.batches)
         peer.model(x, y)[1].backward()  # type: ignore[union-attr]
         payloads.append(peer.opt.compress())

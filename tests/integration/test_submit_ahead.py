@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def rounds(tmp_path: Path, reap_children: Reaper) -> Coordinator:
     """Rounds long enough for every call of a test inside one round on a busy machine."""
-    c = Coordinator(tmp_path, reap_children, timeout_s=30.0)
+    c = Coordinator(tmp_path, reap_children, timeout_s=30.0, extra=("--start-peers", "2"))
     c.start()
     return c
 
@@ -68,12 +68,13 @@ def gradient(peer: Peer, round_: int) -> tuple[object, bytes]:
 
 
 async def two_members(coordinator: Coordinator) -> tuple[Peer, Peer]:
-    """"a" and "b", both members of round 1 (a closed round 0 alone)."""
+    """"a" and "b", both members of round 1 that the rounds wait for (the run started with both, and both closed
+    round 0: a member with no payload accepted would not be waited on)."""
     a, b = Peer(coordinator.address, "a"), Peer(coordinator.address, "b")
-    assert await a.join() == 0
-    assert await b.join(load=False) == 1
-    await a.step(0)
-    assert await b.load_parameters(1) == 1
+    assert await a.join(load=False) == 0
+    assert await b.join(load=False) == 0
+    assert await a.load_parameters(0) == 0 and await b.load_parameters(0) == 0
+    await asyncio.gather(a.step(0), b.step(0))
     return a, b
 
 
