@@ -8,7 +8,8 @@ reads a payload or streams the parameters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,29 +103,48 @@ class SubmitSlots:
 @dataclass
 class StreamCount:
     """Submit calls open at once, in total and per caller address, counted from the call's start (before its
-    first message is read), so that streams which never send a part cannot pile up."""
+    first message is read), so that streams which never send a part cannot pile up.
+
+    Where the total is reached, a new call takes the place of the oldest open call that has sent no part yet
+    (`ends_now`: it ends at once), so that streams from many addresses that never send a part cannot hold off
+    an honest peer's Submit (whose first part comes within milliseconds) either; only calls that are sending
+    their payload make a new one BUSY."""
 
     most: int
     most_per_address: int
     open: dict[str, int] = field(default_factory=dict)
     total: int = 0
+    waiting: OrderedDict[int, Callable[[], None]] = field(default_factory=OrderedDict)
+    """The calls that have sent no part yet, oldest first: their `ends_now`, by their token."""
+    _next: int = 0
 
-    def enter(self, address: str) -> None:
-        """Count one more open Submit call from `address`.
+    def enter(self, address: str, ends_now: Callable[[], None]) -> int:
+        """Count one more open Submit call from `address`; returns its token (`started`, `leave`).
 
         Raises:
-            Busy: over the total or the address's share (nothing counted).
+            Busy: over the address's share, or over the total with every open call sending (nothing counted).
         """
-        if self.total >= self.most:
-            raise Busy(f"the coordinator has {self.total} Submit streams open, its most; try again")
         if self.open.get(address, 0) >= self.most_per_address:
             raise Busy(f"{address} has {self.most_per_address} Submit streams open, the most one address may; "
                        "try again once one ends")
+        if self.total - len(self.waiting) >= self.most:
+            raise Busy(f"the coordinator has {self.total} Submit streams open, its most; try again")
+        if self.total >= self.most:  # the oldest call with no part yet gives way (it leaves once it has ended)
+            _, oldest = self.waiting.popitem(last=False)
+            oldest()
         self.open[address] = self.open.get(address, 0) + 1
         self.total += 1
+        self._next += 1
+        self.waiting[self._next] = ends_now
+        return self._next
 
-    def leave(self, address: str) -> None:
+    def started(self, token: int) -> None:
+        """The call's first part came: it no longer gives way to a new one."""
+        self.waiting.pop(token, None)
+
+    def leave(self, address: str, token: int) -> None:
         """One Submit call from `address` ended (after a successful `enter`)."""
+        self.waiting.pop(token, None)
         left = self.open[address] - 1
         if left:
             self.open[address] = left

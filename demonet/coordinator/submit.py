@@ -75,32 +75,35 @@ class SubmitReader:
         """The Submit call: refused as early as can be, else counted (or refused) by the core.
 
         Before its first message is read, a call counts against the open Submit calls in total and from its
-        address (`StreamCount`): over either, it is refused BUSY without reading anything."""
+        address (`StreamCount`): over its address's share, or over the total while every open call is sending, it
+        is refused BUSY without reading anything; over the total, it takes the place of the oldest call that has
+        sent no part yet."""
         await self.admission.authorize(context)
         address = caller_address(context)
+        ends = StreamEnd(asyncio.get_running_loop().time() + self.limits.cfg.first_part_s)
         try:
-            self.limits.streams.enter(address)
+            token = self.limits.streams.enter(address, ends.end_now)
         except Busy as e:
             self.core.metrics.refused("", None, "busy", str(e))
             return _reply(SubmitRejected(str(e), Refusal.BUSY), self.core.rounds.round)
         try:
-            return await self._read(request_iterator, context)
+            return await self._read(request_iterator, context, ends, token)
         finally:
-            self.limits.streams.leave(address)
+            self.limits.streams.leave(address, token)
 
-    async def _read(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
-                    ) -> pb.SubmitReply:
+    async def _read(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any],
+                    ends: StreamEnd, token: int) -> pb.SubmitReply:
         """One Submit stream (`_read_stream`); from its checked first part to its end, the open round it is for
         waits for it (`RoundCore.stream_began`)."""
         incoming: list[str] = []
         try:
-            return await self._read_stream(request_iterator, context, incoming)
+            return await self._read_stream(request_iterator, context, incoming, ends, token)
         finally:
             if incoming:
                 await self.core.stream_ended(incoming[0])
 
     async def _read_stream(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any],
-                           incoming: list[str]) -> pb.SubmitReply:
+                           incoming: list[str], ends: StreamEnd, token: int) -> pb.SubmitReply:
         """One Submit stream, read part by part (its first within `first_part_s`), then handed to the core."""
         core = self.core
         began = time.perf_counter()  # the stream's start: its bytes over its duration are the sender's link speed
@@ -110,13 +113,13 @@ class SubmitReader:
         data: bytes | None = None
         payload: Payload | None = None
         stream_s = 0.0
-        ends = StreamEnd(asyncio.get_running_loop().time() + self.limits.cfg.first_part_s)
         try:
             async for part in parts_until(request_iterator, ends):
                 if isinstance(part, Malformed):
                     raise InvalidPayload(str(part))
                 if head is None:
                     head = part
+                    self.limits.streams.started(token)
                     await self._first_part(head, ends, context)
                     incoming.append(head.peer_id)
                     core.stream_began(head.peer_id, head.round)

@@ -120,17 +120,35 @@ def test_limits_refuse_a_size_no_payload_has_and_end_a_stream_with_its_round() -
 
 
 def test_submit_calls_are_counted_in_total_and_per_address_before_any_part() -> None:
-    streams = StreamCount(most=3, most_per_address=2)
-    streams.enter("ipv4:10.0.0.1")
-    streams.enter("ipv4:10.0.0.1")
+    streams, ended = StreamCount(most=3, most_per_address=2), []
+    a1 = streams.enter("ipv4:10.0.0.1", lambda: ended.append("a1"))
+    a2 = streams.enter("ipv4:10.0.0.1", lambda: ended.append("a2"))
     with pytest.raises(Busy, match="the most one address may"):
-        streams.enter("ipv4:10.0.0.1")
-    streams.enter("ipv4:10.0.0.2")
+        streams.enter("ipv4:10.0.0.1", lambda: ended.append("a3"))
+    b1 = streams.enter("ipv4:10.0.0.2", lambda: ended.append("b1"))
+    for token in (a1, a2, b1):
+        streams.started(token)  # all three are sending their payloads
     with pytest.raises(Busy, match="its most"):
-        streams.enter("ipv4:10.0.0.3")  # the total, from a fresh address
-    streams.leave("ipv4:10.0.0.1")
-    streams.enter("ipv4:10.0.0.3")
+        streams.enter("ipv4:10.0.0.3", lambda: ended.append("c1"))  # the total, from a fresh address
+    streams.leave("ipv4:10.0.0.1", a1)
+    streams.enter("ipv4:10.0.0.3", lambda: ended.append("c1"))
     assert streams.total == 3 and streams.open == {"ipv4:10.0.0.1": 1, "ipv4:10.0.0.2": 1, "ipv4:10.0.0.3": 1}
+    assert ended == []
+
+
+def test_a_new_submit_call_takes_the_place_of_the_oldest_that_sent_no_part() -> None:
+    """Streams from many addresses that never send a part cannot hold off an honest peer's Submit: over the total,
+    a new call ends the oldest call with no part yet; only calls that are sending make a new one BUSY."""
+    streams, ended = StreamCount(most=3, most_per_address=2), []
+    idle = [streams.enter(f"ipv4:10.0.0.{i}", lambda i=i: ended.append(i)) for i in (1, 2, 3)]
+    honest = streams.enter("ipv4:10.0.9.9", lambda: ended.append(99))
+    assert ended == [1]  # the oldest idle call ends at once; it leaves once its handler sees it
+    streams.leave("ipv4:10.0.0.1", idle[0])
+    streams.started(honest)
+    streams.enter("ipv4:10.0.0.4", lambda: ended.append(4))
+    assert ended == [1, 2] and streams.total == 4  # over by the one still ending, never by a sending call
+    streams.leave("ipv4:10.0.0.2", idle[1])
+    assert 99 not in ended and streams.total == 3
 
 
 def test_aggregate_calls_are_limited_per_caller_and_round() -> None:
