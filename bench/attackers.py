@@ -12,6 +12,7 @@ Imported by bench/attacks.py (bench/ is its script folder); not a script of its 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import sys
@@ -228,11 +229,12 @@ class _Caller:
         return int((await self.stub.Status(pb.StatusRequest(), metadata=self.md, timeout=10)).round)
 
 
-async def sybil(address: str, token: str, *, seconds: float, prefix: str = "sybil") -> dict[str, Any]:
+async def sybil(address: str, token: str, *, seconds: float, prefix: str = "") -> dict[str, Any]:
     """For `seconds`: a new id (`prefix`-N) with a new key each round, joined and then heartbeated every
     `heartbeat_interval_s` the coordinator announces, never a payload; at the end each one leaves. The ids
     joined, the joins refused (by code) and the heartbeats answered "no member"."""
     caller, end = _Caller(address, token), time.monotonic() + seconds
+    prefix = prefix or f"sybil-{os.getpid()}"  # ids of its own: an earlier attacker's may still be bound
     ids: list[tuple[str, Identity, bytes, list[int]]] = []  # id, key, session, [its last counter]
     refused: dict[str, int] = {}
     beats = not_member = 0
@@ -280,12 +282,13 @@ async def sybil(address: str, token: str, *, seconds: float, prefix: str = "sybi
 _KINDS = ("Heartbeat", "GetParameters", "GetAggregate", "Leave", "Leave, the session before")
 
 
-async def replays(address: str, token: str, *, seconds: float, peer_id: str = "replayer") -> dict[str, Any]:
+async def replays(address: str, token: str, *, seconds: float, peer_id: str = "") -> dict[str, Any]:
     """For `seconds`, about once a second: `peer_id` joins with its key (a new session each time), then sends
     each counted request of the session twice, the same bytes: Heartbeat, GetParameters, a signed GetAggregate
     and Leave; then, after its next join, the Leave of the session before. Per kind: the copies sent after
     the first ("replays") and how many of those the coordinator accepted, and how the first copies ended."""
     caller, identity, end = _Caller(address, token), Identity.generate(), time.monotonic() + seconds
+    peer_id = peer_id or f"replayer-{os.getpid()}"  # an earlier attacker's id may still be bound to its key
     sent = dict.fromkeys(_KINDS, 0)
     accepted = dict.fromkeys(_KINDS, 0)
     firsts: dict[str, dict[str, int]] = {k: {} for k in _KINDS}

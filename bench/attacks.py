@@ -211,7 +211,9 @@ def _summary(row: Row) -> dict[str, Any]:
 
 def _add(total: dict[str, Any], more: dict[str, Any]) -> None:
     for key, value in more.items():
-        if isinstance(value, dict):
+        if key == "declared":
+            total[key] = value
+        elif isinstance(value, dict):
             _add(total.setdefault(key, {}), value)
         elif isinstance(value, int | float):
             total[key] = total.get(key, 0) + value
