@@ -78,9 +78,9 @@ def test_a_late_joiner_over_a_slow_link_downloads_the_parameters_while_rounds_go
         cluster: CoordinatorCluster) -> None:
     # The small model's parameters are 475 kB: about 2 s at 2 Mbit/s. Rounds do not wait for a newcomer until its
     # first payload is in (docs/coordinator.md#who-a-round-waits-for): a and b go on, in rounds of about 0.3 s
-    # (`round_s`, up to 64 micro-batches of a few ms: lockstep rounds of the small model's milliseconds are shorter
-    # than the joiner's upload over its link, so it could never make one), and the late joiner catches up by the aggregates of the rounds its download outlasted
-    # (a few kB each) and sends its payload in the open round; from then on it is waited on, in every round.
+    # (`round_s`, up to 64 micro-batches of a few ms), and the late joiner's first payload, of the round whose
+    # parameters it downloaded, counts in the round open when it arrives (a late payload, after it applies the
+    # rounds between); from then on it is waited on, in every round.
     rounds, timeout_s = 60, 4.0
     cluster.start(run_config(round_timeout_s=timeout_s, model="small", heartbeat_interval_s=0.5,
                              heartbeat_timeout_s=6.0, round_s=0.3, max_micro_batches=64), steps=rounds,
