@@ -22,6 +22,7 @@ import pytest
 from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet._proto import demonet_pb2_grpc as pbg
+from demonet.wire.params import PROTOCOL
 from tests.integration.common import tiny_config
 from tests.integration.test_coordinator import TOKEN, Coordinator
 from tests.procs import Reaper
@@ -84,7 +85,7 @@ def test_node_client_joins_a_real_run(tmp_path: Path, reap_children: Reaper) -> 
                 str(saved), timeout_s=120)
     params, agg = got["parameters"], got["aggregate"]
     assert isinstance(params, dict) and isinstance(agg, dict)
-    assert got["protocol"] == 2 and got["joined_round"] >= 2 and got["heartbeats"] >= 2 and got["member"] is True
+    assert got["protocol"] == PROTOCOL and got["joined_round"] >= 2 and got["heartbeats"] >= 2 and got["member"] is True
     assert params["digest_ok"] is True and params["round"] == got["joined_round"]
     assert agg["round"] == got["joined_round"] - 1 and agg["contributors"] == ["py"] and not agg["aborted"]
     assert agg["step"] == agg["round"] and agg["entries"] > 0 and agg["tensors"] > 0
