@@ -19,11 +19,8 @@ from demonet.transport import RoundResult
 
 from .state import LoopSteps, RoundOutcome
 
-__all__ = ["CATCH_UP_ROUNDS", "MAX_STALENESS", "apply_missed", "caught_up_by_aggregates", "plain_round", "spanned"]
+__all__ = ["CATCH_UP_ROUNDS", "apply_missed", "caught_up_by_aggregates", "plain_round"]
 
-MAX_STALENESS = 8
-"""The most rounds a gradient may be older than the round it is sent in; an older one goes back into the momentum
-and leaves with the next payload (docs/coordinator.md#mixed-speed-peers)."""
 CATCH_UP_ROUNDS = 64
 """The most rounds a peer catches up by their aggregates (a coordinator keeps up to 64); beyond, it downloads the
 parameters."""
@@ -41,8 +38,8 @@ async def plain_round(loop: LoopSteps, metrics: TextIO | None) -> bool:
     t0 = time.perf_counter()
     encode_s = 0.0
     until = loop.cutoff()
-    stale, checked_s = 0, 0.0
-    if loop.unchecked is None and not loop.spans:
+    checked_s = 0.0
+    if loop.unchecked is None:
         encode = loop.encoder.encode_ahead(loop.round) if loop.encoder is not None else None
         loss, payload, staged, encode_s, train_s = await asyncio.to_thread(_train_step, loop, until, encode)
         compute_s = time.perf_counter() - t0 - encode_s
@@ -56,12 +53,8 @@ async def plain_round(loop: LoopSteps, metrics: TextIO | None) -> bool:
         t1 = time.perf_counter()
         payload, staged = await asyncio.to_thread(loop.compress, loop.replica, False)
         compute_s += time.perf_counter() - t1
-        if loop.spans:
-            stale = await spanned(loop, payload)
-            if stale < 0:
-                return True
     flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, samples=loop.replica.samples())
-    flight.checked_s, flight.encode_s, flight.train_s, flight.stale = checked_s, encode_s, train_s, stale
+    flight.checked_s, flight.encode_s, flight.train_s = checked_s, encode_s, train_s
     flight.micro_batches = loop.replica.micro_batches()
     return await loop.land(flight, metrics, defer=True) != RoundOutcome.STOPPED
 
@@ -75,45 +68,6 @@ async def _check_before_compress(loop: LoopSteps, metrics: TextIO | None) -> tup
         return True, time.perf_counter() - t0
     await asyncio.to_thread(loop.replica.drop_gradients)
     return False, 0.0
-
-
-async def spanned(loop: LoopSteps, payload: Payload) -> int:
-    """After the forward, backward and compress of a peer whose micro-batch outlasted a round before
-    (`LoopSteps.spans`): where the run moved on meanwhile, apply the aggregates of the rounds since (each checked
-    against its canonical digest), so that `payload` is sent in the open round, from a gradient of parameters that
-    many rounds old (bounded staleness: the coordinator's rounds do not wait for such a peer,
-    `demonet.coordinator.pace.SPAN`). The compress does not read the parameters, so it comes first.
-
-    Returns:
-        how many rounds old the gradient is (0: on time, and the peer no longer asks); -1: the peer could not
-        get there by the aggregates (over `MAX_STALENESS` rounds, or off the canonical digest): the payload went
-        back into the momentum, the run's parameters are loaded, and the round is trained again from them.
-    """
-    try:
-        missed = await loop.membership.moved_on(loop.round, payload, CATCH_UP_ROUNDS)
-    except DemonetError as e:
-        if isinstance(e, PeerUnavailable):
-            raise
-        loop.log.warning("%s: %s; its payload goes back into the momentum (docs/coordinator.md#mixed-speed-peers)",
-                         type(e).__name__, e)
-        await asyncio.to_thread(loop.replica.restore, payload)
-        await loop.load_parameters(await loop.membership.catch_up(e, loop.round, loop.replica.expected()))
-        return -1
-    if not missed:
-        loop.spans = False
-        return 0
-    too_old = len(missed) > MAX_STALENESS
-    if too_old:
-        loop.log.info("the micro-batch spanned %d rounds, over the %d a gradient may be old: its payload goes back "
-                      "into the momentum", len(missed), MAX_STALENESS)
-    if too_old or not await apply_missed(loop, missed) or not loop.go(loop.round):
-        await asyncio.to_thread(loop.replica.restore, payload)  # too old, the run's parameters, or its end: not sent
-        if too_old:
-            await apply_missed(loop, missed)
-        return -1
-    loop.log.info("the micro-batch spanned %d rounds: applied their aggregates, its payload goes in round %d",
-                  len(missed), loop.round)
-    return len(missed)
 
 
 async def apply_missed(loop: LoopSteps, missed: list[RoundResult]) -> bool:

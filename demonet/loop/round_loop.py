@@ -86,10 +86,6 @@ class RoundLoop:
     timing: PeerPace = field(default_factory=PeerPace)
     """This peer's micro-batch and exchange times (the cut-off and the report to the coordinator)."""
     _warned_slow: bool = field(default=False, init=False)
-    spans: bool = field(default=False, init=False)
-    """This peer's payload came after its round closed (refused as stale): until a round finds it on time, each
-    plain round asks, after its forward and backward, whether the run moved on meanwhile, and if so sends its
-    gradient in the open round (`demonet.loop.plain.spanned`)."""
     round: int = 0
     digest: str = ""
     resyncs: int = 0
@@ -324,8 +320,7 @@ class RoundLoop:
                 self.log.warning("%s: %s; the run's %d rounds are done: this peer ends at round %d", type(e).__name__,
                                  e, self.total_rounds, self.round)
                 return RoundOutcome.STOPPED
-            self.spans = isinstance(e, StaleRound)
-            if self.spans and not self.overlap and await caught_up_by_aggregates(self, flight.payload):
+            if isinstance(e, StaleRound) and not self.overlap and await caught_up_by_aggregates(self, flight.payload):
                 self.log.info("%s: %s; caught up by the aggregates since", type(e).__name__, e)
                 return RoundOutcome.CAUGHT_UP
             self.log.warning("%s: %s; catching up", type(e).__name__, e)

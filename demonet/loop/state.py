@@ -64,7 +64,7 @@ class InFlight:
     """How many micro-batches the round trained."""
     stale: int = 0
     """How many rounds older than the round it is sent in its gradient's parameters are (a peer whose
-    micro-batch spans rounds: `demonet.loop.plain.spanned`)."""
+    micro-batch spans rounds, counted late: `RoundResult.before`)."""
 
 
 @dataclass
@@ -102,8 +102,6 @@ class LoopSteps(Protocol):
     digest: str
     lookahead: bool
 
-    spans: bool
-    """This peer's micro-batch outlasted a round: ask whether the run moved on before compressing."""
     unchecked: Unchecked | None
     """A plain round whose canonical digest had not come by its settle: checked before the next compress."""
     encoder: EncodesAhead | None
