@@ -227,7 +227,7 @@ class NetConfig:
     least one and at most `max_micro_batches`, then compresses once: a slow peer sends fewer samples in time
     instead of holding the round. 0: automatic, from what the members report of their speed: lockstep while
     they are alike, else long enough for the median member's own round and the slowest one's one
-    micro-batch (coordinator mode; DHT mode: lockstep)."""
+    micro-batch; in coordinator mode a member slow by its compute spans rounds instead (`demonet.wire.pace`)."""
     lockstep: bool = False
     """Every round waits for every active member's own micro-batches (up to `round_timeout_s`), however the
     speeds differ: the behaviour without rounds by the clock, for comparison. Excludes `round_s`."""

@@ -22,10 +22,10 @@ from demonet.optim import Payload
 from demonet.train.data import data_seed
 from demonet.train.task import param_specs
 from demonet.transport import JoinInfo
+from demonet.wire.pace import RoundPace
 
 from .inbox import Inbox
 from .metrics import Metrics
-from .pace import RoundPace
 from .persist import HandOff, Persister
 from .rounds import ClosedRound, RoundConfig, Rounds
 from .state import CanonicalState, ClosedAggregate

@@ -91,7 +91,7 @@ class Rounds:
     tried: set[str] = field(default_factory=set)  # members with no work whose stream ended without a payload in
     limit_s: float = 0.0
     """How long the open round waits for its members (`deadline`); 0: `round_timeout_s`. Rounds by the
-    automatic clock wait about twice their length (`demonet.coordinator.pace.RoundPace.deadline_s`)."""
+    automatic clock wait about twice their length (`demonet.wire.pace.RoundPace.deadline_s`)."""
 
     def __post_init__(self) -> None:
         self.opened_at = self.now

@@ -44,7 +44,7 @@ class ClosedAggregate:
     clipped: tuple[str, ...] = ()  # contributors whose payload norm was clipped to the round's median
     capped: tuple[str, ...] = ()  # contributors whose samples were capped in the merge's weights
     weights: tuple[float, ...] = ()  # each contributor's weight in the merge (its samples, capped); () unweighted
-    next_round_s: float = 0.0  # the length of the round after (`demonet.coordinator.pace`); 0: lockstep
+    next_round_s: float = 0.0  # the length of the round after (`demonet.wire.pace`); 0: lockstep
 
 
 class CanonicalState:

@@ -26,6 +26,7 @@ from demonet.errors import Busy, InvalidPayload, NotJoined, PeerUnavailable, Ref
 from demonet.optim import Payload
 from demonet.wire.identity import submit_statement
 from demonet.wire.merge import check_samples, decode_contribution
+from demonet.wire.pace import MOST_S, valid_report
 
 from .admission import Admission, caller_address
 from .core import RoundCore
@@ -36,9 +37,6 @@ from .terms import LATE_ROUNDS, Submission
 __all__ = ["REFUSALS", "SubmitReader"]
 
 logger = logging.getLogger(__name__)
-
-_MOST_S = 86400.0
-"""The largest round time a peer may report (`need_s`, `least_s`, `train_s`): a day."""
 
 REFUSALS = {Refusal.STALE: pb.REFUSAL_STALE, Refusal.FUTURE: pb.REFUSAL_FUTURE,
             Refusal.NOT_MEMBER: pb.REFUSAL_NOT_MEMBER, Refusal.DUPLICATE: pb.REFUSAL_DUPLICATE,
@@ -189,8 +187,8 @@ class SubmitReader:
             raise InvalidPayload("the first part carries a parameter digest although it was to follow")
         await self._check_signature(head, head.signature, head.param_digest, context)
         check_samples(head.samples, self.core.cfg.net.max_samples_per_round)
-        if not all(0.0 <= s <= _MOST_S for s in (head.need_s, head.least_s, head.train_s)):  # NaN fails too
-            raise InvalidPayload(f"need_s, least_s and train_s should be seconds between 0 and {_MOST_S:g}, got "
+        if not valid_report(head.need_s, head.least_s, head.train_s):
+            raise InvalidPayload(f"need_s, least_s and train_s should be seconds between 0 and {MOST_S:g}, got "
                                  f"{head.need_s!r}, {head.least_s!r} and {head.train_s!r}")
         # refuse before reading (and decoding) the rest of the stream
         self.core.inbox.check(head.peer_id, head.round, head.part.payload_digest, early=head.digest_follows,

@@ -60,7 +60,7 @@ class Submission:
     """How many samples it was computed from: its weight in the merge (capped there)."""
     need_s: float = 0.0
     """The seconds the peer needs for a round of its own micro-batches, exchange included (0: not measured;
-    the automatic round length, `demonet.coordinator.pace`)."""
+    the automatic round length, `demonet.wire.pace`)."""
     least_s: float = 0.0
     """The same for a round of one micro-batch."""
     train_s: float = 0.0

@@ -100,10 +100,11 @@ class RoundBoard(Joining):
 
     # -- one round -------------------------------------------------------------------------------------
 
-    async def enter(self, r: int, digest: str, loss: float | None = None, *, stored: Callable[[], None] | None = None
-                    ) -> tuple[Frozen, dict[str, rules.Announcement]]:
-        """Announce this peer in round `r` (with its loss, for the dashboards; its state and the head
-        round in the same DHT call) and read the round's announcements until its freeze is final.
+    async def enter(self, r: int, digest: str, loss: float | None = None, *, stored: Callable[[], None] | None = None,
+                    pace: tuple[float, float, float] | None = None) -> tuple[Frozen, dict[str, rules.Announcement]]:
+        """Announce this peer in round `r` (with its loss, for the dashboards, and its `pace`, for the automatic
+        round length; its state and the head round in the same DHT call) and read the round's announcements
+        until its freeze is final.
         `stored` is called once the announcement's store is on its way, before the freeze's first look.
 
         Raises:
@@ -114,6 +115,8 @@ class RoundBoard(Joining):
                         "client": self._opts.client_mode}
         if loss is not None and math.isfinite(loss):
             announcement["loss"] = float(loss)
+        if pace is not None:
+            announcement["pace"] = [float(s) for s in pace]
         self.reports = {o: q for o, q in self.reports.items() if q >= r - self._opts.exclude_rounds}
         if self.reports:
             announcement["reports"] = dict(self.reports)
@@ -177,7 +180,8 @@ class RoundBoard(Joining):
                            if isinstance(reports, dict) else {})
                 announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
                                                   bool(v["client"]),
-                                                  float(loss) if isinstance(loss, float | int) else None, reports)
+                                                  float(loss) if isinstance(loss, float | int) else None, reports,
+                                                  rules.announced_pace(v.get("pace")))
         self.joins = {q: j for q, j in self.joins.items() if q > r - _KEEP_ROUNDS}
         self.joins[r] = joins
         for p, a in announced.items():

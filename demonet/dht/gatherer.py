@@ -20,6 +20,7 @@ from demonet.optim import Payload
 from demonet.transport import Digest, NotMember, Pace, Resync, RoundResult
 from demonet.wire.identity import Identity
 from demonet.wire.merge import check_samples
+from demonet.wire.pace import RoundPace
 
 from . import rules
 from .ahead import encode_parts
@@ -63,6 +64,11 @@ class DhtGatherer:
         self._steady: tuple[int, list[str], list[str], dict[str, str]] | None = None
         """(r, members, owners, addresses) of the last round when it was whole (every member's payload in,
         no joiner, no slice lost): round r + 1's parts are sent ahead of its freeze, cut for the same."""
+        opts = node.opts
+        self.pace = RoundPace(fixed_s=opts.round_s, lockstep=opts.lockstep, max_micro_batches=opts.max_micro_batches,
+                              round_timeout_s=opts.window_s, spans=False)
+        """The round length every round's result names (`RoundResult.next_round_s`), from the frozen members'
+        announced speeds: each peer computes it from the same announcements (docs/dht.md#mixed-speed-peers)."""
         self._encoded: tuple[int, rules.SlicePlan, Payload, list[bytes]] | None = None
         """(round, plan, payload, parts): the parts `encode_ahead` encoded in the training's thread, and the
         payload they were cut from (`gather` sends them only for that very payload)."""
@@ -232,20 +238,23 @@ class DhtGatherer:
                                           encoded=(encoded[1], encoded[3]) if encoded is not None
                                           and encoded[0] == r and encoded[2] is payload else None)
         try:
-            return await self._gather(r, payload, digest, loss, ahead, samples)
+            reported = None if pace is None else (pace.need_s, pace.least_s, pace.train_s)
+            return await self._gather(r, payload, digest, loss, ahead, samples, reported)
         finally:
             self._exchange.drop_ahead(r)  # not taken up by the exchange: the round ended before it, or froze otherwise
 
     async def _gather(self, r: int, payload: Payload, param_digest: str, loss: float,
-                      ahead: Callable[[], None] | None, samples: int) -> RoundResult:
+                      ahead: Callable[[], None] | None, samples: int, pace: tuple[float, float, float] | None
+                      ) -> RoundResult:
         board, view = self._board, self.view
         gets = self._node.gets
         try:
-            frozen, announced = await board.enter(r, param_digest, loss, stored=ahead)
+            frozen, announced = await board.enter(r, param_digest, loss, stored=ahead, pace=pace)
         except FrozeWithout as e:  # a member that counted this peer in is told at once, and does not wait for it
             await self._exchange.left_out(r, e.members)
             raise
         digests = {p: announced[p].digest for p in frozen.members}
+        next_round_s = self._next_round_s(frozen.members, announced)
         good = rules.majority_digest(digests)
         members = [p for p in frozen.members if digests[p] == good]
         if view is not None:
@@ -266,7 +275,7 @@ class DhtGatherer:
             if view is not None:
                 view.exchanged(r, contributors=(), slice_owners=(), aborted=True, bytes_up=0, bytes_down=0)
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
-                               bytes_up=0, bytes_down=0)
+                               bytes_up=0, bytes_down=0, next_round_s=next_round_s)
         owners = [p for p in members if not announced[p].client]
         if not owners:
             raise NotMember(f"round {r}: no member can be dialed (all are in client mode)")
@@ -311,7 +320,18 @@ class DhtGatherer:
         phases = {**board.phases(), **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
         if not applies:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
-                               bytes_up=done.bytes_up, bytes_down=done.bytes_down, phases=phases)
+                               bytes_up=done.bytes_up, bytes_down=done.bytes_down, phases=phases,
+                               next_round_s=next_round_s)
         return RoundResult(round=r, aggregate=done.aggregate, contributors=done.contributors, param_digest="",
                            aborted=False, bytes_up=done.bytes_up, bytes_down=done.bytes_down, kept=done.kept,
-                           phases=phases)
+                           phases=phases, next_round_s=next_round_s)
+
+    def _next_round_s(self, members: Iterable[str], announced: Mapping[str, rules.Announcement]) -> float:
+        """The next round's length (`pace`) from the speeds the frozen `members` announced. Every member reads
+        the same announcements, so the peers agree on it but for the smoothing of one that joined later; it only
+        sets each peer's own training cut-off (the freeze waits for the expected members either way)."""
+        for p in members:
+            reported = announced[p].pace
+            if reported is not None:
+                self.pace.report(p, *reported)
+        return self.pace.close(members)

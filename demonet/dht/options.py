@@ -37,6 +37,13 @@ class DhtOptions:
     """Behind NAT: only dial out. Such a peer trains and sends, but owns no slice and donates nothing."""
     window_s: float = 30.0
     """A round freezes at most this long after its first announcement, without the peers not in by then."""
+    round_s: float = 0.0
+    """`[net] round_s`: each peer's training cut-off, a fixed round length; 0: automatic, from the members'
+    announced speeds (`demonet.wire.pace.RoundPace`), or lockstep with `lockstep`."""
+    lockstep: bool = False
+    """`[net] lockstep`: every peer trains its own micro-batches each round (no rounds by the clock)."""
+    max_micro_batches: int = 16
+    """`[net] max_micro_batches`: the automatic length stays within this many of the median member's rounds."""
     exchange_timeout_s: float = 10.0
     """Each of the two exchange phases (parts to owners, merged slices back) ends this long after the previous."""
     settle_s: float = 0.2

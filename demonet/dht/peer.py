@@ -217,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
                           announce_maddrs=tuple(args.announce_maddr), client_mode=args.client_mode,
                           identity_path=args.identity,
                           window_s=cfg.net.round_timeout_s, exchange_timeout_s=args.exchange_timeout_s,
+                          round_s=cfg.net.round_s, lockstep=cfg.net.lockstep,
+                          max_micro_batches=cfg.net.max_micro_batches,
                           settle_s=args.settle_s, start_peers=cfg.net.start_peers,
                           leave_after_s=cfg.net.leave_after_s, verify_fraction=cfg.net.verify_slices,
                           exclude_rounds=cfg.net.exclude_owner_rounds, slice_entries=cfg.net.slice_entries,

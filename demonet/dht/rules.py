@@ -25,6 +25,7 @@ import torch
 
 from demonet.optim import Compressed, Payload
 from demonet.optim.payload import num_chunks
+from demonet.wire.pace import valid_report
 
 __all__ = ["MIN_SLICE_OWNERS", "Announcement", "SlicePlan", "excluded_owners", "has_majority", "majority_digest",
            "members_digest", "next_base", "owner_count", "owner_order", "param_ranges", "sign", "stacks_slices",
@@ -67,6 +68,21 @@ class Announcement:
     """Its training loss on its batch of the round, for the dashboards (None: not said)."""
     reports: Mapping[str, int] = field(default_factory=dict)
     """Owners it saw serve a slice their verifier disagreed with -> the latest round it saw that in."""
+    pace: tuple[float, float, float] | None = None
+    """Its speed for the automatic round length (`demonet.transport.Pace`: need_s, least_s, train_s); None: not
+    measured yet, or not a valid report."""
+
+
+def announced_pace(value: object) -> tuple[float, float, float] | None:
+    """An announcement's `pace` field: (need_s, least_s, train_s) where it is three seconds counts that
+    `demonet.wire.pace.valid_report` accepts; None otherwise (missing, or not a valid report: ignored, as a
+    coordinator would refuse it)."""
+    if not isinstance(value, list | tuple) or len(value) != 3:
+        return None
+    if not all(isinstance(s, float | int) and not isinstance(s, bool) for s in value):
+        return None
+    need_s, least_s, train_s = (float(s) for s in value)
+    return (need_s, least_s, train_s) if valid_report(need_s, least_s, train_s) else None
 
 
 def has_majority(members: Iterable[str], base: Collection[str] | None) -> bool:

@@ -1,7 +1,7 @@
 """A peer's own pace: its micro-batch and exchange times, averaged over its recent rounds. Pure logic, no clock.
 
 The round loop's cut-off leaves room for the exchange; the report (`Pace`) goes with each payload to the
-coordinator's automatic round length (`demonet.coordinator.pace`).
+coordinator's automatic round length (`demonet.wire.pace`).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class JoinInfo:
 @dataclass(frozen=True)
 class Pace:
     """What a peer tells the coordinator of its speed with a payload, from which the coordinator sets the
-    automatic round length (`demonet.coordinator.pace`); zeros: not measured yet."""
+    automatic round length (`demonet.wire.pace`); zeros: not measured yet."""
 
     need_s: float = 0.0
     """Seconds for a round of this peer's own micro-batches: training, compress, upload and apply."""

@@ -1,9 +1,10 @@
 """Mixed-speed peers in DHT mode, over real hivemind DHT nodes and their p2pd daemons on loopback.
 
-- Three `demonet peer --dht` processes with rounds by the clock (`[net] round_s`), plain and overlapped: a
-  peer whose task sleeps 0.3 s a micro-batch (a slower accelerator) trains fewer micro-batches than the fast
-  ones in each round, is in every round's aggregate, and every peer ends every round on one digest; the
-  rows' samples (the weights of the merges) differ between the fast peers and the slow one.
+- Three `demonet peer --dht` processes with rounds by the clock (`[net] round_s`, plain and overlapped; and the
+  automatic length, nothing set): a peer whose task sleeps 0.3 s a micro-batch (a slower accelerator) trains
+  fewer micro-batches than the fast ones in each round, is in every round's aggregate, and every peer ends
+  every round on one digest; the rows' samples (the weights of the merges) differ between the fast peers and
+  the slow one. With nothing set, the length each peer computed from the announcements covers the slow one.
 - In one process: a round whose member claims 10^9 samples gives every member the same aggregate, the
   slices merged with the capped weight, and each owner counts the claim once; a part claiming 0 samples,
   or more than the run's bound, is refused by its owner over the link, counted, and keeps no state there.
@@ -29,11 +30,13 @@ PEERS = {"fast-0": 0.0, "fast-1": 0.0, "slow": 0.3}
 """peer id -> the seconds its task sleeps per micro-batch."""
 
 
-@pytest.mark.parametrize("overlap", [0, 1])
+@pytest.mark.parametrize(("overlap", "round_s"), [(0, 1.0), (1, 1.0), (0, 0.0)],
+                         ids=["fixed", "fixed-overlapped", "automatic"])
 def test_a_slow_dht_peer_trains_fewer_micro_batches_and_is_in_every_round(tmp_path: Path, overlap: int,
+                                                                            round_s: float,
                                                                             reap_children: Reaper) -> None:
     peers = _Peers(tmp_path, reap_children, steps=STEPS, start_peers=len(PEERS), overlap=overlap,
-                   round_timeout_s=20.0, round_s=1.0, max_micro_batches=6)
+                   round_timeout_s=20.0, round_s=round_s, max_micro_batches=6)
     task = ("--task", "tests.integration.tasks:sleepy", "--checkpoint-every", "0")
     first, *others = PEERS
     peers.bootstrap(first, *task, env={SLEEP_ENV: str(PEERS[first])})

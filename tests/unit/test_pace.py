@@ -1,11 +1,13 @@
-"""The round length a coordinator announces (`demonet.coordinator.pace.RoundPace`): pure logic."""
+"""The round length a coordinator announces, and a DHT peer computes from the announcements
+(`demonet.wire.pace.RoundPace`, `demonet.dht.rules.announced_pace`): pure logic."""
 
 from __future__ import annotations
 
 import pytest
 
-from demonet.coordinator.pace import MIN_GAP_S, RoundPace
 from demonet.coordinator.rounds import RoundConfig, Rounds
+from demonet.dht.rules import announced_pace
+from demonet.wire.pace import MIN_GAP_S, MOST_S, RoundPace
 
 
 def _pace(**kw: float) -> RoundPace:
@@ -69,6 +71,28 @@ def test_a_member_slow_by_its_compute_spans_rounds_and_rounds_stay_lockstep() ->
     two.report("a", 0.35, 0.35)
     two.report("slow", 1.1, 1.1, train_s=1.0)
     assert two.close(["a", "slow"]) > 0 and two.spanning == set()
+
+
+def test_without_late_payloads_a_member_slow_by_its_compute_is_covered_not_spanning() -> None:
+    """DHT mode (`spans` False): the member that would span in coordinator mode sets the round instead, its one
+    micro-batch and exchange and a tenth, so it is in every round and the others train more meanwhile."""
+    pace = _pace(spans=False)
+    for peer in "abc":
+        pace.report(peer, 0.35, 0.35, train_s=0.25)
+    pace.report("slow", 1.1, 1.1, train_s=1.0)
+    assert pace.close(["a", "b", "c", "slow"]) == pytest.approx(1.21) and pace.spanning == set()
+
+
+@pytest.mark.parametrize("value", [None, "1,1,1", [1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [1.0, -0.5, 0.1],
+                                   [1.0, float("nan"), 0.1], [1.0, float("inf"), 0.1], [MOST_S * 2, 1.0, 0.5],
+                                   [True, 1.0, 0.5], ["1", 1.0, 0.5], {"need_s": 1.0}])
+def test_an_announced_pace_that_is_not_three_seconds_counts_is_ignored(value: object) -> None:
+    assert announced_pace(value) is None
+
+
+def test_an_announced_pace_is_read_as_floats() -> None:
+    assert announced_pace([1, 0.5, 0.25]) == (1.0, 0.5, 0.25)
+    assert announced_pace((0.0, 0.0, 0.0)) == (0.0, 0.0, 0.0)  # not measured yet: `report` ignores it
 
 
 def test_rounds_go_back_to_lockstep_once_the_slow_member_leaves() -> None:

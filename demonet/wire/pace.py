@@ -1,8 +1,9 @@
 """The round length: lockstep, a fixed `[net] round_s`, or the automatic length from what the peers report.
 
-Pure logic: no clock, no asyncio. The coordinator feeds it each accepted payload's report (`need_s`: the
-seconds the peer needs for a round of its own micro-batches, compress, upload and apply included; `least_s`:
-the same for one micro-batch) and reads the next round's length at each close (docs/coordinator.md#mixed-speed-peers).
+Pure logic: no clock, no asyncio; one rule for both network modes. The coordinator feeds it each accepted
+payload's report, a DHT peer each frozen member's announcement (`need_s`: the seconds the peer needs for a round
+of its own micro-batches, compress, upload and apply included; `least_s`: the same for one micro-batch), and
+reads the next round's length at each close (docs/coordinator.md#mixed-speed-peers).
 
 The automatic policy, per close, over the latest report of every member:
 - While the members are alike (the slowest `need_s` within `ALIKE` times the median, or within `MIN_GAP_S` of
@@ -19,7 +20,8 @@ The automatic policy, per close, over the latest report of every member:
   is left out of the length above and rounds do not wait for it (`spanning`); its payload, from parameters some
   rounds old, enters the round that is open when it comes (docs/coordinator.md#mixed-speed-peers). Rounds stay
   as short as the others need: DeMo's step moves every parameter by about the lr each round, so more rounds
-  reach a loss sooner.
+  reach a loss sooner. DHT mode has no late payloads: there, no member spans (`spans` False), and the rounds
+  cover the slowest member's one micro-batch as above (docs/dht.md#mixed-speed-peers).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["ALIKE", "ALIKE_OFF", "COMPUTE_SHARE", "MIN_GAP_S", "SLOWEST_MICRO_BATCHES", "SPAN", "RoundPace"]
+__all__ = ["ALIKE", "ALIKE_OFF", "COMPUTE_SHARE", "MIN_GAP_S", "MOST_S", "SLOWEST_MICRO_BATCHES", "SPAN", "RoundPace",
+           "valid_report"]
 
 ALIKE = 1.5
 """Rounds go by the clock once the slowest member's round is over this many times the median member's."""
@@ -49,6 +52,13 @@ COMPUTE_SHARE = 0.5
 instead: a peer that spans downloads the aggregates it missed, which a slow link cannot afford)."""
 SMOOTHING = 0.5
 """Each close moves the automatic length this far toward the newly computed one."""
+MOST_S = 86400.0
+"""The largest round time a peer may report (`need_s`, `least_s`, `train_s`): a day."""
+
+
+def valid_report(need_s: float, least_s: float, train_s: float) -> bool:
+    """Whether a peer's report is three seconds counts between 0 and `MOST_S` (NaN is not)."""
+    return all(0.0 <= s <= MOST_S for s in (need_s, least_s, train_s))
 
 
 @dataclass
@@ -60,12 +70,15 @@ class RoundPace:
         lockstep: `[net] lockstep`: every round waits for every active member's own micro-batches (length 0).
         max_micro_batches: `[net] max_micro_batches`: the most a peer trains in one round.
         round_timeout_s: `[net] round_timeout_s`: the automatic length stays under half of it.
+        spans: whether a member slow by its compute spans rounds (coordinator mode); False (DHT mode): the rounds
+            cover it like any other member.
     """
 
     fixed_s: float = 0.0
     lockstep: bool = False
     max_micro_batches: int = 16
     round_timeout_s: float = 30.0
+    spans: bool = True
     round_s: float = 0.0
     """The next round's length (0: lockstep)."""
     reports: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -112,7 +125,7 @@ class RoundPace:
     def _spanning(self) -> set[str]:
         """The members slow by their compute by over `SPAN` times the median member's round (of three members at
         least: with two, neither is the norm)."""
-        if len(self.reports) < 3:
+        if not self.spans or len(self.reports) < 3:
             return set()
         median = statistics.median_low(need for need, _ in self.reports.values())
         return {p for p, (_, least) in self.reports.items()
