@@ -121,6 +121,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--skip", type=int, default=3, help="rounds left out at the start")
     parser.add_argument("--smoke", action="store_true", help="4 rounds, short sleeps: a check that it runs")
+    parser.add_argument("--keep", type=Path, help="keep each system's logs and metrics rows under this folder")
     args = parser.parse_args()
     from demonet.lab import netlab
 
@@ -135,7 +136,9 @@ def main() -> int:
     results, slow = {}, {}
     for name, peer_mbits in systems.items():
         with tempfile.TemporaryDirectory() as tmp:
-            rows = run(name, peer_mbits, args.sleep_s, args.steps, Path(tmp))
+            folder = Path(tmp) if args.keep is None else args.keep / name
+            folder.mkdir(parents=True, exist_ok=True)
+            rows = run(name, peer_mbits, args.sleep_s, args.steps, folder)
         results[name] = summarize(rows, args.skip)
         if "peer-3" in rows:
             later = [r for r in rows["peer-3"] if r["round"] >= args.skip]

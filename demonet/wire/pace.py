@@ -15,8 +15,8 @@ The automatic policy, per close, over the latest report of every member:
   `max_micro_batches` median rounds (or half the round timeout) does not stretch the round; it is waited for
   until the round's deadline (`deadline_s`) only.
 - Back to lockstep once the slowest is within `ALIKE_OFF` times the median again (hysteresis: no flapping).
-- A member slowed by its compute, not its link (its one-micro-batch round over `SPAN` (1.5) times the median
-  member's round, at least `COMPUTE_SHARE` of it its forward and backward, `train_s`), spans rounds instead: it
+- A member slowed by its compute, not its link (the forward and backward of its one micro-batch alone, `train_s`,
+  over `SPAN` (1.5) times the median member's whole round), spans rounds instead: it
   is left out of the length above and rounds do not wait for it (`spanning`); its payload, from parameters some
   rounds old, enters the round that is open when it comes (docs/coordinator.md#mixed-speed-peers). Rounds stay
   as short as the others need: DeMo's step moves every parameter by about the lr each round, so more rounds
@@ -26,11 +26,12 @@ The automatic policy, per close, over the latest report of every member:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["ALIKE", "ALIKE_OFF", "COMPUTE_SHARE", "MIN_GAP_S", "MOST_S", "SLOWEST_MICRO_BATCHES", "SPAN", "RoundPace",
+__all__ = ["ALIKE", "ALIKE_OFF", "MIN_GAP_S", "MOST_S", "SLOWEST_MICRO_BATCHES", "SPAN", "RoundPace",
            "valid_report"]
 
 ALIKE = 1.5
@@ -46,12 +47,16 @@ so rounds of twice the slowest one's (0.92x the samples of every peer kept busy,
 1.6x lockstep's time to the same loss in `demonet bench` (docs/evidence.md#mixed-swarms). The tenth over once
 lets a faster peer finish the micro-batch it would otherwise idle through."""
 SPAN = ALIKE
-"""A member whose one-micro-batch round is over this many times the median member's round spans rounds..."""
-COMPUTE_SHARE = 0.5
-"""...where at least this share of that round is its forward and backward (a slow link stretches the round
-instead: a peer that spans downloads the aggregates it missed, which a slow link cannot afford)."""
+"""A member whose one micro-batch's forward and backward alone take over this many times the median member's whole
+round spans rounds. A member slow by its link does not: its payload shrinks to its link instead (`[optim]
+adaptive_topk`) and the clock covers its round; a peer that spans downloads the aggregates it missed, which a slow
+link cannot afford. Measured (`python bench/mixed_links.py`): a 1 Mbit/s peer whose upload was half its round,
+counted as spanning by its round alone, sent its payload every third round."""
 SMOOTHING = 0.5
 """Each close moves the automatic length this far toward the newly computed one."""
+WHOLE_SLACK = 1.05
+"""A clock round fits this many times the median member's whole micro-batches (`RoundPace._whole`): its own
+cut-off then fits the last one despite a little jitter."""
 MOST_S = 86400.0
 """The largest round time a peer may report (`need_s`, `least_s`, `train_s`): a day."""
 
@@ -115,7 +120,7 @@ class RoundPace:
         if not self.reports:
             return self.round_s
         self.spanning = self._spanning()
-        target = self._target([r for p, r in self.reports.items() if p not in self.spanning])
+        target = self._target({p: r for p, r in self.reports.items() if p not in self.spanning})
         if target == 0.0 or self.round_s == 0.0:
             self.round_s = target
         else:
@@ -123,23 +128,36 @@ class RoundPace:
         return self.round_s
 
     def _spanning(self) -> set[str]:
-        """The members slow by their compute by over `SPAN` times the median member's round (of three members at
-        least: with two, neither is the norm)."""
+        """The members whose one micro-batch's forward and backward alone take over `SPAN` times the median member's
+        round (of three members at least: with two, neither is the norm)."""
         if not self.spans or len(self.reports) < 3:
             return set()
         median = statistics.median_low(need for need, _ in self.reports.values())
-        return {p for p, (_, least) in self.reports.items()
-                if least > SPAN * median and self.trains.get(p, 0.0) >= COMPUTE_SHARE * least}
+        return {p for p in self.reports if self.trains.get(p, 0.0) > SPAN * median}
 
-    def _target(self, reports: list[tuple[float, float]]) -> float:
-        needs = [need for need, _ in reports]
+    def _target(self, reports: dict[str, tuple[float, float]]) -> float:
+        needs = [need for need, _ in reports.values()]
         median = statistics.median_low(needs)  # of two members: the faster one
         slowest = max(needs)
         if slowest < (ALIKE_OFF if self.round_s else ALIKE) * median or slowest - median < MIN_GAP_S:
             return 0.0
         cap = min(self.round_timeout_s / 2, self.max_micro_batches * median)
-        covered = [least for _, least in reports if least <= cap]
-        return min(cap, max([median, *(SLOWEST_MICRO_BATCHES * least for least in covered)]))
+        covered = [least for _, least in reports.values() if least <= cap]
+        length = max([median, *(SLOWEST_MICRO_BATCHES * least for least in covered)])
+        typical = next(p for p, (need, _) in reports.items() if need == median)
+        return min(cap, self._whole(length, reports[typical][1], self.trains.get(typical, 0.0)))
+
+    @staticmethod
+    def _whole(length: float, least_s: float, train_s: float) -> float:
+        """`length`, made up to the median member's exchange (its `least_s` less its `train_s`) and a whole number
+        of its micro-batches, with `WHOLE_SLACK` to spare: a round a little over one micro-batch would otherwise
+        leave it idle for most of one (measured: with one peer on a 1 Mbit/s link, rounds of 1.1 times that peer's
+        round, 1.7 of the others' micro-batches, left them one micro-batch and 0.13 s of waiting each round)."""
+        exchange_s = least_s - train_s
+        if train_s <= 0 or exchange_s < 0:  # not reported: as it is
+            return length
+        whole = math.ceil((length - exchange_s) / train_s - 1e-9)
+        return max(length, exchange_s + WHOLE_SLACK * whole * train_s)
 
     def deadline_s(self, round_timeout_s: float) -> float:
         """How long after it opens an automatic clock round stops waiting for members: twice its length and a

@@ -47,12 +47,12 @@ def test_a_slow_link_turns_rounds_to_the_clock_long_enough_for_its_one_micro_bat
 
 
 def test_a_member_too_slow_for_any_round_is_not_waited_for() -> None:
-    """One micro-batch round of 100 s (99 s of it its link), over 16 median rounds of 0.35 s (5.6 s): the round is
+    """One micro-batch round of 100 s (99.6 s of it its link), over 16 median rounds of 0.35 s (5.6 s): the round is
     not stretched toward it."""
     pace = _pace()
     for peer in "abc":
         pace.report(peer, 0.35, 0.35)
-    pace.report("glacial", 100.0, 100.0, train_s=1.0)
+    pace.report("glacial", 100.0, 100.0, train_s=0.4)
     assert pace.close(["a", "b", "c", "glacial"]) == pytest.approx(1.1 * 0.35)  # as if it were not there
 
 
@@ -80,7 +80,8 @@ def test_without_late_payloads_a_member_slow_by_its_compute_is_covered_not_spann
     for peer in "abc":
         pace.report(peer, 0.35, 0.35, train_s=0.25)
     pace.report("slow", 1.1, 1.1, train_s=1.0)
-    assert pace.close(["a", "b", "c", "slow"]) == pytest.approx(1.21) and pace.spanning == set()
+    # 1.21 s made up to the others' exchange (0.1 s) and five whole micro-batches of theirs, with 5% to spare
+    assert pace.close(["a", "b", "c", "slow"]) == pytest.approx(0.1 + 1.05 * 5 * 0.25) and pace.spanning == set()
 
 
 @pytest.mark.parametrize("value", [None, "1,1,1", [1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [1.0, -0.5, 0.1],
@@ -93,6 +94,18 @@ def test_an_announced_pace_that_is_not_three_seconds_counts_is_ignored(value: ob
 def test_an_announced_pace_is_read_as_floats() -> None:
     assert announced_pace([1, 0.5, 0.25]) == (1.0, 0.5, 0.25)
     assert announced_pace((0.0, 0.0, 0.0)) == (0.0, 0.0, 0.0)  # not measured yet: `report` ignores it
+
+
+def test_a_member_slow_by_its_link_is_covered_by_the_clock_not_spanning() -> None:
+    """Its one-micro-batch round is 1.6x the others' (its upload 0.2 s of it) but its forward and backward are theirs:
+    it does not span (it would send a payload every few rounds); the clock covers its round and its k shrinks to
+    its link (`demonet.loop.link.LinkPace`). The round, 1.1x its own (0.528 s), is made up to two whole
+    micro-batches of the others and their exchange, with 5% to spare: they train two, not one and a wait."""
+    pace = _pace()
+    for peer in "abc":
+        pace.report(peer, 0.3, 0.3, train_s=0.27)
+    pace.report("far", 0.48, 0.48, train_s=0.27)
+    assert pace.close(["a", "b", "c", "far"]) == pytest.approx(0.03 + 1.05 * 2 * 0.27) and pace.spanning == set()
 
 
 def test_rounds_go_back_to_lockstep_once_the_slow_member_leaves() -> None:
