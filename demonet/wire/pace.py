@@ -15,10 +15,11 @@ The automatic policy, per close, over the latest report of every member:
   `max_micro_batches` median rounds (or half the round timeout) does not stretch the round; it is waited for
   until the round's deadline (`deadline_s`) only.
 - Back to lockstep once the slowest is within `ALIKE_OFF` times the median again (hysteresis: no flapping).
-- A member slowed by its compute, not its link (the forward and backward of its one micro-batch alone, `train_s`,
-  over `SPAN` (1.5) times the median member's whole round), spans rounds instead: it
-  is left out of the length above and rounds do not wait for it (`spanning`); its payload, from parameters some
-  rounds old, enters the round that is open when it comes (docs/coordinator.md#mixed-speed-peers). Rounds stay
+- A member slow by its compute, not its link (its one-micro-batch round over `SPAN` (1.5) times the median
+  member's round, and its forward and backward alone, `train_s`, over `SPAN` times the median member's), spans
+  rounds instead: it is left out of the length above and rounds do not wait for it (`spanning`); its payload,
+  from parameters some rounds old, enters the round that is open when it comes
+  (docs/coordinator.md#mixed-speed-peers). Rounds stay
   as short as the others need: DeMo's step moves every parameter by about the lr each round, so more rounds
   reach a loss sooner. DHT mode has no late payloads: there, no member spans (`spans` False), and the rounds
   cover the slowest member's one micro-batch as above (docs/dht.md#mixed-speed-peers).
@@ -47,11 +48,12 @@ so rounds of twice the slowest one's (0.92x the samples of every peer kept busy,
 1.6x lockstep's time to the same loss in `demonet bench` (docs/evidence.md#mixed-swarms). The tenth over once
 lets a faster peer finish the micro-batch it would otherwise idle through."""
 SPAN = ALIKE
-"""A member whose one micro-batch's forward and backward alone take over this many times the median member's whole
-round spans rounds. A member slow by its link does not: its payload shrinks to its link instead (`[optim]
-adaptive_topk`) and the clock covers its round; a peer that spans downloads the aggregates it missed, which a slow
-link cannot afford. Measured (`python bench/mixed_links.py`): a 1 Mbit/s peer whose upload was half its round,
-counted as spanning by its round alone, sent its payload every third round."""
+"""A member whose one-micro-batch round is over this many times the median member's round, and whose forward and
+backward alone are over this many times the median member's, spans rounds. A member slow by its link does not:
+its payload shrinks to its link instead (`[optim] adaptive_topk`) and the clock covers its round; a peer that
+spans downloads the aggregates it missed, which a slow link cannot afford. Measured (`python bench/mixed_links.py`):
+a 1 Mbit/s peer whose upload was half its round, counted as spanning by its round and half of it its compute,
+sent its payload every third round."""
 SMOOTHING = 0.5
 """Each close moves the automatic length this far toward the newly computed one."""
 WHOLE_SLACK = 1.05
@@ -128,12 +130,17 @@ class RoundPace:
         return self.round_s
 
     def _spanning(self) -> set[str]:
-        """The members whose one micro-batch's forward and backward alone take over `SPAN` times the median member's
-        round (of three members at least: with two, neither is the norm)."""
+        """The members slow by their compute: their one-micro-batch round over `SPAN` times the median member's round,
+        and their forward and backward over `SPAN` times the median one (of three members at least: with two,
+        neither is the norm)."""
         if not self.spans or len(self.reports) < 3:
             return set()
         median = statistics.median_low(need for need, _ in self.reports.values())
-        return {p for p in self.reports if self.trains.get(p, 0.0) > SPAN * median}
+        median_train = statistics.median_low(self.trains.get(p, 0.0) for p in self.reports)
+        if median_train <= 0:  # not reported: none is known to be slow by its compute
+            return set()
+        return {p for p, (_, least) in self.reports.items()
+                if least > SPAN * median and self.trains.get(p, 0.0) > SPAN * median_train}
 
     def _target(self, reports: dict[str, tuple[float, float]]) -> float:
         needs = [need for need, _ in reports.values()]
