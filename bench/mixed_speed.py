@@ -24,7 +24,8 @@ median micro-batches a round and its rounds in, and the final loss; then the rat
   against the three fast alone (what adding the slow peer costs in lockstep);
 - automatic and fixed samples/s against the three fast alone.
 Rounds before --skip are left out (first-call costs). Run from the repo root: `python bench/mixed_speed.py`
-(`--dht` for DHT mode). `--smoke`: short sleeps and 4 rounds, a check that the script runs.
+(`--dht` for DHT mode; `--overlap 1`: every system overlapped; `--systems`: some of them). `--smoke`: short
+sleeps and 4 rounds, a check that the script runs.
 """
 
 from __future__ import annotations
@@ -64,11 +65,12 @@ def task(**table: Any) -> Any:
     return demonet.Task(model=t.model, batches=t.batches, loss=loss)
 
 
-def _config(round_s: float | None, max_micro: int) -> str:
+def _config(round_s: float | None, max_micro: int, overlap: int = 0) -> str:
     """The run's config: `round_s` None is lockstep, 0 the automatic length."""
     pace = "lockstep = true" if round_s is None else f"round_s = {round_s}"
     return "\n".join(["[optim]", "lr = 0.03", "[task]", "batch_size = 16", "[net]", "round_timeout_s = 60.0",
-                      pace, f"max_micro_batches = {max_micro}", "heartbeat_timeout_s = 60.0"]) + "\n"
+                      pace, f"max_micro_batches = {max_micro}", "heartbeat_timeout_s = 60.0",
+                      f"overlap = {overlap}"]) + "\n"
 
 
 def _coordinator(tmp: Path, steps: int, peers: int, env: dict[str, str], procs: list[subprocess.Popen[bytes]]
@@ -104,10 +106,10 @@ def _first_maddr(log: Path, proc: subprocess.Popen[bytes], timeout_s: float = 12
     raise SystemExit(f"the first DHT peer did not start:\n{log.read_text(errors='replace')[-3000:]}")
 
 
-def run(sleeps: list[float], round_s: float | None, steps: int, max_micro: int, tmp: Path, dht: bool = False
-        ) -> dict[str, list[dict[str, Any]]]:
+def run(sleeps: list[float], round_s: float | None, steps: int, max_micro: int, tmp: Path, dht: bool = False,
+        overlap: int = 0) -> dict[str, list[dict[str, Any]]]:
     """One swarm: a coordinator and a peer per sleep (`dht`: a DHT peer per sleep); returns each peer's metrics rows."""
-    (tmp / "run.toml").write_text(_config(round_s, max_micro))
+    (tmp / "run.toml").write_text(_config(round_s, max_micro, overlap))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'bench'}", "DEMONET_TOKEN": TOKEN,
            "OMP_NUM_THREADS": "1"}
     procs: list[subprocess.Popen[bytes]] = []
@@ -183,6 +185,9 @@ def main() -> int:
     parser.add_argument("--max-micro-batches", type=int, default=16)
     parser.add_argument("--smoke", action="store_true", help="short sleeps and 4 rounds: a check that it runs")
     parser.add_argument("--dht", action="store_true", help="DHT mode: peers on a hivemind DHT, no coordinator")
+    parser.add_argument("--overlap", type=int, default=0, choices=(0, 1), help="[net] overlap of every system")
+    parser.add_argument("--systems", default="fast-only,lockstep,automatic,fixed",
+                        help="comma-separated, of fast-only,lockstep,automatic,fixed (fast-only is always run)")
     args = parser.parse_args()
     if args.smoke:
         args.sleeps_s, args.round_s, args.steps, args.skip = "0.02,0.02,0.02,0.08", 0.4, 10, 1
@@ -193,12 +198,16 @@ def main() -> int:
     systems: dict[str, tuple[list[float], float | None]] = {"fast-only": (fast, 0.0), "lockstep": (sleeps, None)}
     systems["automatic"] = (sleeps, 0.0)
     systems["fixed"] = (sleeps, args.round_s)
+    wanted = {"fast-only", *args.systems.split(",")}
+    if not wanted <= set(systems):
+        parser.error(f"--systems should name some of {', '.join(systems)}, got {args.systems}")
+    systems = {name: s for name, s in systems.items() if name in wanted}
     results = {}
     for name, (peer_sleeps, round_s) in systems.items():
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             results[name] = summarize(run(peer_sleeps, round_s, args.steps, args.max_micro_batches, Path(tmp),
-                                          dht=args.dht), args.skip)
+                                          dht=args.dht, overlap=args.overlap), args.skip)
             results[name]["wall_s"] = time.perf_counter() - t0
     ideal = batch * sum(1.0 / s for s in sleeps)  # every peer busy, one micro-batch per its sleep, no exchange
     fast_alone = results["fast-only"]["samples_per_s"]
@@ -222,8 +231,9 @@ def main() -> int:
               f"{per_peer}")
     print(f"target loss {target:.4f}: the fast peers' alone, mean of their last {WINDOW} rounds; 'to target': the "
           f"first time the mean of {WINDOW} rounds is at or below it, from round {args.skip - 1}'s end")
-    print(f"lockstep / fast-only samples/s: {results['lockstep']['samples_per_s'] / fast_alone:.2f}x "
-          "(what adding the slow peer costs in lockstep)")
+    if "lockstep" in results:
+        print(f"lockstep / fast-only samples/s: {results['lockstep']['samples_per_s'] / fast_alone:.2f}x "
+              "(what adding the slow peer costs in lockstep)")
     for name in ("automatic", "fixed"):
         if name not in results:
             continue

@@ -31,7 +31,10 @@ async def overlapped_rounds(loop: LoopSteps, metrics: TextIO | None, beats: asyn
     lookahead is applied once the payload is on its way. When the peer must load other parameters
     (a refusal, a catch-up, a resync) or stops, the compress of r+1 is undone to the bit, as if its
     gradient had been dropped before it, a payload sent ahead is called off, and the pipeline starts
-    again from the loaded round with nothing in flight.
+    again from the loaded round with nothing in flight. Where round r's payload counted in a later round
+    (a peer spanning rounds), the payload sent ahead is called off too, but r+1's gradient is kept in the
+    momentum (its compress committed, its payload restored): it leaves with a later payload, as what a
+    round's aggregate drops does, and a micro-batch that outlasted rounds is not thrown away.
     """
     replica: Overlapping = loop.replica  # type: ignore[assignment]  # overlap needs an `Overlapping`
     flight: InFlight | None = None
@@ -54,14 +57,19 @@ async def overlapped_rounds(loop: LoopSteps, metrics: TextIO | None, beats: asyn
                 landed = await loop.land(landing, metrics)
                 if landed == RoundOutcome.APPLIED and not await loop.membership.agree(loop.go(loop.round)):
                     landed = RoundOutcome.STOPPED  # a stop came meanwhile
-                if landed == RoundOutcome.APPLIED and landing.round + 1 != loop.round:
-                    landed = RoundOutcome.CAUGHT_UP  # it counted in a later round: the next one's gradient is old
+                late = landed == RoundOutcome.APPLIED and landing.round + 1 != loop.round
+                if late:  # it counted in a later round: the next one's gradient is from parameters rounds old
+                    landed = RoundOutcome.CAUGHT_UP
                 pending = False
                 if landed != RoundOutcome.APPLIED:
                     if ahead is not None:
                         dropped, ahead = ahead, None
                         await loop.drop(dropped)
-                    await asyncio.to_thread(replica.undo_compress)  # its gradient is from other parameters
+                    if late:  # a spanning peer's: its gradient stays in the momentum (error feedback), not lost
+                        replica.commit_compress()
+                        await asyncio.to_thread(replica.restore, payload)
+                    else:
+                        await asyncio.to_thread(replica.undo_compress)  # its gradient is from other parameters
                     if landed == RoundOutcome.STOPPED:
                         break
                     continue
