@@ -17,15 +17,20 @@ from .chunking import chunk_shape
 from .dct import dct_matrix
 from .payload import matrix_shape, num_chunks
 
-__all__ = ["BUCKET_CAP_MB", "DECODE_GROUP_MB", "Bucket", "Slot", "build_buckets", "local_tensor"]
+__all__ = ["ACCELERATOR_BUCKET_CAP_MB", "CPU_BUCKET_CAP_MB", "DECODE_GROUP_MB", "Bucket", "Slot", "build_buckets",
+           "default_bucket_cap_mb", "local_tensor"]
 
-BUCKET_CAP_MB = 128.0
-"""A bucket, on every device: each pass over a bucket is a fixed set of ops (kernel launches on an
-accelerator), so a small cap would make a deep model pay a set per few MiB (docs/optimizer.md, "Kernels a
-step launches"). A model of up to 32M coefficients of one chunk shape takes one pass. On a CPU, 4 MiB
-buckets (the size kept in its cache) measured no faster on the benchmark model, and the larger buckets cost
-memory instead: the scratch (two buckets) and the exact decode's float64 work space ((S / 16 + 2)x a bucket
-for aggregates of S entries a 64 x 64 chunk: 4x at S = 32; half that for the sign base's fast decode)."""
+CPU_BUCKET_CAP_MB = 4.0
+"""A CPU's bucket: its passes (transform, top-k, decode) stay in the last-level cache. A CPU launches no
+kernels, and measured its step about 10% slower in 128 MiB buckets (docs/optimizer.md, "Kernels a step
+launches"): it keeps this size, and a set of ops per bucket."""
+
+ACCELERATOR_BUCKET_CAP_MB = 128.0
+"""An accelerator's bucket: each pass over a bucket is a fixed set of kernel launches, so a small cap
+would make a deep model pay a set per 4 MiB (docs/optimizer.md, "Kernels a step launches"). A model of
+up to 32M coefficients of one chunk shape takes one pass; the scratch (two buckets) and the exact
+decode's float64 work space ((S / 16 + 2)x a bucket for aggregates of S entries a 64 x 64 chunk: 4x at
+S = 32) stay bounded."""
 
 
 DECODE_GROUP_MB = 4.0
@@ -33,13 +38,18 @@ DECODE_GROUP_MB = 4.0
 tensors of one chunk shape, in order, in groups of at most this size (a larger tensor is a group of its own),
 whatever buckets a device batches them in. The bound sets the rounding of the decode's first product
 (`demonet.optim.exact.decode_exact`), so the groups are part of what the apply computes: the same on every
-device and for every `bucket_cap_mb`. They are the buckets DeMo had before its buckets grew (4 MiB), so the
-apply kept its bits."""
+device and for every `bucket_cap_mb`. They are the buckets DeMo had on every device before buckets followed
+the device (4 MiB), so the apply kept its bits."""
 
 
 def _cap(cap_mb: float) -> int:
     """Float32 coefficients in `cap_mb` MiB (at least 1)."""
     return max(1, int(cap_mb * 2**20 / 4))
+
+
+def default_bucket_cap_mb(device: torch.device) -> float:
+    """The bucket size for parameters on `device` when `DeMoOptions.bucket_cap_mb` is None."""
+    return CPU_BUCKET_CAP_MB if device.type == "cpu" else ACCELERATOR_BUCKET_CAP_MB
 
 
 @dataclass(eq=False)
@@ -88,7 +98,7 @@ def build_buckets(param_groups: Sequence[Mapping[str, Any]], *, chunks: Mapping[
         chunks: an explicit (h, w) per parameter name; the others get `chunk_shape`.
         compression_chunk, chunk_policy: `chunk_shape`'s target side and policy.
         bucket_cap_mb: MiB of float32 coefficients per bucket at most (a larger tensor gets a bucket of
-            its own); None: `BUCKET_CAP_MB`.
+            its own); None: `default_bucket_cap_mb` of the parameter's device.
         adam: allocate Adam's two moments too.
 
     Returns:
@@ -103,7 +113,6 @@ def build_buckets(param_groups: Sequence[Mapping[str, Any]], *, chunks: Mapping[
     open_buckets: dict[tuple[Any, ...], Bucket] = {}
     open_groups: dict[tuple[Any, ...], tuple[int, int]] = {}  # key -> (decode group, its blocks so far)
     index, num_groups = -1, 0
-    cap = _cap(BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
     for gi, group in enumerate(param_groups):
         names = group.get("param_names")
         for pi, p in enumerate(group["params"]):
@@ -120,8 +129,9 @@ def build_buckets(param_groups: Sequence[Mapping[str, Any]], *, chunks: Mapping[
             num_blocks = num_chunks(shape, (h, w))
             key = (gi, h, w, p.device, _momentum_dtype(p.dtype))
             bucket = open_buckets.get(key)
-            if bucket is None or (bucket.num_blocks + num_blocks) * h * w > cap:
-                bucket = open_buckets[key] = Bucket(group=gi, h=h, w=w, cap=cap)
+            cap_mb = default_bucket_cap_mb(p.device) if bucket_cap_mb is None else bucket_cap_mb
+            if bucket is None or (bucket.num_blocks + num_blocks) * h * w > _cap(cap_mb):
+                bucket = open_buckets[key] = Bucket(group=gi, h=h, w=w, cap=_cap(cap_mb))
                 buckets.append(bucket)
             decode_group, filled = open_groups.get(key, (-1, 0))
             if decode_group < 0 or (filled + num_blocks) * h * w > _cap(DECODE_GROUP_MB):

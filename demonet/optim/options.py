@@ -32,9 +32,10 @@ class DeMoOptions:
             `demonet.optim.chunking`).
         betas, eps: Adam's coefficients for ``base="adamw"``.
         bucket_cap_mb: blocks are transformed in buckets of at most this size (a larger tensor gets
-            a bucket of its own); scratch memory is two buckets. None: 128 MiB on every device
-            (`demonet.optim.buckets.BUCKET_CAP_MB`), which keeps the ops a step launches a fixed
-            number, not one set per few MiB of parameters.
+            a bucket of its own); scratch memory is two buckets. None: by the parameters' device
+            (`demonet.optim.buckets.default_bucket_cap_mb`): 4 MiB on a CPU keeps a bucket's passes in
+            its last-level cache; 128 MiB on an accelerator keeps the kernels a step launches a fixed
+            number, not one set per 4 MiB of parameters.
         chunks: an explicit (h, w) chunk per parameter name, instead of `chunk_policy` on its shape.
             A sharded parameter (a DTensor, e.g. under FSDP2's ``fully_shard``) is optimized on its
             local shard (``to_local()``); giving it the whole parameter's chunk keeps the shard's

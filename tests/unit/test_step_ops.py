@@ -1,9 +1,8 @@
 """The DeMo step launches a fixed number of kernels, whatever the model's depth (docs/optimizer.md).
 
-Counted with `tests.op_count` (views and metadata-only ops excluded) on stacks of identical transformer blocks,
-with the buckets every device gets by default: a step that went back to per-tensor work would add an op or more
-for each of the 8-block stack's 72 extra tensors, one back to small buckets a set of ops per bucket.
-The apply gives the same bits whatever the buckets.
+Counted with `tests.op_count` (views and metadata-only ops excluded) on stacks of identical transformer blocks:
+a step that went back to per-tensor work would add an op or more for each of the 8-block stack's 72 extra tensors.
+The apply gives the same bits whatever the buckets: a GPU's and a CPU's differ.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from demonet.optim import Compressed, DeMo, Payload, exact, outcome
-from demonet.optim.buckets import BUCKET_CAP_MB
+from demonet.optim.buckets import ACCELERATOR_BUCKET_CAP_MB, CPU_BUCKET_CAP_MB, default_bucket_cap_mb
 from demonet.optim.payload import quantize, quantize_rows
 from tests.op_count import stack_model, step_ops
 
@@ -21,11 +20,12 @@ NEAR_OPS = 36
 in each bucket that has any (data-dependent, at most once a bucket)."""
 
 
-def _totals(base: str, encoding: str, d_model: int = 32) -> list[tuple[int, int]]:
-    """(compress ops, apply ops) of a 2-block and an 8-block stack, with the default buckets (on the CPU)."""
+def _totals(base: str, encoding: str, cap_mb: float | None = ACCELERATOR_BUCKET_CAP_MB) -> list[tuple[int, int]]:
+    """(compress ops, apply ops) of a 2-block and an 8-block stack (`cap_mb` None: the CPU's default buckets)."""
     totals = []
     for blocks in (2, 8):
-        compress, apply = step_ops(stack_model(blocks, d_model=d_model), base=base, encoding=encoding)
+        compress, apply = step_ops(stack_model(blocks, d_model=32), base=base, encoding=encoding,
+                                   bucket_cap_mb=cap_mb)
         totals.append((compress.total(), apply.total()))
     return totals
 
@@ -41,29 +41,32 @@ def test_the_step_launches_as_many_kernels_for_8_blocks_as_for_2(base: str, enco
     assert (c8, a8) == (c2, a2)
 
 
-def test_a_cpu_step_of_24_mib_of_blocks_launches_as_many_kernels_as_one_of_6(monkeypatch: pytest.MonkeyPatch) -> None:
-    # d_model 256: 3 MiB of 64 x 64 blocks a transformer block. Buckets of a few MiB (a CPU's before) would
-    # give the 8-block stack a set of ops per bucket more than the 2-block one.
+@pytest.mark.parametrize(("base", "encoding"), [("sign", "fp32"), ("adamw", "fp16")])
+def test_a_cpu_step_launches_a_set_of_kernels_a_bucket_not_a_tensor(base: str, encoding: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU's own buckets (4 MiB) hold either stack in one bucket a chunk shape: the 72 more tensors add no op.
     monkeypatch.setattr(outcome, "fast_float32_gemm", lambda device: False)
-    (c2, a2), (c8, a8) = _totals("sign", "fp32", d_model=256)
+    (c2, a2), (c8, a8) = _totals(base, encoding, cap_mb=None)
+    num_buckets = [len(DeMo(stack_model(n, d_model=32).parameters())._buckets) for n in (2, 8)]
+    assert num_buckets[0] == num_buckets[1]
     assert (c8, a8) == (c2, a2)
 
 
 def test_the_sign_bases_fast_decode_adds_at_most_a_re_sum_a_bucket() -> None:
     (c2, a2), (c8, a8) = _totals("sign", "fp32")
-    num_buckets = len(DeMo(stack_model(8, d_model=32).parameters())._buckets)
+    num_buckets = len(DeMo(stack_model(8, d_model=32).parameters(), bucket_cap_mb=ACCELERATOR_BUCKET_CAP_MB)._buckets)
     assert c8 == c2
     assert abs(a8 - a2) <= NEAR_OPS * num_buckets, (a2, a8, num_buckets)
 
 
-def test_every_device_gets_the_same_large_buckets() -> None:
+def test_an_accelerator_gets_large_buckets_and_a_cpu_small_ones() -> None:
+    assert default_bucket_cap_mb(torch.device("cpu")) == CPU_BUCKET_CAP_MB
+    assert default_bucket_cap_mb(torch.device("meta")) == ACCELERATOR_BUCKET_CAP_MB
     sizes = {}
     for device in ("cpu", "meta"):  # meta: the buckets of a device that is not the CPU, and no memory
         params = [(f"w{i}", torch.nn.Parameter(torch.empty(1024, 1024, device=device))) for i in range(3)]
         sizes[device] = [b.num_blocks for b in DeMo(params)._buckets]
-    assert sizes == {"cpu": [768], "meta": [768]}
-    big = [torch.nn.Parameter(torch.empty(4096, 4096, device="meta")) for _ in range(3)]  # 64 MiB each
-    assert [b.num_blocks for b in DeMo(big)._buckets] == [8192, 4096]  # BUCKET_CAP_MB: 128 MiB
+    assert sizes == {"cpu": [256] * 3, "meta": [768]}  # 4 MiB is one 1024 x 1024 float32 tensor
     with pytest.raises(ValueError, match="bucket_cap_mb should be > 0 or None, got 0"):
         DeMo([torch.nn.Parameter(torch.zeros(4))], bucket_cap_mb=0.0)
 
@@ -110,10 +113,10 @@ def _apply_in_buckets(bucket_cap_mb: float, base: str) -> tuple[list[torch.Tenso
 
 @pytest.mark.parametrize("base", ["sign", "sgd", "adamw"])
 def test_the_apply_gives_the_same_bits_in_buckets_of_any_size(base: str) -> None:
-    # 4 MiB buckets (a CPU's before), the default's and tiny ones: the same aggregate gives the same bits.
-    runs = {cap: _apply_in_buckets(cap, base) for cap in (4.0, BUCKET_CAP_MB, 0.01)}
+    # A GPU batches its blocks in 128 MiB buckets, a CPU in 4 MiB ones: the same aggregate gives the same bits.
+    runs = {cap: _apply_in_buckets(cap, base) for cap in (CPU_BUCKET_CAP_MB, ACCELERATOR_BUCKET_CAP_MB, 0.01)}
     assert [layout for _, layout in runs.values()] == [[1, 2], [3], [1, 1, 1]]
-    want, _ = runs[4.0]
+    want, _ = runs[CPU_BUCKET_CAP_MB]
     for got, _ in runs.values():
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
