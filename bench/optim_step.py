@@ -3,6 +3,8 @@
 Prints a table; not a test. Run from the repo root: `python bench/optim_step.py`. Every timed call
 runs round-robin with the others, so a noisy machine slows all of them alike; medians are reported.
 `--smoke`: 2 timed reps of a batch of 1 on one thread, a check that the script runs, not a measurement.
+`--cpu-time`: one thread, each call timed in the process's CPU time: on a machine that other work shares, the
+figure that work changes least.
 """
 
 from __future__ import annotations
@@ -27,20 +29,21 @@ GOAL_FRACTION = 0.06
 """The DeMo step should cost at most this share of a forward+backward."""
 
 
-def _interleaved_ms(fns: dict[str, Callable[[], object]], reps: int, warmup: int,
-                    device: torch.device) -> dict[str, list[float]]:
-    """Wall times in ms of each function, run round-robin so that all of them see the same noise."""
+def _interleaved_ms(fns: dict[str, Callable[[], object]], reps: int, warmup: int, device: torch.device,
+                    clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Times in ms of each function by `clock` (wall time by default), run round-robin so that all of them see
+    the same noise."""
     times_ms: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(warmup + reps):
         for name, fn in fns.items():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start = time.perf_counter()
+            start = clock()
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= warmup:
-                times_ms[name].append((time.perf_counter() - start) * 1e3)
+                times_ms[name].append((clock() - start) * 1e3)
     return times_ms
 
 
@@ -89,11 +92,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the slow oracle")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time in the process's CPU time, on one thread: on a machine other work shares, "
+                             "what that work changes least")
     parser.add_argument("--bloc97", metavar="DEMO_PY", help="also time bloc97/DeMo's demo.py from this path")
     parser.add_argument("--smoke", action="store_true", help="2 reps of a batch of 1, one thread: checks that it runs")
     args = parser.parse_args(argv)
     if args.smoke:
         args.reps, args.warmup, args.batch, args.threads = 2, 1, 1, 1
+    if args.cpu_time and (args.device != "cpu" or args.threads not in (None, 1)):
+        parser.error("--cpu-time times the CPU on one thread: it takes neither --device cuda nor --threads > 1")
+    if args.cpu_time:
+        args.threads = 1
     return args
 
 
@@ -139,14 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         fns["bloc97 DeMo step"] = with_grads(bloc97.step)
     if not args.skip_reference:
         fns["reference (per-param loop)"] = with_grads(ReferenceDeMo(model.parameters(), lr=1e-3).step)
-    samples = _interleaved_ms(fns, args.reps, args.warmup, device)
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    samples = _interleaved_ms(fns, args.reps, args.warmup, device, clock)
     times_ms = {name: statistics.median(ts) for name, ts in samples.items()}
     state_bpp = {"AdamW": _state_bytes(adamw) / num_params, "DeMo": _state_bytes(demo) / num_params}
 
     threads = torch.get_num_threads() if device.type == "cpu" else "-"
     print(
         f"device={device} threads={threads} model=BENCH_MODEL ({num_params / 1e6:.2f}M params) "
-        f"batch={args.batch}x{BENCH_MODEL.seq_len} reps={args.reps} warmup={args.warmup}"
+        f"batch={args.batch}x{BENCH_MODEL.seq_len} reps={args.reps} warmup={args.warmup} "
+        f"clock={'CPU time' if args.cpu_time else 'wall'}"
     )
     print(f"{'step':<28}{'median ms':>12}{'min ms':>10}")
     for name, ms in times_ms.items():

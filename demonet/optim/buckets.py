@@ -21,12 +21,14 @@ __all__ = ["ACCELERATOR_BUCKET_CAP_MB", "CPU_BUCKET_CAP_MB", "DECODE_GROUP_MB", 
            "default_bucket_cap_mb", "local_tensor"]
 
 CPU_BUCKET_CAP_MB = 4.0
-"""A CPU's bucket: its passes (transform, top-k, decode) stay in the last-level cache."""
+"""A CPU's bucket: its passes (transform, top-k, decode) stay in the last-level cache. A CPU launches no
+kernels, and measured its step about 10% slower in 128 MiB buckets (docs/optimizer.md, "Kernels a step
+launches"): it keeps this size, and a set of ops per bucket."""
 
 ACCELERATOR_BUCKET_CAP_MB = 128.0
 """An accelerator's bucket: each pass over a bucket is a fixed set of kernel launches, so a small cap
 would make a deep model pay a set per 4 MiB (docs/optimizer.md, "Kernels a step launches"). A model of
-up to 32M coefficients of one chunk shape takes one pass; the scratch (three buckets) and the exact
+up to 32M coefficients of one chunk shape takes one pass; the scratch (two buckets) and the exact
 decode's float64 work space ((S / 16 + 2)x a bucket for aggregates of S entries a 64 x 64 chunk: 4x at
 S = 32) stay bounded."""
 

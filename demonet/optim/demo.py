@@ -138,18 +138,18 @@ class DeMo(OverlapState, RoundOutcome, torch.optim.Optimizer):
             state["exp_avg_sq"] = bucket.exp_avg_sq_BN[slot.start:slot.stop]
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
 
-    def _scratch_for(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Three (B, h, w) work buffers, kept between steps: large fresh tensors cost page faults."""
+    def _scratch_for(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two (B, h, w) work buffers, kept between steps: large fresh tensors cost page faults."""
         m = bucket.momentum_BN
         numel = m.numel()
         key = (m.device, m.dtype)
         buf = self._scratch.get(key)
-        if buf is None or buf.numel() < 3 * numel:
-            need = 3 * max(numel, max(b.momentum_BN.numel() for b in self._buckets
+        if buf is None or buf.numel() < 2 * numel:
+            need = 2 * max(numel, max(b.momentum_BN.numel() for b in self._buckets
                                       if (b.momentum_BN.device, b.momentum_BN.dtype) == key))
             buf = self._scratch[key] = torch.empty(need, dtype=m.dtype, device=m.device)
         shape = (bucket.num_blocks, bucket.h, bucket.w)
-        return buf[:numel].view(shape), buf[numel:2 * numel].view(shape), buf[2 * numel:3 * numel].view(shape)
+        return buf[:numel].view(shape), buf[numel:2 * numel].view(shape)
 
     # -- the split step ------------------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ class DeMo(OverlapState, RoundOutcome, torch.optim.Optimizer):
         out: dict[str, Compressed] = {}
         for bucket in self._buckets:
             lr = self.param_groups[bucket.group]["lr"]
-            x_BHW, t_BHW, abs_BHW = self._scratch_for(bucket)
+            x_BHW, t_BHW = self._scratch_for(bucket)
             dst, src = [], []  # gradients that tile exactly: one batched copy per bucket
             for slot in bucket.slots:
                 grad, x_CHW = slot.param.grad, x_BHW[slot.start:slot.stop]
@@ -203,7 +203,7 @@ class DeMo(OverlapState, RoundOutcome, torch.optim.Optimizer):
             d_h, d_wt = bucket.bases
             encode(x_BHW, d_h, d_wt, t_BHW, m_BN.view_as(x_BHW), beta=self.compression_decay, alpha=lr)
             k = min(topk or self.compression_topk, bucket.h * bucket.w)
-            idx_BK = topk_abs(m_BN, k, abs_BHW.view_as(m_BN), bucket.w)
+            idx_BK = topk_abs(m_BN, k, bucket.w)
             val_BK = m_BN.gather(1, idx_BK)
             exact = self.options.encoding == "fp32" and self.options.alpha == 1.0
             if exact:

@@ -32,7 +32,7 @@ class DeMoOptions:
             `demonet.optim.chunking`).
         betas, eps: Adam's coefficients for ``base="adamw"``.
         bucket_cap_mb: blocks are transformed in buckets of at most this size (a larger tensor gets
-            a bucket of its own); scratch memory is three buckets. None: by the parameters' device
+            a bucket of its own); scratch memory is two buckets. None: by the parameters' device
             (`demonet.optim.buckets.default_bucket_cap_mb`): 4 MiB on a CPU keeps a bucket's passes in
             its last-level cache; 128 MiB on an accelerator keeps the kernels a step launches a fixed
             number, not one set per 4 MiB of parameters.

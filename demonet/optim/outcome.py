@@ -31,7 +31,7 @@ class RoundOutcome:
 
     if TYPE_CHECKING:  # DeMo's and OverlapState's
         def _check_payload(self, payload: Payload) -> None: ...
-        def _scratch_for(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+        def _scratch_for(self, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]: ...
         def undo_lookahead(self) -> bool: ...
         def _kept_momentum(self) -> dict[int, torch.Tensor]: ...
 
@@ -65,7 +65,7 @@ class RoundOutcome:
         for bucket in self._buckets:
             group = self.param_groups[bucket.group]
             step_lr, wd = group["lr"] if lr is None else lr, group["weight_decay"]
-            u_BHW, t_BHW, _ = self._scratch_for(bucket)
+            u_BHW, t_BHW = self._scratch_for(bucket)
             self._decode(bucket, aggregate, u_BHW, group_e_s, sign=self.options.base == "sign")
             if self.options.base == "adamw":
                 self._adam_direction(bucket, u_BHW, t_BHW)

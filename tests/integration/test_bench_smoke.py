@@ -37,7 +37,7 @@ SCRIPTS = {
     "robust_aggregate.py": r"^\s+4\s+\d+\.\d+\s+\d+\.\d+\s+\d+\.\d+\s+(met|NOT met)$",
     "round_latency.py": r"^\| 25 \| 1 \| this tree \| \d+\.\d+ \| \d+\.\d+ \| -?\d+\.\d+ \|$",
     "round_overhead.py": r"^\| 1 \| \d+ \| \d+\.\d+ \| \d+\.\d+ \| \d+\.\d+x \| \d+\.\d+ \| \d+\.\d+x \|.*\| yes \|",
-    "step_ops.py": r"^ratio 8 blocks / 6 blocks: \d+\.\d\d \(bound \d+\.\d\d\): met$",
+    "step_ops.py": r"^ratio 8 blocks / 6 blocks: \d+\.\d\d \(bound [\d.]+\); \d+ ops at 6 blocks \(bound \d+\): met$",
     "signatures.py": r"^\| verify it \(coordinator\) \| \d+\.\d \|$",
     "task_vs_adamw.py": r"^loss at equal steps \(3\), demonet / AdamW, mean of the last \d+: \d+\.\d+",
     "value_coding.py": r"^\| one peer's \(fp32 values\) \| fp32 \| [\d,]+ \| [\d,]+ \| \d\.\d+ \|",

@@ -169,7 +169,7 @@ def test_hierarchical_topk_finds_the_topk_set(rows: int, hw: tuple[int, int], k:
     m = torch.randn(rows, n, generator=g)
     if ties:
         m = torch.round(m * 2) / 2  # many equal magnitudes
-    idx = topk_abs(m, k, torch.empty_like(m), hw[1])
+    idx = topk_abs(m, k, hw[1])
     assert idx.shape == (rows, k)
     assert all(len(set(r.tolist())) == k for r in idx)
     got = m.abs().gather(1, idx).sort(dim=1).values

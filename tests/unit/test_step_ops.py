@@ -20,12 +20,12 @@ NEAR_OPS = 36
 in each bucket that has any (data-dependent, at most once a bucket)."""
 
 
-def _totals(base: str, encoding: str) -> list[tuple[int, int]]:
-    """(compress ops, apply ops) of a 2-block and an 8-block stack."""
+def _totals(base: str, encoding: str, cap_mb: float | None = ACCELERATOR_BUCKET_CAP_MB) -> list[tuple[int, int]]:
+    """(compress ops, apply ops) of a 2-block and an 8-block stack (`cap_mb` None: the CPU's default buckets)."""
     totals = []
     for blocks in (2, 8):
         compress, apply = step_ops(stack_model(blocks, d_model=32), base=base, encoding=encoding,
-                                   bucket_cap_mb=ACCELERATOR_BUCKET_CAP_MB)
+                                   bucket_cap_mb=cap_mb)
         totals.append((compress.total(), apply.total()))
     return totals
 
@@ -38,6 +38,17 @@ def test_the_step_launches_as_many_kernels_for_8_blocks_as_for_2(base: str, enco
     monkeypatch.setattr(outcome, "fast_float32_gemm", lambda device: False)
     (c2, a2), (c8, a8) = _totals(base, encoding)
     assert c2 > 0 and a2 > 0
+    assert (c8, a8) == (c2, a2)
+
+
+@pytest.mark.parametrize(("base", "encoding"), [("sign", "fp32"), ("adamw", "fp16")])
+def test_a_cpu_step_launches_a_set_of_kernels_a_bucket_not_a_tensor(base: str, encoding: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU's own buckets (4 MiB) hold either stack in one bucket a chunk shape: the 72 more tensors add no op.
+    monkeypatch.setattr(outcome, "fast_float32_gemm", lambda device: False)
+    (c2, a2), (c8, a8) = _totals(base, encoding, cap_mb=None)
+    num_buckets = [len(DeMo(stack_model(n, d_model=32).parameters())._buckets) for n in (2, 8)]
+    assert num_buckets[0] == num_buckets[1]
     assert (c8, a8) == (c2, a2)
 
 
