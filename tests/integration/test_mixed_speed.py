@@ -39,11 +39,12 @@ PEERS = {"fast-0": 0.0, "fast-1": 0.0, "slow": 0.3}
 """peer id -> the seconds its task sleeps per micro-batch."""
 
 
-def _run(tmp_path: Path, round_s: float, steps: int, peers: dict[str, float] = PEERS
+def _run(tmp_path: Path, round_s: float, steps: int, peers: dict[str, float] = PEERS, overlap: int = 0
          ) -> tuple[dict[str, list[dict[str, Any]]], str]:
     """Three peers (id -> seconds its task sleeps a micro-batch) and a coordinator, `steps` rounds: each peer's
     metrics rows, the coordinator's log."""
-    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=20.0, round_s=round_s, max_micro_batches=6))
+    (tmp_path / "run.toml").write_text(tiny_config(round_timeout_s=20.0, round_s=round_s, max_micro_batches=6,
+                                                   overlap=overlap))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DEMONET_TOKEN": TOKEN}
     out, procs, logs = tmp_path / "out", {}, {}
     try:
@@ -87,12 +88,15 @@ def test_with_a_fixed_round_s_a_slow_peer_trains_fewer_micro_batches_and_is_in_e
     assert samples["fast-0"] > samples["slow"] >= 1, samples
 
 
-def test_with_the_automatic_length_a_slow_peers_micro_batch_spans_rounds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [0, 1], ids=["plain", "overlapped"])
+def test_with_the_automatic_length_a_slow_peers_micro_batch_spans_rounds(tmp_path: Path, overlap: int) -> None:
     """Nothing set: the coordinator measures the first round, finds the slow peer slow by its compute (its
     upload is quick), and no longer waits for it. Rounds go at the fast peers' pace; each of the slow peer's
-    micro-batches outlasts rounds, and its gradient enters the round open when it is done."""
+    micro-batches outlasts rounds, and its gradient enters the round open when it is done. Overlapped, the
+    payload it trains while a late one is in flight is called off and its gradient kept in the momentum: every
+    row is still on the canonical digest."""
     steps = 30
-    rows, log = _run(tmp_path, 0.0, steps, {"fast-0": 0.05, "fast-1": 0.05, "slow": 0.3})
+    rows, log = _run(tmp_path, 0.0, steps, {"fast-0": 0.05, "fast-1": 0.05, "slow": 0.3}, overlap=overlap)
     assert "do not wait for the members whose micro-batch spans rounds: slow" in log
     for p in ("fast-0", "fast-1"):
         assert [r["round"] for r in rows[p]] == list(range(steps))
