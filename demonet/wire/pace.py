@@ -130,17 +130,18 @@ class RoundPace:
         return self.round_s
 
     def _spanning(self) -> set[str]:
-        """The members slow by their compute: their one-micro-batch round over `SPAN` times the median member's round,
-        and their forward and backward over `SPAN` times the median one (of three members at least: with two,
-        neither is the norm)."""
+        """The members slow by their compute: their one-micro-batch round over `SPAN` times the median member's round
+        (and over it by `MIN_GAP_S`), and their forward and backward over `SPAN` times the median one (of three
+        members at least: with two, neither is the norm)."""
         if not self.spans or len(self.reports) < 3:
             return set()
         median = statistics.median_low(need for need, _ in self.reports.values())
         median_train = statistics.median_low(self.trains.get(p, 0.0) for p in self.reports)
         if median_train <= 0:  # not reported: none is known to be slow by its compute
             return set()
-        return {p for p, (_, least) in self.reports.items()
-                if least > SPAN * median and self.trains.get(p, 0.0) > SPAN * median_train}
+        return {p for p, (_, least) in self.reports.items()  # and over it by MIN_GAP_S: not a hiccup of ms rounds
+                if least > SPAN * median and least - median >= MIN_GAP_S
+                and self.trains.get(p, 0.0) > SPAN * median_train}
 
     def _target(self, reports: dict[str, tuple[float, float]]) -> float:
         needs = [need for need, _ in reports.values()]

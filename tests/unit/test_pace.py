@@ -30,6 +30,16 @@ def test_a_hiccup_of_milliseconds_does_not_turn_rounds_over() -> None:
     assert 0.05 - 0.01 < MIN_GAP_S
 
 
+def test_a_hiccup_of_milliseconds_does_not_make_a_member_span() -> None:
+    """Rounds of 20 ms: one member's round and forward and backward twice the others' for a round is noise, not a
+    slower accelerator; the rounds keep waiting for it."""
+    pace = _pace()
+    for peer in "abc":
+        pace.report(peer, 0.02, 0.02, train_s=0.01)
+    pace.report("d", 0.05, 0.05, train_s=0.03)
+    assert pace.close("abcd") == 0.0 and pace.spanning == set()
+
+
 def test_a_slow_link_turns_rounds_to_the_clock_long_enough_for_its_one_micro_batch() -> None:
     """Three peers of 0.35 s a round and one of 1.1 s of which its forward and backward are 0.25 s (a slow link,
     one micro-batch each): the round is the slow one's one micro-batch and exchange and a tenth, so it is in every
