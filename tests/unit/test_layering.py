@@ -19,7 +19,8 @@ import demonet
 ROOT = Path(demonet.__file__).parent
 MATH = {"torch", "math", "dataclasses", "typing", "collections", "__future__", "functools", "decimal"}
 NETWORK = ("grpc", "grpc_health", "hivemind", "demonet._proto.demonet_pb2_grpc")
-GRPC_TRANSPORT = ("demonet.transport.grpc", "demonet.transport.grpc_retry", "demonet.transport.grpc_replies")
+GRPC_TRANSPORT = ("demonet.transport.grpc", "demonet.transport.grpc_connection", "demonet.transport.grpc_retry",
+                  "demonet.transport.grpc_replies")
 """The gRPC client's modules: the only transport modules that import grpc."""
 SERVICES = ("demonet.peer", "demonet.coordinator", "demonet.dht", "demonet.flex", "demonet.cli", "demonet.lab",
             "demonet.loop", "demonet.joined", "demonet.joining")
