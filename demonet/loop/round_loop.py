@@ -177,7 +177,8 @@ class RoundLoop:
         return self.timing.report(self.link)
 
     def paced(self, flight: InFlight, exchange_s: float, next_round_s: float | None) -> None:
-        """After a round: this peer's micro-batch and exchange times, and the next round's length."""
+        """After a round (`demonet.loop.landing.land`): this peer's micro-batch and exchange times, and the next
+        round's length."""
         least_s = self.timing.measured(flight.micro_batches, flight.train_s, exchange_s, lockstep=not self.round_s)
         if next_round_s is not None:
             self.round_s = next_round_s
