@@ -3,7 +3,8 @@ the aggregates kept for download, the digest check, the refusals, and the hand-o
 
 The gRPC servicer (`demonet.coordinator.server`) and the in-process coordinator of `demonet train`
 (`demonet.coordinator.local`) are adapters over one `RoundCore`: they read requests and answer in their own
-terms, and the protocol runs here. Imports no grpc and no protobuf; asyncio, the pure rounds and the state.
+terms, and the protocol runs here; what a close sets and keeps besides the merge is `demonet.coordinator.closing`.
+Imports no grpc and no protobuf; asyncio, the pure rounds and the state.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from demonet.train.task import param_specs
 from demonet.transport import JoinInfo
 from demonet.wire.pace import RoundPace
 
+from .closing import count_close, keep, next_round_s
 from .inbox import Inbox
 from .metrics import Metrics
 from .persist import HandOff, Persister
 from .rounds import ClosedRound, RoundConfig, Rounds
 from .state import CanonicalState, ClosedAggregate
 from .status import status_document
-from .terms import KEEP_AGGREGATE_BYTES, KEEP_AGGREGATES, MIN_KEPT_AGGREGATES, CoreOptions, Submission
+from .terms import CoreOptions, Submission
 
 __all__ = ["RoundCore"]
 
@@ -332,28 +334,16 @@ class RoundCore:
         members, opened_at = tuple(r.members), r.opened_at  # for the dashboard's record, before they change
         decided = r.close(_now())
         self.inbox.clear()  # with the close, not before the merge: see `Inbox.clear`
-        closed = replace(closed, next_round_s=self._next_round_s(r))
+        closed = replace(closed, next_round_s=next_round_s(self.pace, r, self.cfg.net.round_timeout_s))
         if self.on_open is not None:
             self.on_open(r.round)
         assert decided.round == outcome.round, "the round changed while it was merged; calls should wait on `cond`"
-        self.aggregates[closed.round] = closed
-        kept = sum(len(a.data) for a in self.aggregates.values())
-        while len(self.aggregates) > KEEP_AGGREGATES or (kept > KEEP_AGGREGATE_BYTES
-                                                         and len(self.aggregates) > MIN_KEPT_AGGREGATES):
-            kept -= len(self.aggregates.popitem(last=False)[1].data)
+        keep(self.aggregates, closed)
         if applied is not None:
             self.applying = closed.round
         close_s = _now() - started  # the critical path: from here on, nothing waits for the apply but its digest
-        self.metrics.closed(closed.aborted, close_s, sum(losses) / len(losses) if losses else None,
-                            round=closed.round, members=members, contributors=contributors, round_s=_now() - opened_at)
-        if not closed.aborted:
-            self.metrics.record.weighted(closed.contributors, closed.weights)
-        if closed.clipped:
-            self.metrics.add("clipped", len(closed.clipped))
-        for peer in closed.capped:
-            self.metrics.add("capped")
-            self.metrics.refused(peer, closed.round, "samples_capped", "its samples were above "
-                                 f"{self.cfg.net.max_sample_ratio:g} times the median of the others': capped")
+        count_close(self.metrics, closed, close_s=close_s, losses=losses, members=members, contributors=contributors,
+                    round_s=_now() - opened_at, max_sample_ratio=self.cfg.net.max_sample_ratio)
         self.metrics.set_round(r.round, len(r.members), 0)
         self.metrics.phase.set(0)
         self.cond.notify_all()
@@ -361,20 +351,6 @@ class RoundCore:
         extra = {"rounds": r.state_dict(), "counters": self.metrics.counters(),
                  **(self.state_extra() if self.state_extra is not None else {})}
         return self._advance(closed, applied, extra, close_s)
-
-    def _next_round_s(self, r: Rounds) -> float:
-        """At a close: the next round's length (`RoundPace`), and how long that round waits for its members."""
-        was, spanned = self.pace.round_s, r.spanning
-        now_s = self.pace.close(r.members)
-        r.limit_s = self.pace.deadline_s(self.cfg.net.round_timeout_s)
-        r.spanning = set(self.pace.spanning)
-        if r.spanning != spanned:
-            logger.info("[coordinator round=%d] rounds do not wait for the members whose micro-batch spans rounds: %s",
-                        r.round, ", ".join(sorted(r.spanning)) or "none")
-        if self.pace.automatic and (was == 0.0) != (now_s == 0.0):
-            logger.info("[coordinator round=%d] %s", r.round, f"rounds by the clock: {now_s:.2f} s (the members' "
-                        "speeds differ)" if now_s else "lockstep rounds again (the members are alike)")
-        return now_s
 
     async def _advance(self, closed: ClosedAggregate, applied: Payload | None, extra: dict[str, Any],
                        close_s: float) -> None:

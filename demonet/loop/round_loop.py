@@ -4,7 +4,8 @@
 rank) through a `demonet.transport.Membership` and a `demonet.transport.Gatherer`: the gRPC coordinator, the
 in-process coordinator of `demonet train`, the DHT and a FlexDeMo node's rank 0 are all the same loop. The
 plain pipeline is here; the overlapped one is `demonet.loop.overlapped`; both land and check their rounds
-through the loop's `land` and `check`. Imports the transport protocols; no grpc, no hivemind, no coordinator.
+through the loop's `land` and `check` (`demonet.loop.landing`). Imports the transport protocols; no grpc, no
+hivemind, no coordinator.
 """
 
 from __future__ import annotations
@@ -30,17 +31,15 @@ from demonet.transport import (
     Membership,
     Pace,
     Parameters,
-    Resync,
     RoundResult,
-    StaleRound,
     keep_alive,
 )
 
+from . import landing
 from .link import LinkPace
 from .overlapped import overlapped_rounds
 from .pacing import PeerPace
-from .plain import apply_missed, caught_up_by_aggregates, plain_round
-from .rows import MetricsRow
+from .plain import plain_round
 from .state import STOP_GRACE_S, InFlight, RoundLog, RoundOutcome, Unchecked, check_beats
 
 __all__ = ["RoundLoop"]
@@ -161,7 +160,7 @@ class RoundLoop:
                     if self.unchecked is not None:  # the last round's digest
                         await self.check(self.unchecked, metrics)
                 finally:
-                    self._write_unchecked(metrics)
+                    landing.write_unchecked(self, metrics)
         self.log.info("stopping" if self.stop.is_set() else "the run is over")
         return 0
 
@@ -177,8 +176,9 @@ class RoundLoop:
         micro-batch, exchange included (None before its first round is measured)."""
         return self.timing.report(self.link)
 
-    def _paced(self, flight: InFlight, exchange_s: float, next_round_s: float | None) -> None:
-        """After a round: this peer's micro-batch and exchange times, and the next round's length."""
+    def paced(self, flight: InFlight, exchange_s: float, next_round_s: float | None) -> None:
+        """After a round (`demonet.loop.landing.land`): this peer's micro-batch and exchange times, and the next
+        round's length."""
         least_s = self.timing.measured(flight.micro_batches, flight.train_s, exchange_s, lockstep=not self.round_s)
         if next_round_s is not None:
             self.round_s = next_round_s
@@ -224,24 +224,6 @@ class RoundLoop:
 
     # -- one round -----------------------------------------------------------------------------------
 
-    async def _outcome(self, gather: asyncio.Task[RoundResult]) -> RoundResult | None:
-        if self.stop_grace_s is None:
-            return await gather
-        stopped = asyncio.create_task(self.stop.wait())
-        try:
-            await asyncio.wait({gather, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-        if not gather.done():
-            self.log.info("stopping: waiting up to %.0f s for the round to close", self.stop_grace_s)
-            await asyncio.wait({gather}, timeout=self.stop_grace_s)
-        if not gather.done():
-            gather.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await gather
-            return None
-        return gather.result()
-
     def submit(self, payload: Payload, staged: tuple[Payload, torch.cuda.Event | None], loss: float, *,
                started: float, compute_s: float, ahead: bool = False, samples: int = 1) -> InFlight:
         """Start the exchange of the open round's payload (a task: training may go on meanwhile).
@@ -274,11 +256,6 @@ class RoundLoop:
         return await self.gatherer.gather(round, payload, loss=loss, param_digest=param_digest, samples=samples,
                                           pace=pace)
 
-    def _settle(self, payload: Payload, result: RoundResult) -> str:
-        """Restore and apply by the outcome, then the new digest (one trip to a worker thread)."""
-        self.replica.settle(payload, result, self.peer_id in result.contributors)
-        return self.replica.digest()
-
     async def run_round(self, metrics: TextIO | None) -> bool:
         """Train, gather and settle one plain round (`demonet.loop.plain.plain_round`); False when the peer
         should stop (SIGTERM)."""
@@ -295,137 +272,19 @@ class RoundLoop:
         return payload, to_host(payload)
 
     async def land(self, flight: InFlight, metrics: TextIO | None, *, defer: bool = False) -> RoundOutcome:
-        """Wait for an in-flight round's outcome and settle it; check its digest and write its metrics row.
-
-        `defer` (plain rounds): a canonical digest that has not come by the settle (coordinator mode: the
-        coordinator applies the round while this peer does) is checked after the next round's forward and
-        backward (`run_round`), and the row written then, unless this round ends with a checkpoint. Only
-        where the gatherer serves this process alone (`digest_follows`): a FlexDeMo node's ranks must
-        agree at the same points.
+        """Wait for an in-flight round's outcome, settle it, check its digest and write its metrics row
+        (`demonet.loop.landing.land`, which says what `defer` does).
 
         Returns:
             how the round ended for this peer (`RoundOutcome`).
         """
-        t_wait = time.perf_counter()
-        try:
-            result = await self._outcome(flight.gather)
-        except DemonetError as e:  # the payload reached no aggregate this peer will apply
-            await asyncio.to_thread(self.replica.restore, flight.payload)
-            if isinstance(e, PeerUnavailable):
-                raise
-            if isinstance(e, Resync):  # the run holds other parameters
-                self.resyncs += 1
-            if isinstance(e, StaleRound) and self.total_rounds and e.open_round >= self.total_rounds:
-                # Nothing left to catch up to: the coordinator serves the last parameters only while it lingers.
-                self.log.warning("%s: %s; the run's %d rounds are done: this peer ends at round %d", type(e).__name__,
-                                 e, self.total_rounds, self.round)
-                return RoundOutcome.STOPPED
-            if isinstance(e, StaleRound) and not self.overlap and await caught_up_by_aggregates(self, flight.payload):
-                self.log.info("%s: %s; caught up by the aggregates since", type(e).__name__, e)
-                return RoundOutcome.CAUGHT_UP
-            self.log.warning("%s: %s; catching up", type(e).__name__, e)
-            await self.load_parameters(await self.membership.catch_up(e, self.round, self.replica.expected()))
-            return RoundOutcome.CAUGHT_UP
-        wait_s = time.perf_counter() - t_wait
-        if result is None:
-            await asyncio.to_thread(self.replica.restore, flight.payload)
-            self.log.info("abandoned the round")
-            return RoundOutcome.STOPPED
-        if result.before:  # a late payload, counted in a later round: the rounds between come first
-            if not await apply_missed(self, list(result.before)):
-                await asyncio.to_thread(self.replica.restore, flight.payload)  # the run's parameters are loaded
-                return RoundOutcome.CAUGHT_UP
-            flight.stale = len(result.before)
-            self.log.info("its payload of round %d counted in round %d: applied the %d rounds between",
-                          result.before[0].round, result.round, len(result.before))
-        t1 = time.perf_counter()
-        self.digest = await asyncio.to_thread(self._settle, flight.payload, result)
-        settled = time.perf_counter()
-        cost_s = flight.compute_s - flight.train_s + settled - t1  # this round's exchange: the cut-off leaves room
-        if not self.overlap:  # an overlapped round's upload runs beside the next round's training
-            cost_s += result.phases.get("encode", 0.0) + result.phases.get("submit", 0.0)
-        sent_k = flight.payload.topk()
-        if self.link is not None:
-            self.link.sent(sent_k, result.bytes_up, result.phases.get("submit", 0.0))
-        self._paced(flight, cost_s, result.next_round_s)
-        row = MetricsRow(
-            round=self.round, peer=self.peer_id, loss=flight.loss, bytes_up=result.bytes_up,
-            bytes_down=result.bytes_down, param_digest=self.digest, round_time_s=settled - flight.started,
-            compute_s=flight.compute_s + settled - t1, wait_s=wait_s + flight.checked_s,
-            contributors=len(result.contributors), aborted=result.aborted, overlap=self.overlap, time=time.time(),
-            phases=dict(result.phases), samples=flight.samples, micro_batches=flight.micro_batches, topk=sent_k,
-            extra=dict(self.row_extra))
-        if flight.checked_s:  # the wait, after this round's backward, for the round before's canonical digest
-            row.phases["check"] = flight.checked_s
-        if flight.encode_s:  # the gatherer's encode ahead, in the training's thread (`EncodesAhead`)
-            row.phases["encode"] = flight.encode_s
-        if flight.stale:  # a count: how many rounds old the gradient's parameters were (`plain.spanned`)
-            row.phases["stale_rounds"] = flight.stale
-        self.log.info("loss %.4f, up %d B, down %d B, %d contributors%s", flight.loss, result.bytes_up,
-                      result.bytes_down, len(result.contributors), " (aborted)" if result.aborted else "")
-        self.round += 1
-        later = result.digest_later
-        if (defer and self.gatherer.digest_follows and later is not None and not later.done()
-                and not self._checkpoint_due()):
-            self.unchecked = Unchecked(result, row)
-            return RoundOutcome.APPLIED
-        return await self.check(Unchecked(result, row), metrics, deferred=False)
-
-    def _checkpoint_due(self) -> bool:
-        return bool(self.checkpoint_every) and self.round % self.checkpoint_every == 0
+        return await landing.land(self, flight, metrics, defer=defer)
 
     async def check(self, unchecked: Unchecked, metrics: TextIO | None, *, deferred: bool = True) -> RoundOutcome:
-        """Compare a settled round's digest with the canonical one (waiting for it if it comes later), load
-        the run's parameters if they differ, write the round's row, and save a checkpoint when one is due.
-        Not `deferred` (right after the settle): the wait counts in the round's time.
-
-        The one place a peer's digest is compared with the run's. Returns APPLIED (on the canonical parameters)
-        or CAUGHT_UP (the run's were loaded)."""
-        self.unchecked = None
-        result, row = unchecked.result, unchecked.row
-        t0 = time.perf_counter()
-        try:  # the coordinator applies the round while this peer does: its digest may come only now
-            canonical = await result.canonical_digest()
-        except DemonetError as e:  # a coordinator that died after its publish: the next Submit's check stands in
-            self.log.warning("%s; the coordinator checks the digest again at the next submit", e)
-            canonical = ""
-        row.canonical_digest = canonical
-        if result.digest_later is not None and not deferred:  # the wait after this peer's settle
-            waited = time.perf_counter() - t0
-            row.phases["digest"] = waited
-            row.round_time_s += waited
-            row.wait_s += waited
-            row.time = time.time()
-        landed = RoundOutcome.APPLIED
-        if await self.membership.agree(bool(canonical) and self.digest != canonical):
-            self.log.warning("digest %s after applying round %d, the run has %s: downloading parameters",
-                             self.digest[:12], row.round, canonical[:12])
-            params = await self.membership.parameters(self.round, self.replica.expected(), resync=True)
-            await self.load_parameters(params)
-            self.resyncs += 1
-            row.param_digest, row.resynced = self.digest, True
-            landed = RoundOutcome.CAUGHT_UP
-        self._write_row(row, metrics)
-        if self._checkpoint_due():
+        """Compare a settled round's digest with the canonical one and write its row (`demonet.loop.landing.check`),
+        then save a checkpoint when one is due. Returns APPLIED (on the canonical parameters) or CAUGHT_UP (the
+        run's were loaded)."""
+        landed = await landing.check(self, unchecked, metrics, deferred=deferred)
+        if landing.checkpoint_due(self):
             await asyncio.to_thread(self._save)
         return landed
-
-    def _write_row(self, row: MetricsRow, metrics: TextIO | None) -> None:
-        row.resyncs = self.resyncs
-        if metrics is not None:
-            metrics.write(row.to_json() + "\n")
-            metrics.flush()
-
-    def _write_unchecked(self, metrics: TextIO | None) -> None:
-        """The row of a round whose check an error or a stop cut short: with its digest if it came."""
-        unchecked, self.unchecked = self.unchecked, None
-        if unchecked is None:
-            return
-        later = unchecked.result.digest_later
-        assert later is not None
-        if later.done() and not later.cancelled() and later.exception() is None:
-            unchecked.row.canonical_digest = later.result()
-        else:
-            later.cancel()
-        self._write_row(unchecked.row, metrics)
-
