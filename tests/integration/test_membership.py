@@ -1,4 +1,4 @@
-"""Getting back in step, bounded by time (`demonet.transport.grpc.catch_up`), and a joiner alive while
+"""Getting back in step, bounded by time (`demonet.transport.catch_up`), and a joiner alive while
 it downloads (`keep_alive` runs from before the first download), over a real coordinator process."""
 
 from __future__ import annotations
