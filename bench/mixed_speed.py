@@ -211,9 +211,8 @@ def main() -> int:
             results[name]["wall_s"] = time.perf_counter() - t0
     ideal = batch * sum(1.0 / s for s in sleeps)  # every peer busy, one micro-batch per its sleep, no exchange
     fast_alone = results["fast-only"]["samples_per_s"]
-    slow_sleeps = [s for s in sleeps if s == slow] if any(s < slow for s in sleeps) else sleeps[-1:]
-    slow_own = batch * sum(1.0 / s for s in slow_sleeps)  # the slow peer's own compute rate
-    goal_rate = fast_alone + slow_own  # the issue's figure: the fast peers' rate plus the slow one's own
+    slow_own = ideal - batch * sum(1.0 / s for s in fast)  # the slow peers' own compute rate
+    goal_rate = fast_alone + slow_own  # the goal's rate: the fast peers' own plus the slow ones' own
     print(f"mixed-speed swarm, {'DHT' if args.dht else 'coordinator'} mode: sleeps {sleeps} s a micro-batch of "
           f"{batch}; fixed round_s = {args.round_s} s; "
           f"rounds {args.skip}-{args.steps - 1}")

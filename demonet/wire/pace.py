@@ -88,10 +88,9 @@ class RoundPace:
     spans: bool = True
     round_s: float = 0.0
     """The next round's length (0: lockstep)."""
-    reports: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """Each member's latest (need_s, least_s)."""
-    trains: dict[str, float] = field(default_factory=dict)
-    """Each member's latest `train_s`: one micro-batch's forward and backward alone."""
+    reports: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    """Each member's latest (need_s, least_s, train_s): its round, its round of one micro-batch, and that micro-batch's
+    forward and backward alone."""
     spanning: set[str] = field(default_factory=set)
     """The members whose one micro-batch spans rounds (automatic length only): rounds do not wait for them."""
 
@@ -109,8 +108,7 @@ class RoundPace:
     def report(self, peer_id: str, need_s: float, least_s: float, train_s: float = 0.0) -> None:
         """A member's report, from its accepted payload; zeros (not measured yet) are ignored."""
         if need_s > 0 and least_s > 0:
-            self.reports[peer_id] = (need_s, least_s)
-            self.trains[peer_id] = max(0.0, train_s)
+            self.reports[peer_id] = (need_s, least_s, max(0.0, train_s))
 
     def close(self, members: Iterable[str]) -> float:
         """At a round's close: the next round's length, from the latest reports of the current `members`."""
@@ -118,7 +116,6 @@ class RoundPace:
             return self.round_s
         members = set(members)
         self.reports = {p: r for p, r in self.reports.items() if p in members}
-        self.trains = {p: t for p, t in self.trains.items() if p in members}
         if not self.reports:
             return self.round_s
         self.spanning = self._spanning()
@@ -135,25 +132,24 @@ class RoundPace:
         members at least: with two, neither is the norm)."""
         if not self.spans or len(self.reports) < 3:
             return set()
-        median = statistics.median_low(need for need, _ in self.reports.values())
-        median_train = statistics.median_low(self.trains.get(p, 0.0) for p in self.reports)
+        median = statistics.median_low(need for need, _, _ in self.reports.values())
+        median_train = statistics.median_low(train for _, _, train in self.reports.values())
         if median_train <= 0:  # not reported: none is known to be slow by its compute
             return set()
-        return {p for p, (_, least) in self.reports.items()  # and over it by MIN_GAP_S: not a hiccup of ms rounds
-                if least > SPAN * median and least - median >= MIN_GAP_S
-                and self.trains.get(p, 0.0) > SPAN * median_train}
+        return {p for p, (_, least, train) in self.reports.items()  # over by MIN_GAP_S: not a hiccup of ms rounds
+                if least > SPAN * median and least - median >= MIN_GAP_S and train > SPAN * median_train}
 
-    def _target(self, reports: dict[str, tuple[float, float]]) -> float:
-        needs = [need for need, _ in reports.values()]
+    def _target(self, reports: dict[str, tuple[float, float, float]]) -> float:
+        needs = [need for need, _, _ in reports.values()]
         median = statistics.median_low(needs)  # of two members: the faster one
         slowest = max(needs)
         if slowest < (ALIKE_OFF if self.round_s else ALIKE) * median or slowest - median < MIN_GAP_S:
             return 0.0
         cap = min(self.round_timeout_s / 2, self.max_micro_batches * median)
-        covered = [least for _, least in reports.values() if least <= cap]
+        covered = [least for _, least, _ in reports.values() if least <= cap]
         length = max([median, *(SLOWEST_MICRO_BATCHES * least for least in covered)])
-        typical = next(p for p, (need, _) in reports.items() if need == median)
-        return min(cap, self._whole(length, reports[typical][1], self.trains.get(typical, 0.0)))
+        _, least, train = next(r for r in reports.values() if r[0] == median)  # the median member's
+        return min(cap, self._whole(length, least, train))
 
     @staticmethod
     def _whole(length: float, least_s: float, train_s: float) -> float:
