@@ -72,7 +72,9 @@ def _kinds(document: dict[str, Any]) -> dict[str, int]:
 
 async def test_a_flood_of_unfinished_submit_streams_is_capped_and_ended_and_the_rounds_go_on(
         tmp_path: Path, reap_children: Reaper) -> None:
-    coordinator = _start(tmp_path, reap_children, round_timeout_s=3.0, start_peers=2)
+    # The peers submit nothing while the flood is held: with the default max_idle_rounds (3), both would be idle
+    # after it, and the first round back would close on whichever payload came in first, refusing the other's.
+    coordinator = _start(tmp_path, reap_children, round_timeout_s=3.0, start_peers=2, max_idle_rounds=0)
     a, b = await _pair(coordinator.address)
     # 12 streams from one address, each one byte short of a message the server would read: 8 (the most per
     # address) held until the first part's deadline, 4 refused BUSY at once; 16 MiB ones refused by gRPC.

@@ -27,10 +27,10 @@ from tests.procs import Reaper
 pytestmark = pytest.mark.slow
 
 
-def _start(tmp: Path, reaper: Reaper, round_timeout_s: float, start_peers: int = 1) -> Coordinator:
+def _start(tmp: Path, reaper: Reaper, round_timeout_s: float, start_peers: int = 1, **net: float) -> Coordinator:
     c = Coordinator(tmp, reaper, timeout_s=round_timeout_s)
     (tmp / "run.toml").write_text(tiny_config(round_timeout_s=round_timeout_s, steps=50, heartbeat_timeout_s=30.0,
-                                              start_peers=start_peers))
+                                              start_peers=start_peers, **net))
     c.start()
     return c
 
