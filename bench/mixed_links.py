@@ -1,5 +1,5 @@
 """Benchmark: a swarm whose peers differ in their links, coordinator mode in the network lab
-(docs/coordinator.md#links), or with --dht in DHT mode (docs/dht.md#mixed-speed-peers).
+(docs/coordinator.md#links).
 
 Four peers, each in its own network namespace with a tbf-shaped link to the coordinator's (demonet.lab.netlab):
 three at --fast-mbit (100) and one at --slow-mbit (1), each way. They train a 400k-parameter MLP on a synthetic
@@ -13,8 +13,7 @@ teacher task, whose payload at compression_topk 128 is about 50 kB; every micro-
 
 It prints each system's samples computed and applied per second, and the slow peer's median k and payload bytes;
 then automatic against the goal: at least 0.9 x 4/3 of the three fast peers alone. Needs root (network
-namespaces). Run from the repo root: `python bench/mixed_links.py`. `--smoke`: 4 rounds, short sleeps. `--dht`:
-no coordinator, every peer a `demonet peer --dht` in its namespace, the first one the others' way into the DHT.
+namespaces). Run from the repo root: `python bench/mixed_links.py`. `--smoke`: 4 rounds, short sleeps.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from mixed_speed import first_maddr, summarize  # noqa: E402 - the same figures as the compute benchmark
+from mixed_speed import summarize  # noqa: E402 - the same figures as the compute benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "mixed-links-bench"
@@ -74,25 +73,8 @@ def _config(system: str) -> str:
                       *pace, "round_timeout_s = 60.0", "heartbeat_timeout_s = 60.0"]) + "\n"
 
 
-def _coordinator(lab: Any, tmp: Path, steps: int, peers: int, env: dict[str, str]) -> tuple[Any, list[str]]:
-    """The coordinator in its namespace, and the peers' flags to reach it."""
-    coord = lab.add_host("coord")
-    coordinator = coord.popen(
-        [sys.executable, "-m", "demonet", "coordinator", "--listen", f"{coord.addr}:{PORT}", "--config",
-         str(tmp / "run.toml"), "--task", "mixed_links:task", "--steps", str(steps), "--start-peers",
-         str(peers)], stdout=subprocess.PIPE, stderr=open(tmp / "coordinator.log", "wb"), env=env, cwd=ROOT,
-        start_new_session=True)
-    assert coordinator.stdout is not None
-    line = coordinator.stdout.readline().decode()
-    if not line.startswith("listening on"):
-        raise SystemExit(f"the coordinator did not start: {line!r}\n{(tmp / 'coordinator.log').read_text()}")
-    return coordinator, ["--coordinator", f"{coord.addr}:{PORT}"]
-
-
-def run(system: str, mbits: list[float], sleep_s: float, steps: int, tmp: Path, dht: bool = False
-        ) -> dict[str, list[dict[str, Any]]]:
-    """One swarm in a fresh lab: the coordinator (none with `dht`) and a peer per link speed; returns each peer's
-    metrics rows."""
+def run(system: str, mbits: list[float], sleep_s: float, steps: int, tmp: Path) -> dict[str, list[dict[str, Any]]]:
+    """One swarm in a fresh lab: the coordinator and a peer per link speed; returns each peer's metrics rows."""
     from demonet.lab import netlab
 
     (tmp / "run.toml").write_text(_config(system))
@@ -100,31 +82,30 @@ def run(system: str, mbits: list[float], sleep_s: float, steps: int, tmp: Path, 
            "OMP_NUM_THREADS": "1", "DEMONET_BENCH_SLEEP_S": str(sleep_s)}
     out = tmp / "out"
     with netlab.Lab() as lab:
-        procs: list[subprocess.Popen[bytes]] = []
-        if dht:
-            reach = ["--dht", "--run", "mixed-links", "--config", str(tmp / "run.toml"), "--task", "mixed_links:task",
-                     "--steps", str(steps), "--start-peers", str(len(mbits))]
-        else:
-            coordinator, reach = _coordinator(lab, tmp, steps, len(mbits), env)
-            procs.append(coordinator)
+        coord = lab.add_host("coord")
+        coordinator = coord.popen(
+            [sys.executable, "-m", "demonet", "coordinator", "--listen", f"{coord.addr}:{PORT}", "--config",
+             str(tmp / "run.toml"), "--task", "mixed_links:task", "--steps", str(steps), "--start-peers",
+             str(len(mbits))], stdout=subprocess.PIPE, stderr=open(tmp / "coordinator.log", "wb"), env=env, cwd=ROOT,
+            start_new_session=True)
+        assert coordinator.stdout is not None
+        line = coordinator.stdout.readline().decode()
+        if not line.startswith("listening on"):
+            raise SystemExit(f"the coordinator did not start: {line!r}\n{(tmp / 'coordinator.log').read_text()}")
         peers = []
         for i, mbit in enumerate(mbits):
             host = lab.add_host(f"peer{i}", mbit=mbit)
             log = open(tmp / f"peer-{i}.log", "wb")
-            where = ["--host-maddr", f"/ip4/{host.addr}/tcp/0"] if dht else []
             peers.append(host.popen(
-                [sys.executable, "-m", "demonet", "peer", *reach, *where, "--peer-id", f"peer-{i}", "--out", str(out),
-                 "--threads", "1", "--checkpoint-every", "0"],
+                [sys.executable, "-m", "demonet", "peer", "--coordinator", f"{coord.addr}:{PORT}", "--peer-id",
+                 f"peer-{i}", "--out", str(out), "--threads", "1", "--checkpoint-every", "0"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, cwd=ROOT, start_new_session=True))
-            procs.append(peers[-1])
-            if dht and i == 0:  # the others find the DHT through the first one
-                reach = [*reach, "--initial-peers", first_maddr(tmp / "peer-0.log", peers[0])]
         try:
             for i, proc in enumerate(peers):
                 if proc.wait(timeout=900) != 0:
                     raise SystemExit(f"peer-{i} failed:\n{(tmp / f'peer-{i}.log').read_text()[-3000:]}")
         finally:
-            for proc in procs:
+            for proc in [coordinator, *peers]:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
@@ -141,7 +122,6 @@ def main() -> int:
     parser.add_argument("--skip", type=int, default=3, help="rounds left out at the start")
     parser.add_argument("--smoke", action="store_true", help="4 rounds, short sleeps: a check that it runs")
     parser.add_argument("--keep", type=Path, help="keep each system's logs and metrics rows under this folder")
-    parser.add_argument("--dht", action="store_true", help="DHT mode: peers on a hivemind DHT, no coordinator")
     args = parser.parse_args()
     from demonet.lab import netlab
 
@@ -158,15 +138,14 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp) if args.keep is None else args.keep / name
             folder.mkdir(parents=True, exist_ok=True)
-            rows = run(name, peer_mbits, args.sleep_s, args.steps, folder, dht=args.dht)
+            rows = run(name, peer_mbits, args.sleep_s, args.steps, folder)
         results[name] = summarize(rows, args.skip)
         if "peer-3" in rows:
             later = [r for r in rows["peer-3"] if r["round"] >= args.skip]
             slow[name] = (statistics.median(r["topk"] for r in later), statistics.median(r["bytes_up"] for r in later))
     fast_alone = results["fast-only"]["samples_per_s"]
-    mode = "DHT" if args.dht else "coordinator"
-    print(f"mixed-link swarm, {mode} mode: three peers at {args.fast_mbit:g} Mbit/s, one at {args.slow_mbit:g} "
-          f"Mbit/s, every micro-batch {args.sleep_s} s; rounds {args.skip}-{args.steps - 1}")
+    print(f"mixed-link swarm: three peers at {args.fast_mbit:g} Mbit/s, one at {args.slow_mbit:g} Mbit/s, every "
+          f"micro-batch {args.sleep_s} s; rounds {args.skip}-{args.steps - 1}")
     print(f"{'system':10} {'rounds/s':>9} {'samples/s':>10} {'loss':>7} {'digests':>8} {'slow k':>7} {'slow B':>8}  "
           "micro-batches a round (median, per peer)")
     for name, r in results.items():

@@ -95,7 +95,7 @@ def _dht_flags(tmp: Path, steps: int, peers: int) -> list[str]:
             "--task", "mixed_speed:task", "--steps", str(steps), "--start-peers", str(peers)]
 
 
-def first_maddr(log: Path, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> str:
+def _first_maddr(log: Path, proc: subprocess.Popen[bytes], timeout_s: float = 120.0) -> str:
     """The multiaddr the first DHT peer prints once its node runs."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
@@ -126,7 +126,7 @@ def run(sleeps: list[float], round_s: float | None, steps: int, max_micro: int, 
                 start_new_session=True))
             procs.append(peers[-1])
             if dht and i == 0:  # the others find the DHT through the first one
-                reach = [*reach, "--initial-peers", first_maddr(tmp / "peer-0.log", peers[0])]
+                reach = [*reach, "--initial-peers", _first_maddr(tmp / "peer-0.log", peers[0])]
         for i, proc in enumerate(peers):
             if proc.wait(timeout=600) != 0:
                 raise SystemExit(f"peer-{i} failed:\n{(tmp / f'peer-{i}.log').read_text()[-3000:]}")

@@ -416,7 +416,7 @@ class StatusReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., phase: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., submitted: _Optional[int] = ..., seconds_left: _Optional[float] = ..., param_digest: _Optional[str] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., last_loss: _Optional[float] = ..., rounds_closed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., rejected: _Optional[int] = ..., resyncs: _Optional[int] = ..., detail_json: _Optional[str] = ...) -> None: ...
 
 class DhtMessage(_message.Message):
-    __slots__ = ("run", "round", "sender", "kind", "slice", "num_slices", "members_digest", "contributors", "error", "sent_at", "part", "signature", "mac", "call", "ahead", "samples", "received_s")
+    __slots__ = ("run", "round", "sender", "kind", "slice", "num_slices", "members_digest", "contributors", "error", "sent_at", "part", "signature", "mac", "call", "ahead", "samples")
     RUN_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -433,7 +433,6 @@ class DhtMessage(_message.Message):
     CALL_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
-    RECEIVED_S_FIELD_NUMBER: _ClassVar[int]
     run: str
     round: int
     sender: str
@@ -450,5 +449,4 @@ class DhtMessage(_message.Message):
     call: int
     ahead: bool
     samples: int
-    received_s: float
-    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., kind: _Optional[_Union[DhtKind, str]] = ..., slice: _Optional[int] = ..., num_slices: _Optional[int] = ..., members_digest: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., call: _Optional[int] = ..., ahead: bool = ..., samples: _Optional[int] = ..., received_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, run: _Optional[str] = ..., round: _Optional[int] = ..., sender: _Optional[str] = ..., kind: _Optional[_Union[DhtKind, str]] = ..., slice: _Optional[int] = ..., num_slices: _Optional[int] = ..., members_digest: _Optional[str] = ..., contributors: _Optional[_Iterable[str]] = ..., error: _Optional[str] = ..., sent_at: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., call: _Optional[int] = ..., ahead: bool = ..., samples: _Optional[int] = ...) -> None: ...

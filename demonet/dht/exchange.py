@@ -168,8 +168,6 @@ class SliceExchange(SliceCalls, SliceServing):
         if st.other_lists:
             logger.warning("[%s round=%d] %s froze the round with another member list", self.peer_id, r,
                            ", ".join(sorted(st.other_lists)))
-        if st.upload_s:  # as the owners timed it: the link's pace sizes the next payload's k by it
-            st.phases["upload"] = st.upload_s
         done: dict[str, Any] = dict(dead_owners=dead_owners, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
                                     slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked,
                                     phases=dict(st.phases), other_lists=self.other_lists(r),

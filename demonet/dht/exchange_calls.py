@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
@@ -50,13 +49,9 @@ class SliceCalls:
         pending = [ahead] if ahead is not None else []
 
         async def call(timeout_s: float) -> tuple[pb.DhtMessage, bytes]:
-            reply, merged = await call_or_ahead(
-                pending.pop() if pending else None, timeout_s, lambda: self._streams.call(
-                    address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, samples=st.samples,
-                    timeout_s=timeout_s))
-            if math.isfinite(reply.received_s) and reply.received_s > 0:  # the owner's timing of the upload
-                st.received_s.append(min(reply.received_s, timeout_s))
-            return reply, merged
+            return await call_or_ahead(pending.pop() if pending else None, timeout_s, lambda: self._streams.call(
+                address, pb.DHT_KIND_PART, r, slice=s, data=data, members_digest=st.mdigest, samples=st.samples,
+                timeout_s=timeout_s))
 
         return call
 

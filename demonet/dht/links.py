@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -28,7 +27,7 @@ from demonet import wire
 from demonet._proto import demonet_pb2 as pb
 from demonet.errors import InvalidPayload
 
-__all__ = ["LINK", "MAX_FRAME_BYTES", "Link", "Served", "frame", "read_frame", "read_frame_at", "serve"]
+__all__ = ["LINK", "MAX_FRAME_BYTES", "Link", "Served", "frame", "read_frame", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +55,7 @@ async def read_frame(reader: asyncio.StreamReader) -> pb.DhtMessage:
         asyncio.IncompleteReadError: the link closed.
         InvalidPayload: a length over `MAX_FRAME_BYTES`, or bytes that are not a `DhtMessage`.
     """
-    return (await read_frame_at(reader))[0]
-
-
-async def read_frame_at(reader: asyncio.StreamReader) -> tuple[pb.DhtMessage, float]:
-    """`read_frame`, and the time (`time.perf_counter`) its length had been read: its body came in since."""
     size = int.from_bytes(await reader.readexactly(_LENGTH_BYTES), "big")
-    began = time.perf_counter()
     if size > MAX_FRAME_BYTES:
         raise InvalidPayload(f"a frame of {size} bytes is over the link's {MAX_FRAME_BYTES}")
     msg = pb.DhtMessage()
@@ -70,7 +63,7 @@ async def read_frame_at(reader: asyncio.StreamReader) -> tuple[pb.DhtMessage, fl
         msg.ParseFromString(await reader.readexactly(size))
     except DecodeError as e:
         raise InvalidPayload(f"a frame that is not a DhtMessage: {e}") from None
-    return msg, began
+    return msg
 
 
 async def send(writer: asyncio.StreamWriter, lock: asyncio.Lock, msgs: list[pb.DhtMessage]) -> None:
@@ -160,10 +153,9 @@ class Served(Protocol):
         """None if `msg`, on a link bound to `sender`, is good (and `why` empty), else the error reply to send
         (the refusal counted and logged)."""
 
-    async def answer(self, head: pb.DhtMessage, data: bytes | None, call: int, received_s: float = 0.0
+    async def answer(self, head: pb.DhtMessage, data: bytes | None, call: int
                       ) -> tuple[list[pb.DhtMessage], Callable[[], Awaitable[None]] | None]:
-        """The reply to a whole request, and what to call once it went out. `received_s`: the seconds its parts
-        took to come in, from its first message's length to its last byte (0: a request without parts)."""
+        """The reply to a whole request, and what to call once it went out."""
 
     def failure(self, head: pb.DhtMessage, call: int, error: Exception) -> pb.DhtMessage:
         """The error reply to a request whose handler raised."""
@@ -176,14 +168,13 @@ async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writ
     ends after the refusal is sent. A later refused message is answered with the refusal, and the rest of
     its call is dropped unread; the link goes on (as another stream would). A bad frame ends the link."""
     sending = asyncio.Lock()
-    # call -> (its first message, its parts, when its first message's length had been read)
-    pending: dict[int, tuple[pb.DhtMessage, wire.Reassembler, float]] = {}
+    pending: dict[int, tuple[pb.DhtMessage, wire.Reassembler]] = {}  # call -> (its first message, its parts)
     answering: set[asyncio.Task[None]] = set()
     refused: set[int] = set()  # calls refused (their further messages are dropped), the latest ones
 
-    async def answer(call: int, head: pb.DhtMessage, data: bytes | None, received_s: float) -> None:
+    async def answer(call: int, head: pb.DhtMessage, data: bytes | None) -> None:
         try:
-            msgs, sent = await peer.answer(head, data, call, received_s)
+            msgs, sent = await peer.answer(head, data, call)
         except Exception as e:  # a handler's bug: the caller gets an error, the link goes on  # noqa: BLE001
             msgs, sent = [peer.failure(head, call, e)], None
         with contextlib.suppress(ConnectionError, OSError):  # the caller went away: nothing to answer
@@ -198,18 +189,17 @@ async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writ
         if sender is None:
             return
         while True:
-            msg, began = await read_frame_at(reader)
+            msg = await read_frame(reader)
             if msg.call in refused:
                 continue
-            head, data, why, received_s = msg, None, "", 0.0
+            head, data, why = msg, None, ""
             if msg.HasField("part") and msg.call not in pending and len(pending) >= MAX_OPEN_CALLS:
                 why = f"more than {MAX_OPEN_CALLS} calls open on one link"
             refusal = await peer.refusal(msg, why, remote, msg.call, sender)
             if refusal is None and msg.HasField("part"):
-                head, parts, began = pending.setdefault(msg.call, (msg, wire.Reassembler(), began))
+                head, parts = pending.setdefault(msg.call, (msg, wire.Reassembler()))
                 try:
                     data = parts.add(msg.part)  # None until whole; a part after that raises
-                    received_s = time.perf_counter() - began
                 except InvalidPayload as e:
                     refusal = await peer.refusal(msg, f"bad part: {e}", remote, msg.call, sender)
                 if refusal is None and data is None:
@@ -222,7 +212,7 @@ async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writ
                 refused.add(msg.call)
                 await send(writer, sending, [refusal])
                 continue
-            answering.add(task := asyncio.create_task(answer(msg.call, head, data, received_s)))
+            answering.add(task := asyncio.create_task(answer(msg.call, head, data)))
             task.add_done_callback(answering.discard)
     except (asyncio.IncompleteReadError, ConnectionError, OSError):
         pass  # the caller closed the link

@@ -13,7 +13,6 @@ demonet.transport.grpc, or the round board.
 from __future__ import annotations
 
 import asyncio
-import statistics
 from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -157,15 +156,6 @@ class RoundState:
     phases: dict[str, float] = field(default_factory=dict)  # Exchanged.phases
     bytes_up: int = 0
     bytes_down: int = 0
-    received_s: list[float] = field(default_factory=list)
-    """How long each owner or verifier took to read this peer's part (`DhtMessage.received_s`, as it says). The
-    parts go up at once, over one uplink: each took about the payload's upload (`upload_s`)."""
-
-    @property
-    def upload_s(self) -> float:
-        """This peer's upload of the round's parts: the median of the readers' timings, which one reader's figure,
-        true or not, does not move far (0: none measured)."""
-        return statistics.median_low(self.received_s) if self.received_s else 0.0
 
     def expect(self, r: int, plan: rules.SlicePlan, mdigest: str, merge_rules: MergeRules) -> None:
         """Parts are expected cut by `plan` for the member list `mdigest` (the `guess`): those held already, and

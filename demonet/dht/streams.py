@@ -226,18 +226,16 @@ class Streams(SignedMessages):
             raise PeerUnavailable(f"refused: {reply.error}")
         return reply.sender
 
-    async def answer(self, head: pb.DhtMessage, data: bytes | None, call: int = 0, received_s: float = 0.0
+    async def answer(self, head: pb.DhtMessage, data: bytes | None, call: int = 0
                       ) -> tuple[list[pb.DhtMessage], Callable[[], Awaitable[None]] | None]:
         """The reply to a whole request (its first message, its payload) from its kind's handler, and what to
-        call once the reply went out (`links.Served`). A part's reply says how long the part took to come in
-        (`received_s`): its sender's upload, which the sender cannot time itself."""
+        call once the reply went out (`links.Served`)."""
         r = head.round
         handler = self._handlers.get(head.kind)
         reply = await handler(head, data) if handler is not None else Reply(error=f"unknown request kind {head.kind}")
         if reply.error:
             return [self._message(pb.DHT_KIND_REPLY, r, error=reply.error, call=call)], None
-        timed = {"received_s": received_s} if head.kind == pb.DHT_KIND_PART and received_s > 0 else {}
-        return self._messages(pb.DHT_KIND_REPLY, r, reply.data, call=call, **reply.fields, **timed), reply.sent
+        return self._messages(pb.DHT_KIND_REPLY, r, reply.data, call=call, **reply.fields), reply.sent
 
     async def _handle(self, requests: AsyncIterator[pb.DhtMessage], context: P2PContext
                       ) -> AsyncIterator[pb.DhtMessage]:

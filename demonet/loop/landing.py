@@ -116,8 +116,7 @@ async def land(loop: Landing, flight: InFlight, metrics: TextIO | None, *, defer
         cost_s += result.phases.get("encode", 0.0) + result.phases.get("submit", 0.0)
     sent_k = flight.payload.topk()
     if loop.link is not None:
-        # the Submit's seconds (coordinator mode), or the owners' timing of the parts (DHT mode: `upload`)
-        loop.link.sent(sent_k, result.bytes_up, result.phases.get("upload", result.phases.get("submit", 0.0)))
+        loop.link.sent(sent_k, result.bytes_up, result.phases.get("submit", 0.0))
     loop.paced(flight, cost_s, result.next_round_s)
     row = MetricsRow(
         round=loop.round, peer=loop.peer_id, loss=flight.loss, bytes_up=result.bytes_up,

@@ -9,7 +9,6 @@ import pytest
 
 from demonet.lab import netlab
 from tests.chaos.cluster import CoordinatorCluster
-from tests.chaos.dht_cluster import DhtCluster
 from tests.procs import Reaper
 
 OK, WHY = netlab.available()
@@ -40,9 +39,3 @@ def cluster(request: pytest.FixtureRequest, lab: netlab.Lab, tmp_path: Path,
             reap_children: Reaper) -> CoordinatorCluster:
     # reap_children is set up after lab, so it ends the cluster's processes before the lab is torn down.
     return LAUNCHERS[request.param](lab, tmp_path, reap_children)
-
-
-@pytest.fixture
-def dht(lab: netlab.Lab, tmp_path: Path, reap_children: Reaper) -> DhtCluster:
-    """The DHT-mode launcher (test_dht.py, test_dht_links.py)."""
-    return DhtCluster(lab, tmp_path, reap_children)  # reap_children, set up after lab, is torn down before it

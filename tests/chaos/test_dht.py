@@ -16,18 +16,26 @@ import random
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
+from demonet.lab import netlab
 from tests.chaos.cluster import loss_fell, report, run_config
 from tests.chaos.dht_cluster import DhtCluster, digest_after
 from tests.integration.common import rows_by_round
+from tests.procs import Reaper
 
 pytest.importorskip("hivemind")
 
 SEED = 1234  # the kill point; printed with the figures
 PEERS = ["a", "b", "c"]
 LONG = 2000  # rounds of the run: more than a scenario lasts; its peers are stopped with SIGTERM
+
+
+@pytest.fixture
+def dht(lab: netlab.Lab, tmp_path: Path, reap_children: Reaper) -> DhtCluster:
+    return DhtCluster(lab, tmp_path, reap_children)  # reap_children, set up after lab, is torn down before it
 
 
 def _config() -> str:
