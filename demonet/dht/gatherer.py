@@ -66,7 +66,7 @@ class DhtGatherer:
         no joiner, no slice lost): round r + 1's parts are sent ahead of its freeze, cut for the same."""
         opts = node.opts
         self.pace = RoundPace(fixed_s=opts.round_s, lockstep=opts.lockstep, max_micro_batches=opts.max_micro_batches,
-                              round_timeout_s=opts.window_s, spans=False)
+                              round_timeout_s=opts.window_s, spans=opts.spans, late=False)
         """The round length every round's result names (`RoundResult.next_round_s`), from the frozen members'
         announced speeds: each peer computes it from the same announcements (docs/dht.md#mixed-speed-peers)."""
         self._encoded: tuple[int, rules.SlicePlan, Payload, list[bytes]] | None = None
@@ -255,6 +255,7 @@ class DhtGatherer:
             raise
         digests = {p: announced[p].digest for p in frozen.members}
         next_round_s = self._next_round_s(frozen.members, announced)
+        spans = self.peer_id in self.pace.spanning
         good = rules.majority_digest(digests)
         members = [p for p in frozen.members if digests[p] == good]
         if view is not None:
@@ -275,7 +276,7 @@ class DhtGatherer:
             if view is not None:
                 view.exchanged(r, contributors=(), slice_owners=(), aborted=True, bytes_up=0, bytes_down=0)
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
-                               bytes_up=0, bytes_down=0, next_round_s=next_round_s)
+                               bytes_up=0, bytes_down=0, next_round_s=next_round_s, spans=spans)
         owners = [p for p in members if not announced[p].client]
         if not owners:
             raise NotMember(f"round {r}: no member can be dialed (all are in client mode)")
@@ -321,10 +322,10 @@ class DhtGatherer:
         if not applies:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
                                bytes_up=done.bytes_up, bytes_down=done.bytes_down, phases=phases,
-                               next_round_s=next_round_s)
+                               next_round_s=next_round_s, spans=spans)
         return RoundResult(round=r, aggregate=done.aggregate, contributors=done.contributors, param_digest="",
                            aborted=False, bytes_up=done.bytes_up, bytes_down=done.bytes_down, kept=done.kept,
-                           phases=phases, next_round_s=next_round_s)
+                           phases=phases, next_round_s=next_round_s, spans=spans)
 
     def _next_round_s(self, members: Iterable[str], announced: Mapping[str, rules.Announcement]) -> float:
         """The next round's length (`pace`) from the speeds the frozen `members` announced. Every member reads

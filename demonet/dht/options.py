@@ -44,6 +44,10 @@ class DhtOptions:
     """`[net] lockstep`: every peer trains its own micro-batches each round (no rounds by the clock)."""
     max_micro_batches: int = 16
     """`[net] max_micro_batches`: the automatic length stays within this many of the median member's rounds."""
+    spans: bool = True
+    """Whether a member slower than a round by its compute spans rounds (the automatic length leaves it out and
+    it trains across rounds, `demonet.loop.spanning`); False (an overlapped peer, `[net] overlap = 1`): the
+    rounds cover it. Each peer decides for its own cut-off; a member spans where its own peer says so."""
     exchange_timeout_s: float = 10.0
     """Each of the two exchange phases (parts to owners, merged slices back) ends this long after the previous."""
     settle_s: float = 0.2

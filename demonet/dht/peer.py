@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
                           identity_path=args.identity,
                           window_s=cfg.net.round_timeout_s, exchange_timeout_s=args.exchange_timeout_s,
                           round_s=cfg.net.round_s, lockstep=cfg.net.lockstep,
-                          max_micro_batches=cfg.net.max_micro_batches,
+                          max_micro_batches=cfg.net.max_micro_batches, spans=not cfg.net.overlap,
                           settle_s=args.settle_s, start_peers=cfg.net.start_peers,
                           leave_after_s=cfg.net.leave_after_s, verify_fraction=cfg.net.verify_slices,
                           exclude_rounds=cfg.net.exclude_owner_rounds, slice_entries=cfg.net.slice_entries,

@@ -33,10 +33,11 @@ from demonet.optim import Compressed, DeMo, Payload, chunk_shape, matrix_shape
 from demonet.optim.payload import num_chunks
 from demonet.train.data import Batches, load_corpus, split
 from demonet.train.data import data_seed as seed_for
+from demonet.train.micro_batches import batch_rows
 from demonet.train.model import GPT
 from demonet.train.replica import Settled
 from demonet.train.task import build_task
-from demonet.train.trainer import DeMoSteps, StepOptions, autocast, batch_rows, settle, to_device
+from demonet.train.trainer import DeMoSteps, StepOptions, autocast, settle, to_device
 from demonet.wire.digest import param_digest
 
 __all__ = ["FlexTrainer", "chunk_plan", "join_shards", "local_rows", "state_bytes"]

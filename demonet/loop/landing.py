@@ -118,6 +118,9 @@ async def land(loop: Landing, flight: InFlight, metrics: TextIO | None, *, defer
     if loop.link is not None:
         loop.link.sent(sent_k, result.bytes_up, result.phases.get("submit", 0.0))
     loop.paced(flight, cost_s, result.next_round_s)
+    loop.spanning = result.spans
+    if flight.micro_batches:
+        loop.last_loss = flight.loss
     row = MetricsRow(
         round=loop.round, peer=loop.peer_id, loss=flight.loss, bytes_up=result.bytes_up,
         bytes_down=result.bytes_down, param_digest=loop.digest, round_time_s=settled - flight.started,

@@ -38,7 +38,7 @@ class PeerPace:
         one micro-batch this peer now needs (its `least_s`)."""
         if micro_batches and train_s:
             self.micro_batch_s = _averaged(self.micro_batch_s, train_s / micro_batches)
-        if lockstep:
+        if lockstep and micro_batches:  # (a round of a micro-batch spanning rounds may have ended none)
             self.own_micro_batches = micro_batches
         self.exchange_s = _averaged(self.exchange_s, exchange_s)
         return self.micro_batch_s + self.exchange_s

@@ -22,7 +22,7 @@ import torch
 
 from demonet.errors import DemonetError, PeerUnavailable
 from demonet.optim import Payload, to_host
-from demonet.train.replica import Replica
+from demonet.train.replica import Replica, Spanning
 from demonet.transport import (
     Digest,
     EncodesAhead,
@@ -40,7 +40,8 @@ from .link import LinkPace
 from .overlapped import overlapped_rounds
 from .pacing import PeerPace
 from .plain import plain_round
-from .state import STOP_GRACE_S, InFlight, RoundLog, RoundOutcome, Unchecked, check_beats
+from .spanning import spanning_round
+from .state import STOP_GRACE_S, InFlight, RoundLog, RoundOutcome, SpanJob, Unchecked, check_beats
 
 __all__ = ["RoundLoop"]
 
@@ -101,6 +102,12 @@ class RoundLoop:
     round's forward and backward, before its compress (`_check_before_compress`)."""
     encoder: EncodesAhead | None = field(default=None, init=False)
     """The gatherer, where it encodes a payload ahead in the training's thread."""
+    spanning: bool = field(default=False, init=False)
+    """The last round's result said this peer's micro-batch spans rounds (DHT mode: `RoundResult.spans`)."""
+    span: SpanJob | None = field(default=None, init=False)
+    """The micro-batch running across rounds, if one is (`demonet.loop.spanning`)."""
+    last_loss: float = field(default=0.0, init=False)
+    """The loss of the last round that trained a micro-batch."""
 
     def __post_init__(self) -> None:
         self.log = RoundLog(self.peer_id, lambda: self.round, logger)
@@ -259,6 +266,8 @@ class RoundLoop:
     async def run_round(self, metrics: TextIO | None) -> bool:
         """Train, gather and settle one plain round (`demonet.loop.plain.plain_round`); False when the peer
         should stop (SIGTERM)."""
+        if (self.spanning or self.span is not None) and isinstance(self.replica, Spanning):
+            return await spanning_round(self, self.replica, metrics)
         return await plain_round(self, metrics)
 
     def compress(self, replica: Replica, undoable: bool) -> tuple[Payload, tuple[Payload, torch.cuda.Event | None]]:

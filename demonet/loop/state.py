@@ -18,9 +18,10 @@ from demonet.optim import Payload
 from demonet.train.replica import Replica
 from demonet.transport import Digest, EncodesAhead, Gatherer, Membership, Parameters, RoundResult
 
+from .pacing import PeerPace
 from .rows import MetricsRow
 
-__all__ = ["STOP_GRACE_S", "InFlight", "LoopSteps", "RoundLog", "RoundOutcome", "Unchecked", "check_beats"]
+__all__ = ["STOP_GRACE_S", "InFlight", "LoopSteps", "RoundLog", "RoundOutcome", "SpanJob", "Unchecked", "check_beats"]
 
 STOP_GRACE_S = 5.0
 """After SIGTERM, how long a peer still waits for the open round's aggregate before abandoning it."""
@@ -68,6 +69,15 @@ class InFlight:
 
 
 @dataclass
+class SpanJob:
+    """A micro-batch running across rounds (`demonet.loop.spanning`): its task, which returns its loss and seconds,
+    and the round it started in."""
+
+    task: asyncio.Future[tuple[float, float]]
+    round: int
+
+
+@dataclass
 class Unchecked:
     """A settled round whose canonical digest may still be on its way: its metrics row waits for it."""
 
@@ -101,6 +111,14 @@ class LoopSteps(Protocol):
     round: int
     digest: str
     lookahead: bool
+    round_s: float
+    spanning: bool
+    """The last round's result said this peer's micro-batch spans rounds (`RoundResult.spans`)."""
+    span: SpanJob | None
+    """The micro-batch running across rounds, if one is (`demonet.loop.spanning`)."""
+    last_loss: float
+    """The loss of the last round that trained (a spanning round whose micro-batch has not ended reports it)."""
+    timing: PeerPace
 
     unchecked: Unchecked | None
     """A plain round whose canonical digest had not come by its settle: checked before the next compress."""

@@ -7,13 +7,13 @@ drives either. Protocols only: imports torch and the math layer's payload (a tra
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from demonet.optim import Expected, Payload
 
-__all__ = ["Expected", "Overlapping", "Replica", "Settled"]
+__all__ = ["Expected", "Overlapping", "Replica", "Settled", "Spanning"]
 
 
 class Settled(Protocol):
@@ -63,3 +63,15 @@ class Overlapping(Replica, Protocol):
     def hold(self) -> None: ...
     def lookahead(self, payload: Payload, round: int) -> None: ...
     def canonical_parameters(self) -> list[tuple[str, torch.Tensor]]: ...
+
+
+@runtime_checkable
+class Spanning(Replica, Protocol):
+    """A replica whose micro-batch can run across rounds (a DHT peer slower than a round by its compute,
+    `demonet.loop.spanning`): on a copy of its parameters taken as the micro-batch starts, while the rounds go on
+    applying their aggregates to the replica itself."""
+
+    def span_begin(self) -> None: ...
+    def span_micro_batch(self) -> tuple[float, float]: ...
+    def span_take(self) -> None: ...
+    def span_samples(self, share: float) -> int: ...

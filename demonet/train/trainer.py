@@ -7,6 +7,7 @@ and the wire digest; no network code.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -20,6 +21,7 @@ from demonet.config import PRECISIONS, Config
 from demonet.optim import DeMo, LrSchedule, Payload, aggregate
 from demonet.wire.digest import param_digest
 
+from .micro_batches import MicroBatchPace, batch_rows
 from .replica import Expected, Settled
 from .task import build_task
 
@@ -88,53 +90,6 @@ def clip_grads(params: Iterable[torch.Tensor], max_norm: float) -> None:
     """Scale the gradients down to an L2 norm of at most `max_norm` (0: leave them); DTensors too."""
     if max_norm > 0.0:
         torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
-def batch_rows(batch: Any) -> int:
-    """The samples in a batch: the rows of its first tensor (a tensor, or a tuple, list or dict of them); 1
-    where it holds none."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, list | tuple) else ()
-    for item in items:
-        if isinstance(item, torch.Tensor) and item.dim():
-            return int(item.shape[0])
-    return 1
-
-
-class MicroBatchPace:
-    """How long this peer's micro-batches take (an average of the recent ones), whether another fits before a
-    cut-off, and what the last round trained.
-
-    Args:
-        max_micro_batches: the most micro-batches of one round.
-    """
-
-    def __init__(self, max_micro_batches: int) -> None:
-        self.max_micro_batches = max_micro_batches
-        self.micro_s: float | None = None
-        """The recent micro-batches' mean time (an exponential average; None before the first)."""
-        self.count = 0
-        """Micro-batches trained in the round so far."""
-        self.micro_batches = 0
-        """Micro-batches the last round trained."""
-        self.samples = 0
-        """Samples the last round trained."""
-
-    def took(self, seconds: float) -> None:
-        """One micro-batch of the round is done, in `seconds`."""
-        self.count += 1
-        self.micro_s = seconds if self.micro_s is None else 0.7 * self.micro_s + 0.3 * seconds
-
-    def another(self, until: float) -> bool:
-        """Whether one more micro-batch fits before `until` (a `time.perf_counter()` time)."""
-        if self.count >= self.max_micro_batches:
-            return False
-        return time.perf_counter() + (self.micro_s or 0.0) <= until
-
-    def trained(self, micro_batches: int, samples: int) -> None:
-        """The round's training is done."""
-        self.micro_batches, self.samples, self.count = micro_batches, max(1, samples), 0
 
 
 def settle(opt: DeMo, payload: Payload | None, result: Settled, contributed: bool,
@@ -234,6 +189,9 @@ class Trainer(DeMoSteps):
         self.device, self.accumulate, self.checkpoint, self.options = device, accumulate, checkpoint, options
         self.pace = MicroBatchPace(max_micro_batches)
         """How long a micro-batch takes here, and how many the last round trained on how many samples."""
+        self._spanning: torch.nn.Module | None = None
+        """The copy of the model a micro-batch across rounds trains on (`span_begin`); None until the first."""
+        self._span_rows = 0
 
     @classmethod
     def for_run(cls, cfg: Config, *, data_seed: int, device: torch.device, accumulate: int = 1,
@@ -309,6 +267,48 @@ class Trainer(DeMoSteps):
             torch._foreach_mul_(grads, 1.0 / len(losses))
         self.pace.trained(len(losses), rows)
         return sum(losses) / len(losses)
+
+    # -- a micro-batch across rounds (`demonet.loop.spanning`) -------------------------------------------
+
+    def span_begin(self) -> None:
+        """Copy the parameters into the spanning copy of the model (made at the first call, a second copy of the
+        parameters): `span_micro_batch` takes its gradient there while the rounds apply their aggregates here."""
+        if self._spanning is None:
+            self._spanning = copy.deepcopy(self.model)
+        with torch.no_grad():
+            for p, q in zip(self.model.parameters(), self._spanning.parameters(), strict=True):
+                q.copy_(p)
+                q.grad = None
+
+    def span_micro_batch(self) -> tuple[float, float]:
+        """One micro-batch's forward and backward on the spanning copy (in a worker thread, beside the rounds);
+        returns its loss and seconds."""
+        assert self._spanning is not None, "span_begin first"
+        t0 = time.perf_counter()
+        batch = to_device(next(self.batches), self.device)
+        with autocast(self.device, self.options.precision):
+            loss = self.loss(self._spanning, batch)
+        loss.backward()  # type: ignore[no-untyped-call]
+        train_s = time.perf_counter() - t0
+        self.pace.took(train_s)
+        self._span_rows = batch_rows(batch)
+        return float(loss.detach()), train_s
+
+    def span_take(self) -> None:
+        """Add the spanning copy's gradient to the replica's (the round's compress folds it into the momentum)."""
+        assert self._spanning is not None, "span_begin first"
+        for p, q in zip(self.model.parameters(), self._spanning.parameters(), strict=True):
+            if q.grad is not None:
+                p.grad = q.grad if p.grad is None else p.grad.add_(q.grad)
+                q.grad = None
+        self.pace.trained(1, self._span_rows)
+
+    def span_samples(self, share: float) -> int:
+        """A round's weight while a micro-batch spans rounds: the micro-batch's samples times `share`, the part of
+        it one round covers (at least 1). Over the rounds one micro-batch spans, about its samples: what this peer
+        computes a round, at the merge's weight of a peer that computes it within the round."""
+        rows = self._span_rows or self.pace.samples // max(1, self.pace.micro_batches)
+        return max(1, round(rows * min(1.0, max(0.0, share))))
 
     def samples(self) -> int:
         """How many samples the last `forward_backward`'s gradient is the mean of (the merge's weight)."""

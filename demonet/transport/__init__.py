@@ -169,6 +169,10 @@ class RoundResult:
     next_round_s: float | None = None
     """The next round's length, as the coordinator announced it with the aggregate (0: lockstep, each peer
     trains its own micro-batches); None: the transport does not say (the peer's own `[net] round_s` holds)."""
+    spans: bool = False
+    """Whether this peer's micro-batch spans the next rounds (DHT mode: the members' announced speeds say it is
+    slower than a round by its compute; it trains across rounds on a copy of the parameters,
+    `demonet.loop.spanning`). A coordinator-mode peer that spans needs no telling: its payload counts late."""
     before: tuple[RoundResult, ...] = field(default=(), repr=False, compare=False)
     """A late payload (computed for an earlier round, counted in this one: bounded staleness): the results of the
     rounds from its own to this one, not included, which the peer applies first, as rounds it had nothing in."""

@@ -21,8 +21,11 @@ The automatic policy, per close, over the latest report of every member:
   from parameters some rounds old, enters the round that is open when it comes
   (docs/coordinator.md#mixed-speed-peers). Rounds stay
   as short as the others need: DeMo's step moves every parameter by about the lr each round, so more rounds
-  reach a loss sooner. DHT mode has no late payloads: there, no member spans (`spans` False), and the rounds
-  cover the slowest member's one micro-batch as above (docs/dht.md#mixed-speed-peers).
+  reach a loss sooner. DHT mode has no late payloads (`late` False): there a spanning member is in every round
+  with what it has at its cut-off, its micro-batch running across rounds (`demonet.loop.spanning`), so the rounds
+  go by the clock even where the others are alike (the median other's own round). An overlapped DHT peer does not
+  span (`spans` False): the rounds cover the slowest member's one micro-batch as above
+  (docs/dht.md#mixed-speed-peers).
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ class RoundPace:
         lockstep: `[net] lockstep`: every round waits for every active member's own micro-batches (length 0).
         max_micro_batches: `[net] max_micro_batches`: the most a peer trains in one round.
         round_timeout_s: `[net] round_timeout_s`: the automatic length stays under half of it.
-        spans: whether a member slow by its compute spans rounds (coordinator mode); False (DHT mode): the rounds
-            cover it like any other member.
+        spans: whether a member slow by its compute spans rounds; False: the rounds cover it like any other member.
+        late: whether a spanning member's payload counts late (coordinator mode): rounds do not wait for it. False
+            (DHT mode): it is in every round, with what it has at its cut-off, so the rounds go by the clock even
+            where the other members are alike: their median member's round.
     """
 
     fixed_s: float = 0.0
@@ -86,6 +91,7 @@ class RoundPace:
     max_micro_batches: int = 16
     round_timeout_s: float = 30.0
     spans: bool = True
+    late: bool = True
     round_s: float = 0.0
     """The next round's length (0: lockstep)."""
     reports: dict[str, tuple[float, float, float]] = field(default_factory=dict)
@@ -119,7 +125,10 @@ class RoundPace:
         if not self.reports:
             return self.round_s
         self.spanning = self._spanning()
-        target = self._target({p: r for p, r in self.reports.items() if p not in self.spanning})
+        others = {p: r for p, r in self.reports.items() if p not in self.spanning}
+        target = self._target(others)
+        if not target and self.spanning and not self.late:  # a cut-off for the spanning ones
+            target = statistics.median_low(need for need, _, _ in others.values())
         if target == 0.0 or self.round_s == 0.0:
             self.round_s = target
         else:

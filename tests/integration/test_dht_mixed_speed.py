@@ -1,10 +1,12 @@
 """Mixed-speed peers in DHT mode, over real hivemind DHT nodes and their p2pd daemons on loopback.
 
-- Three `demonet peer --dht` processes with rounds by the clock (`[net] round_s`, plain and overlapped; and the
-  automatic length, nothing set): a peer whose task sleeps 0.3 s a micro-batch (a slower accelerator) trains
-  fewer micro-batches than the fast ones in each round, is in every round's aggregate, and every peer ends
-  every round on one digest; the rows' samples (the weights of the merges) differ between the fast peers and
-  the slow one. With nothing set, the length each peer computed from the announcements covers the slow one.
+- Three `demonet peer --dht` processes with rounds by the clock (`[net] round_s`, plain and overlapped): a peer
+  whose task sleeps 0.3 s a micro-batch (a slower accelerator) trains fewer micro-batches than the fast ones in
+  each round, is in every round's aggregate, and every peer ends every round on one digest; the rows' samples
+  (the weights of the merges) differ between the fast peers and the slow one.
+- The same with nothing set: the slow peer spans rounds (`demonet.loop.spanning`): the rounds keep the fast peers'
+  pace, it is in every one of them, its micro-batches end rounds after they began and enter the round then open,
+  and its weight is its samples spread over the rounds a micro-batch spans.
 - In one process: a round whose member claims 10^9 samples gives every member the same aggregate, the
   slices merged with the capped weight, and each owner counts the claim once; a part claiming 0 samples,
   or more than the run's bound, is refused by its owner over the link, counted, and keeps no state there.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,13 +33,36 @@ PEERS = {"fast-0": 0.0, "fast-1": 0.0, "slow": 0.3}
 """peer id -> the seconds its task sleeps per micro-batch."""
 
 
-@pytest.mark.parametrize(("overlap", "round_s"), [(0, 1.0), (1, 1.0), (0, 0.0)],
-                         ids=["fixed", "fixed-overlapped", "automatic"])
+@pytest.mark.parametrize("overlap", [0, 1], ids=["fixed", "fixed-overlapped"])
 def test_a_slow_dht_peer_trains_fewer_micro_batches_and_is_in_every_round(tmp_path: Path, overlap: int,
-                                                                            round_s: float,
                                                                             reap_children: Reaper) -> None:
-    peers = _Peers(tmp_path, reap_children, steps=STEPS, start_peers=len(PEERS), overlap=overlap,
-                   round_timeout_s=20.0, round_s=round_s, max_micro_batches=6)
+    rows = _run(tmp_path, reap_children, STEPS, overlap=overlap, round_s=1.0)
+    micro = {p: statistics.median(r["micro_batches"] for r in rows[p]) for p in PEERS}
+    samples = {p: statistics.median(r["samples"] for r in rows[p]) for p in PEERS}
+    assert micro["slow"] < micro["fast-0"] and micro["slow"] < micro["fast-1"], micro
+    assert all(r["micro_batches"] >= 1 for rs in rows.values() for r in rs)
+    assert samples["fast-0"] > samples["slow"] >= 1 and samples["fast-1"] > samples["slow"], samples
+
+
+def test_with_nothing_set_a_dht_peer_slower_than_a_round_spans_rounds_and_is_in_every_one(
+        tmp_path: Path, reap_children: Reaper) -> None:
+    steps = 24
+    rows = _run(tmp_path, reap_children, steps, overlap=0, round_s=0.0)
+    slow, full = rows["slow"], rows["slow"][0]["samples"]  # round 0 is lockstep: one whole micro-batch
+    spanned = [r for r in slow if r["micro_batches"] == 0]  # rounds that ended before its micro-batch did
+    ended = [r for r in slow if r["phases"].get("stale_rounds", 0) >= 1]  # micro-batches that spanned rounds
+    assert spanned and ended, slow
+    assert all(1 <= r["samples"] < full for r in spanned), slow  # the share of a micro-batch a round covers
+    # The rounds keep the fast peers' pace once the slow one spans: shorter than its micro-batch alone.
+    later = [r["round_time_s"] for r in rows["fast-0"][steps // 2:]]
+    assert statistics.median(later) < PEERS["slow"], later
+
+
+def _run(tmp: Path, reaper: Reaper, steps: int, *, overlap: int, round_s: float) -> dict[str, list[dict[str, Any]]]:
+    """The three peers of `PEERS` for `steps` rounds; their rows, each peer in every round, every round whole and on
+    one digest."""
+    peers = _Peers(tmp, reaper, steps=steps, start_peers=len(PEERS), overlap=overlap, round_timeout_s=20.0,
+                   round_s=round_s, max_micro_batches=6)
     task = ("--task", "tests.integration.tasks:sleepy", "--checkpoint-every", "0")
     first, *others = PEERS
     peers.bootstrap(first, *task, env={SLEEP_ENV: str(PEERS[first])})
@@ -46,16 +72,12 @@ def test_a_slow_dht_peer_trains_fewer_micro_batches_and_is_in_every_round(tmp_pa
     assert [peers.procs[p].returncode for p in PEERS] == [0] * len(PEERS), peers.dump()
     rows = {p: peers.rows(p) for p in PEERS}
     for p in PEERS:
-        assert [r["round"] for r in rows[p]] == list(range(STEPS)), (p, rows[p])
-    for round_ in range(STEPS):
+        assert [r["round"] for r in rows[p]] == list(range(steps)), (p, rows[p])
+    for round_ in range(steps):
         at = {p: rows[p][round_] for p in PEERS}
         assert len({r["param_digest"] for r in at.values()}) == 1, (round_, at)
         assert all(r["contributors"] == len(PEERS) and not r["aborted"] for r in at.values()), (round_, at)
-    micro = {p: statistics.median(r["micro_batches"] for r in rows[p]) for p in PEERS}
-    samples = {p: statistics.median(r["samples"] for r in rows[p]) for p in PEERS}
-    assert micro["slow"] < micro["fast-0"] and micro["slow"] < micro["fast-1"], micro
-    assert all(r["micro_batches"] >= 1 for rs in rows.values() for r in rs)
-    assert samples["fast-0"] > samples["slow"] >= 1 and samples["fast-1"] > samples["slow"], samples
+    return rows
 
 
 async def _claims() -> None:

@@ -150,3 +150,16 @@ def test_the_round_waits_for_its_members_as_long_as_its_limit() -> None:
     assert rounds.deadline == 30.0
     rounds.limit_s = 3.2
     assert rounds.deadline == pytest.approx(3.2)
+
+
+def test_without_late_payloads_a_spanning_member_gets_rounds_by_the_clock_of_the_others() -> None:
+    """DHT mode with spanning (`late` False): the member slow by its compute spans, and where the others are alike
+    (lockstep among themselves), the rounds still go by the clock, as long as the median other's own round, so the
+    spanning member has a cut-off to send what it has by; it spans no more once it is as fast as the others."""
+    pace = _pace(late=False)
+    for peer in "abc":
+        pace.report(peer, 0.35, 0.35, train_s=0.25)
+    pace.report("slow", 1.1, 1.1, train_s=1.0)
+    assert pace.close(["a", "b", "c", "slow"]) == pytest.approx(0.35) and pace.spanning == {"slow"}
+    pace.report("slow", 0.4, 0.4, train_s=0.3)
+    assert pace.close(["a", "b", "c", "slow"]) == 0.0 and pace.spanning == set()

@@ -204,7 +204,7 @@ def test_a_round_with_a_cut_off_trains_micro_batches_until_it_at_least_one_and_t
 def test_the_pace_stops_before_a_micro_batch_that_would_end_past_the_cut_off() -> None:
     import time
 
-    from demonet.train.trainer import MicroBatchPace
+    from demonet.train.micro_batches import MicroBatchPace
 
     pace = MicroBatchPace(16)
     pace.took(0.5)
@@ -215,3 +215,30 @@ def test_the_pace_stops_before_a_micro_batch_that_would_end_past_the_cut_off() -
     assert pace.count == 16 and not pace.another(time.perf_counter() + 60.0)  # the most a round trains
     pace.trained(16, 32)
     assert (pace.micro_batches, pace.samples, pace.count) == (16, 32, 0)
+
+
+def test_a_micro_batch_across_rounds_takes_its_gradient_from_the_parameters_it_began_on(tmp_path: Path) -> None:
+    """`span_begin` copies the parameters; rounds applied meanwhile change the replica, not the micro-batch's
+    gradient, which is bit for bit the one a forward and backward on the parameters it began on gives; `span_take`
+    adds it to the replica's gradients, and the merge's weight is the micro-batch's samples times a round's share."""
+    cfg = _cfg(tmp_path)
+    trainer, twin = _trainer(cfg), _trainer(cfg)  # the same seed and data stream
+    trainer.span_begin()
+    with torch.no_grad():  # a round applied while the micro-batch runs
+        for p in trainer.model.parameters():
+            p.add_(0.5)
+    loss, seconds = trainer.span_micro_batch()
+    assert all(p.grad is None for p in trainer.model.parameters())  # nothing on the replica until it is taken
+    trainer.span_take()
+    expected = twin.forward_backward()  # on the parameters the micro-batch began on
+    assert loss == expected and seconds > 0
+    for p, q in zip(trainer.model.parameters(), twin.model.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad)
+    assert trainer.micro_batches() == 1 and trainer.samples() == cfg.train.batch_size
+    assert trainer.span_samples(0.25) == max(1, round(0.25 * cfg.train.batch_size))
+    assert trainer.span_samples(0.0) == 1 and trainer.span_samples(3.0) == cfg.train.batch_size
+    trainer.span_begin()  # the next one starts from the replica's parameters as they are now
+    assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), trainer._spanning.parameters(),
+                                                 strict=True))
