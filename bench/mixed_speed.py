@@ -8,9 +8,10 @@ a hivemind DHT, no coordinator):
 
 - `lockstep`: `[net] lockstep = true`, every peer trains one micro-batch a round; rounds wait for the slowest;
 - `automatic`: nothing set (the default): the round length follows the peers' reports; here the slow peer is
-  slow by its compute, so in coordinator mode its micro-batch spans rounds, the rounds keep the fast peers'
-  pace, and its payloads enter later rounds; in DHT mode (no late payloads) the rounds cover its micro-batch
-  and the fast peers train more meanwhile; the merge weights each payload by its samples;
+  slow by its compute, so its micro-batch spans rounds and the rounds keep the fast peers' pace: in coordinator
+  mode its payloads enter later rounds; in DHT mode (no late payloads) it is in every round, its micro-batch
+  running across them on a copy of the parameters (with `--overlap 1` the rounds cover its micro-batch
+  instead); the merge weights each payload by its samples;
 - `fixed`: `[net] round_s = --round-s`, otherwise as `automatic`;
 - `fast-only`: the three fast peers alone, nothing set (alike: lockstep).
 
