@@ -171,7 +171,9 @@ class SliceExchange(SliceCalls, SliceServing):
         done: dict[str, Any] = dict(dead_owners=dead_owners, bytes_up=st.bytes_up, bytes_down=st.bytes_down,
                                     slice_owners=tuple(st.owners), disagreed=disagreed, checked=checked,
                                     phases=dict(st.phases), other_lists=self.other_lists(r),
-                                    capped=frozenset(st.capped))
+                                    capped=frozenset(st.capped),
+                                    claims={p: n for held in st.claims.values() for p, n in held.items()
+                                            if p in contributors})
         if not delivered:
             return Exchanged(None, None, contributors, **done)
         if dead_owners:

@@ -259,7 +259,7 @@ class DhtGatherer:
         good = rules.majority_digest(digests)
         members = [p for p in frozen.members if digests[p] == good]
         if view is not None:
-            view.frozen(r, frozen.members, announced, good)
+            view.frozen(r, frozen.members, announced, good, spanning=self.pace.spanning)
         # Joiners admitted for the next round: registered among this round's announcements.
         joiners = board.joiners(r + 1, frozen.deadline)
         if param_digest != good:
@@ -313,6 +313,7 @@ class DhtGatherer:
         self._donor.withdraw()
         if view is not None:
             view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners, aborted=not applies,
+                           claims=done.claims, max_ratio=self.opts.rules.max_sample_ratio,
                            bytes_up=done.bytes_up, bytes_down=done.bytes_down)
         if applies and not joiners and set(done.contributors) == set(members) and not done.dead_owners \
                 and not done.disagreed:

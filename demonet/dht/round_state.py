@@ -99,6 +99,9 @@ class Exchanged:
     """The owners and verifiers of the slices dropped because the two disagreed."""
     capped: frozenset[str] = frozenset()
     """The senders whose claimed samples this peer capped in a slice it merged as the owner (`sample_weights`)."""
+    claims: Mapping[str, int] = field(default_factory=dict)
+    """The contributors' samples, as their parts held here claimed them (a slice this peer owns or verifies; a peer
+    that holds none, as in client mode, knows none): their weights in every slice's merge."""
     other_lists: frozenset[str] = frozenset()
     """Peers that froze the round with another member list (they sent or answered a part cut for it), and
     the members those lists name: alive, so the next round waits for them. The slices of those owners are

@@ -8,11 +8,12 @@ serves (docs/dashboard.md). Pure bookkeeping: no I/O, no asyncio, no hivemind.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from demonet.dashboard import RunRecord
 from demonet.dashboard.record import finite
+from demonet.wire.merge import sample_weights
 
 from .rules import Announcement
 
@@ -47,14 +48,19 @@ class DhtView:
         """This peer announced itself in `round` (its payload is ready)."""
         self.round, self.phase, self._entered_at = round, "exchanging", time.monotonic()
 
-    def frozen(self, round: int, members: Sequence[str], announced: Mapping[str, Announcement], good: str) -> None:
-        """The round froze with `members`; those whose digest is not the majority's (`good`) resync."""
+    def frozen(self, round: int, members: Sequence[str], announced: Mapping[str, Announcement], good: str, *,
+               spanning: Collection[str] = ()) -> None:
+        """The round froze with `members`; those whose digest is not the majority's (`good`) resync, and those whose
+        micro-batch spans rounds (`spanning`, as the announced speeds tell) are shown so."""
         self._frozen_at, self.digest = time.monotonic(), good
         self._states = {}
         for p in members:
             stats = self.record.member(p)
             stats.last_loss = finite(announced[p].loss)
-            self._states[p] = "member" if announced[p].digest == good else "resync"
+            pace = announced[p].pace
+            stats.need_s = finite(pace[0]) if pace is not None else None
+            self._states[p] = ("resync" if announced[p].digest != good else "spanning" if p in spanning
+                               else "member")
             if self._states[p] == "resync":
                 self.record.count("resyncs", p)
         if self._states.get(self.peer_id) == "resync":
@@ -86,8 +92,11 @@ class DhtView:
                 self._states[p] = "excluded"
 
     def exchanged(self, round: int, *, contributors: Sequence[str], slice_owners: Sequence[str], aborted: bool,
-                  bytes_up: int, bytes_down: int) -> None:
-        """The round's exchange ended: count it, with this peer's bytes and the slices each member owned."""
+                  bytes_up: int, bytes_down: int, claims: Mapping[str, int] | None = None,
+                  max_ratio: float = 0.0) -> None:
+        """The round's exchange ended: count it, with this peer's bytes and the slices each member owned; where this
+        peer holds every contributor's claimed samples (`claims`), each one's samples and weight in the merge."""
+        claims = claims or {}
         now = time.monotonic()
         for p in self._states:  # counted once the round's exchange ended: a reader never sees a half-counted round
             self.record.member(p).slices = 0
@@ -96,8 +105,13 @@ class DhtView:
                 stats = self.record.members[p]
                 stats.slices = (stats.slices or 0) + 1
         for p in self._states:
-            if self._states[p] == "member" and p not in contributors:
+            if self._states[p] in ("member", "spanning") and p not in contributors:
                 self._states[p] = "missed"
+        if contributors and all(p in claims for p in contributors):  # as every slice's merge weighs them
+            weights, _ = sample_weights([claims[p] for p in contributors], max_ratio)
+            self.record.weighted(contributors, weights)
+            for p in contributors:
+                self.record.member(p).samples = claims[p]
         self.record.count("bytes_up", self.peer_id, bytes_up)
         self.record.count("bytes_down", self.peer_id, bytes_down)
         self.bytes_up, self.bytes_down = self.bytes_up + bytes_up, self.bytes_down + bytes_down

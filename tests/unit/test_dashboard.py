@@ -129,6 +129,31 @@ def test_a_dht_peer_describes_the_run_in_the_same_document() -> None:
     assert d["rounds"][0]["members"] == 3 and d["rounds"][0]["contributors"] == 2
 
 
+def test_a_dht_peer_shows_each_members_samples_weight_speed_and_whether_it_spans() -> None:
+    """From the announcements (their speeds) and the parts this peer merged (their claimed samples), as the merge
+    weighs them: a claim over the cap weighs the cap; a peer that holds no part of some contributor shows none."""
+    view = DhtView("a", total_rounds=10, window_s=5.0)
+    announced = {p: Announcement(p, 0.0, "good", loss=1.0, pace=pace) for p, pace in (
+        ("a", (0.3, 0.3, 0.25)), ("b", (0.3, 0.3, 0.25)), ("c", (0.3, 0.3, 0.25)), ("slow", (1.1, 1.1, 1.0)))}
+    view.frozen(0, list(announced), announced, "good", spanning={"slow"})
+    view.exchanged(0, contributors=["a", "b", "c", "slow"], slice_owners=["a", "b", "c", "slow"], aborted=False,
+                   bytes_up=1, bytes_down=1, claims={"a": 16, "b": 16, "c": 10**9, "slow": 4}, max_ratio=4.0)
+    members = {m["id"]: m for m in view.document()["members"]}
+    assert {p: m["state"] for p, m in members.items()} == {"a": "member", "b": "member", "c": "member",
+                                                          "slow": "spanning"}
+    assert {p: m["samples"] for p, m in members.items()} == {"a": 16, "b": 16, "c": 10**9, "slow": 4}
+    total = 16 + 16 + 4 * 16 + 4  # c's claim weighs 4 times the median of the others' (16)
+    assert {p: m["weight"] for p, m in members.items()} == pytest.approx(
+        {"a": 16 / total, "b": 16 / total, "c": 64 / total, "slow": 4 / total})
+    assert (members["a"]["need_s"], members["slow"]["need_s"]) == (0.3, 1.1)
+    view.frozen(1, list(announced), announced, "good")
+    view.exchanged(1, contributors=["a", "b"], slice_owners=["a", "b"], aborted=False, bytes_up=1, bytes_down=1,
+                   claims={"a": 32})  # b's part is not held here: the round's weights are not known
+    members = {m["id"]: m for m in view.document()["members"]}
+    assert (members["a"]["samples"], members["a"]["weight"]) == (16, pytest.approx(16 / total))
+    assert members["slow"]["state"] == "missed"
+
+
 def test_a_dht_peer_without_a_majority_says_so() -> None:
     view = DhtView("c", total_rounds=10, window_s=5.0)
     view.entered(4)
