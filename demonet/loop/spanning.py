@@ -6,7 +6,7 @@ for it. So a spanning peer is in every round: it trains until the round's cut-of
 micro-batch, started on the parameters of the round it began in, `Spanning.span_begin`), and at the cut-off it
 compresses what it has: the micro-batch's gradient where it ended, else only the momentum (DeMo sends the top of
 the momentum every round; what it held back goes out now). Its weight in the merge is its micro-batch's samples
-times the share of it a round covers (`Spanning.span_samples`): over the rounds one micro-batch spans, its samples.
+times the part of it that ran in the round (`share`); the rounds one micro-batch spans weigh its samples together.
 It applies every round's aggregate as any member does, so it stays on the run's parameters; its gradient is from
 parameters as many rounds old as the micro-batch spanned (the metrics rows' `stale_rounds`), as a coordinator-mode
 peer's late payload is (docs/dht.md#mixed-speed-peers). Imports asyncio, the replica protocol and the loop's state;
@@ -23,7 +23,7 @@ from demonet.train.replica import Spanning
 
 from .state import LoopSteps, RoundOutcome, SpanJob
 
-__all__ = ["spanning_round"]
+__all__ = ["share", "spanning_round"]
 
 
 async def spanning_round(loop: LoopSteps, replica: Spanning, metrics: TextIO | None) -> bool:
@@ -38,7 +38,8 @@ async def spanning_round(loop: LoopSteps, replica: Spanning, metrics: TextIO | N
     t0 = time.perf_counter()
     if loop.span is None:
         await asyncio.to_thread(replica.span_begin)
-        loop.span = SpanJob(asyncio.ensure_future(asyncio.to_thread(replica.span_micro_batch)), loop.round)
+        task = asyncio.ensure_future(asyncio.to_thread(replica.span_micro_batch))
+        loop.span = SpanJob(task, loop.round, mark=time.perf_counter())
     job = loop.span
     until = loop.cutoff()
     await asyncio.wait([job.task], timeout=None if until is None else max(0.0, until - time.perf_counter()))
@@ -48,11 +49,24 @@ async def spanning_round(loop: LoopSteps, replica: Spanning, metrics: TextIO | N
         loss, train_s = job.task.result()  # what the micro-batch raised, raised here
         await asyncio.to_thread(replica.span_take)
         micro_batches, stale = 1, loop.round - job.round
+    samples = share(job, replica.span_rows(), loop.timing.micro_batch_s, ended=bool(micro_batches))
     t1 = time.perf_counter()
     payload, staged = await asyncio.to_thread(loop.compress, replica, False)
     compress_s = time.perf_counter() - t1
-    micro_s = loop.timing.micro_batch_s
-    samples = replica.span_samples(loop.round_s / micro_s if loop.round_s and micro_s else 1.0)
     flight = loop.submit(payload, staged, loss, started=t0, compute_s=train_s + compress_s, samples=samples)
     flight.train_s, flight.micro_batches, flight.stale = train_s, micro_batches, stale
     return await loop.land(flight, metrics) != RoundOutcome.STOPPED
+
+
+def share(job: SpanJob, rows: int, micro_s: float, *, ended: bool, now: float | None = None) -> int:
+    """The samples a round of a micro-batch across rounds weighs: its `rows` times the part of the micro-batch
+    (`micro_s` long) that ran since the last round's cut-off, at least 1; the round it ends in, what is left. So
+    its rounds weigh its samples together (or one more a round, where it spans more rounds than it has rows)."""
+    now = time.perf_counter() if now is None else now
+    if ended:
+        counted = max(1, rows - job.claimed)
+    else:
+        part = round(rows * (now - job.mark) / micro_s) if micro_s > 0 else 1
+        counted = max(1, min(part, rows - job.claimed - 1))
+    job.mark, job.claimed = now, job.claimed + counted
+    return counted

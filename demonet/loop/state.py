@@ -71,10 +71,14 @@ class InFlight:
 @dataclass
 class SpanJob:
     """A micro-batch running across rounds (`demonet.loop.spanning`): its task, which returns its loss and seconds,
-    and the round it started in."""
+    the round it started in, when its last round's share of it was counted, and the samples counted so far."""
 
     task: asyncio.Future[tuple[float, float]]
     round: int
+    mark: float
+    """`time.perf_counter()` when it started, then at each round's cut-off."""
+    claimed: int = 0
+    """The samples its rounds have weighed so far (`demonet.loop.spanning.share`)."""
 
 
 @dataclass

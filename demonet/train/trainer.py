@@ -303,12 +303,9 @@ class Trainer(DeMoSteps):
                 q.grad = None
         self.pace.trained(1, self._span_rows)
 
-    def span_samples(self, share: float) -> int:
-        """A round's weight while a micro-batch spans rounds: the micro-batch's samples times `share`, the part of
-        it one round covers (at least 1). Over the rounds one micro-batch spans, about its samples: what this peer
-        computes a round, at the merge's weight of a peer that computes it within the round."""
-        rows = self._span_rows or self.pace.samples // max(1, self.pace.micro_batches)
-        return max(1, round(rows * min(1.0, max(0.0, share))))
+    def span_rows(self) -> int:
+        """The samples of a micro-batch: the last one across rounds, else the last round's (at least 1)."""
+        return max(1, self._span_rows or self.pace.samples // max(1, self.pace.micro_batches))
 
     def samples(self) -> int:
         """How many samples the last `forward_backward`'s gradient is the mean of (the merge's weight)."""

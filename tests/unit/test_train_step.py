@@ -220,7 +220,7 @@ def test_the_pace_stops_before_a_micro_batch_that_would_end_past_the_cut_off() -
 def test_a_micro_batch_across_rounds_takes_its_gradient_from_the_parameters_it_began_on(tmp_path: Path) -> None:
     """`span_begin` copies the parameters; rounds applied meanwhile change the replica, not the micro-batch's
     gradient, which is bit for bit the one a forward and backward on the parameters it began on gives; `span_take`
-    adds it to the replica's gradients, and the merge's weight is the micro-batch's samples times a round's share."""
+    adds it to the replica's gradients."""
     cfg = _cfg(tmp_path)
     trainer, twin = _trainer(cfg), _trainer(cfg)  # the same seed and data stream
     trainer.span_begin()
@@ -237,8 +237,7 @@ def test_a_micro_batch_across_rounds_takes_its_gradient_from_the_parameters_it_b
         if p.grad is not None:
             assert torch.equal(p.grad, q.grad)
     assert trainer.micro_batches() == 1 and trainer.samples() == cfg.train.batch_size
-    assert trainer.span_samples(0.25) == max(1, round(0.25 * cfg.train.batch_size))
-    assert trainer.span_samples(0.0) == 1 and trainer.span_samples(3.0) == cfg.train.batch_size
+    assert trainer.span_rows() == cfg.train.batch_size
     trainer.span_begin()  # the next one starts from the replica's parameters as they are now
     assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), trainer._spanning.parameters(),
                                                  strict=True))
