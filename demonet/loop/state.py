@@ -115,7 +115,6 @@ class LoopSteps(Protocol):
     round: int
     digest: str
     lookahead: bool
-    round_s: float
     spanning: bool
     """The last round's result said this peer's micro-batch spans rounds (`RoundResult.spans`)."""
     span: SpanJob | None

@@ -243,24 +243,17 @@ class Trainer(DeMoSteps):
         if until is None:
             total, rows = 0.0, 0
             for _ in range(self.accumulate):
-                batch = to_device(next(self.batches), self.device)
-                with autocast(self.device, self.options.precision):
-                    loss = self.loss(self.model, batch)
-                (loss / self.accumulate).backward()  # type: ignore[no-untyped-call]
-                total += float(loss.detach())
-                rows += batch_rows(batch)
+                loss, n = self._micro_batch(self.model, self.accumulate)
+                total, rows = total + loss, rows + n
             self.pace.trained(self.accumulate, rows)
             return total / self.accumulate
         losses: list[float] = []
         rows = 0
         while not losses or self.pace.another(until):
             t0 = time.perf_counter()
-            batch = to_device(next(self.batches), self.device)
-            with autocast(self.device, self.options.precision):
-                loss = self.loss(self.model, batch)
-            loss.backward()  # type: ignore[no-untyped-call]
-            losses.append(float(loss.detach()))
-            rows += batch_rows(batch)
+            loss, n = self._micro_batch(self.model)
+            losses.append(loss)
+            rows += n
             self.pace.took(time.perf_counter() - t0)
         if len(losses) > 1:  # the sum of the micro-batches' gradients, to their mean
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -285,14 +278,10 @@ class Trainer(DeMoSteps):
         returns its loss and seconds."""
         assert self._spanning is not None, "span_begin first"
         t0 = time.perf_counter()
-        batch = to_device(next(self.batches), self.device)
-        with autocast(self.device, self.options.precision):
-            loss = self.loss(self._spanning, batch)
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss, self._span_rows = self._micro_batch(self._spanning)
         train_s = time.perf_counter() - t0
         self.pace.took(train_s)
-        self._span_rows = batch_rows(batch)
-        return float(loss.detach()), train_s
+        return loss, train_s
 
     def span_take(self) -> None:
         """Add the spanning copy's gradient to the replica's (the round's compress folds it into the momentum)."""
@@ -306,6 +295,15 @@ class Trainer(DeMoSteps):
     def span_rows(self) -> int:
         """The samples of a micro-batch: the last one across rounds, else the last round's (at least 1)."""
         return max(1, self._span_rows or self.pace.samples // max(1, self.pace.micro_batches))
+
+    def _micro_batch(self, model: torch.nn.Module, divide: int | None = None) -> tuple[float, int]:
+        """The next batch's forward (under autocast for bf16) and backward on `model`, its loss divided by `divide`
+        where given (an accumulated round's mean); returns the loss and the batch's samples."""
+        batch = to_device(next(self.batches), self.device)
+        with autocast(self.device, self.options.precision):
+            loss = self.loss(model, batch)
+        (loss if divide is None else loss / divide).backward()  # type: ignore[no-untyped-call]
+        return float(loss.detach()), batch_rows(batch)
 
     def samples(self) -> int:
         """How many samples the last `forward_backward`'s gradient is the mean of (the merge's weight)."""
