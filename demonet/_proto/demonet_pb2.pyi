@@ -49,6 +49,7 @@ class DhtKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DHT_KIND_CHECK: _ClassVar[DhtKind]
     DHT_KIND_STORE: _ClassVar[DhtKind]
     DHT_KIND_HELLO: _ClassVar[DhtKind]
+    DHT_KIND_RECEIVED: _ClassVar[DhtKind]
 INDEX_CODING_UNSPECIFIED: IndexCoding
 INDEX_CODING_PACKED: IndexCoding
 INDEX_CODING_ELIAS_FANO: IndexCoding
@@ -78,6 +79,7 @@ DHT_KIND_PING: DhtKind
 DHT_KIND_CHECK: DhtKind
 DHT_KIND_STORE: DhtKind
 DHT_KIND_HELLO: DhtKind
+DHT_KIND_RECEIVED: DhtKind
 
 class SparseTensor(_message.Message):
     __slots__ = ("name", "shape", "chunk_h", "chunk_w", "k", "index_coding", "indices", "value_encoding", "values", "scales", "value_coding")

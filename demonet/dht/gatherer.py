@@ -320,6 +320,9 @@ class DhtGatherer:
             self._steady = (r, members, owners, addresses)
             self._exchange.expect(r + 1, specs=self.specs, members=members, owners=owners)
         phases = {**board.phases(), **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
+        upload = self._node.streams.uploads.of(r)  # this peer's parts, timed by their receipts (its link's k)
+        if upload is not None:
+            phases["upload_bytes"], phases["upload"] = float(upload[0]), upload[1]
         if not applies:
             return RoundResult(round=r, aggregate=None, contributors=(), param_digest="", aborted=True,
                                bytes_up=done.bytes_up, bytes_down=done.bytes_down, phases=phases,

@@ -31,8 +31,9 @@ __all__ = ["LINK", "MAX_FRAME_BYTES", "Link", "Served", "frame", "read_frame", "
 
 logger = logging.getLogger(__name__)
 
-LINK = "demonet.dht.link.v2"
-"""The libp2p protocol of links (one call per stream: `demonet.dht.streams.HANDLER`)."""
+LINK = "demonet.dht.link.v3"
+"""The libp2p protocol of links (one call per stream: `demonet.dht.streams.HANDLER`); v3: a part's receipt
+(`DHT_KIND_RECEIVED`) before its reply; v2: links bound by a hello."""
 MAX_FRAME_BYTES = (1 << 20) + (1 << 16)
 """A message's largest serialized size: a 1 MiB `PayloadPart` and its header fields."""
 MAX_OPEN_CALLS = 256
@@ -157,6 +158,9 @@ class Served(Protocol):
                       ) -> tuple[list[pb.DhtMessage], Callable[[], Awaitable[None]] | None]:
         """The reply to a whole request, and what to call once it went out."""
 
+    def receipt(self, head: pb.DhtMessage, call: int) -> pb.DhtMessage:
+        """The message that tells the caller its whole part was read here (its reply comes once answered)."""
+
     def failure(self, head: pb.DhtMessage, call: int, error: Exception) -> pb.DhtMessage:
         """The error reply to a request whose handler raised."""
 
@@ -166,7 +170,10 @@ async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writ
     answer each whole request as soon as its handler is done (several at once). The first message must
     be a hello that binds the link to its sender (`Served.hello`); a link whose first message is refused
     ends after the refusal is sent. A later refused message is answered with the refusal, and the rest of
-    its call is dropped unread; the link goes on (as another stream would). A bad frame ends the link."""
+    its call is dropped unread; the link goes on (as another stream would). A bad frame ends the link.
+    A request with parts (a `PART`) is acknowledged as soon as its last part is read (`Served.receipt`),
+    before its handler answers: the caller times its upload by it, not by the answer, which an owner gives
+    only once every member's part is in."""
     sending = asyncio.Lock()
     pending: dict[int, tuple[pb.DhtMessage, wire.Reassembler]] = {}  # call -> (its first message, its parts)
     answering: set[asyncio.Task[None]] = set()
@@ -205,6 +212,10 @@ async def serve(peer: Served, remote: object, reader: asyncio.StreamReader, writ
                 if refusal is None and data is None:
                     continue
                 pending.pop(msg.call, None)
+                if refusal is None and head.kind == pb.DHT_KIND_PART:
+                    # Written at once, past the lock: a reply draining on a slow uplink would delay it.
+                    with contextlib.suppress(ConnectionError, OSError):
+                        writer.write(frame(peer.receipt(head, msg.call)))
             if refusal is not None:
                 pending.pop(msg.call, None)
                 if len(refused) >= MAX_OPEN_CALLS:

@@ -24,6 +24,7 @@ from demonet.dashboard import page_routes, start_http
 from demonet.errors import KeyFileError, PeerUnavailable
 from demonet.loop import RoundLoop
 from demonet.loop.lifecycle import stop_on_signals, warm_up
+from demonet.loop.link import LinkPace
 from demonet.train.data import data_seed
 from demonet.train.trainer import Trainer
 from demonet.transport import JoinInfo
@@ -143,7 +144,9 @@ async def run_dht_peer(cfg: Config, opts: DhtOptions, *, peer_id: str, out: Path
             gatherer.specs = dict(trainer.opt.param_specs())
             loop = RoundLoop(trainer, membership, gatherer, peer_id, out / f"metrics-{peer_id}.jsonl",
                              checkpoint_every, stop, overlap=cfg.net.overlap, lookahead=cfg.net.lookahead,
-                             round_s=cfg.net.round_s)
+                             round_s=cfg.net.round_s,
+                             link=LinkPace(max_k=cfg.optim.compression_topk, min_k=cfg.optim.topk_floor,
+                                           adaptive=cfg.optim.adaptive_topk))
             info = await membership.join()
             # kernels that differ between peers are what would make them resync
             loop.log.info("%s (%d parameters); CPU kernels %s, %d threads",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from . import keys, links
 from .deadlines import NoAnswer
 from .messages import Resolve, SignedMessages
 from .options import DhtOptions
+from .uploads import Uploads
 
 __all__ = ["HANDLER", "Reply", "Streams"]
 
@@ -83,6 +85,8 @@ class Streams(SignedMessages):
         self._served: set[asyncio.StreamWriter] = set()  # the links other peers opened to this one
         self.links_opened = 0
         """Links this peer opened: one per peer called, and one more after each that broke or timed out."""
+        self.uploads = Uploads()
+        """This peer's parts of its latest rounds, timed by their receipts (`DHT_KIND_RECEIVED`)."""
 
     def serve(self, kind: int, handler: Handler) -> None:
         """Answer requests of `kind` (a `pb.DhtKind`) with `handler`."""
@@ -121,7 +125,8 @@ class Streams(SignedMessages):
                    data: bytes | None = None, **fields: Any) -> tuple[pb.DhtMessage, bytes]:
         """One request to a peer and its reply; returns (the first reply, the reply's data: b"" for a reply
         without parts). The request goes over this peer's link to `address` (opened at the first call), or,
-        for parameters and pings, over a stream of its own."""
+        for parameters and pings, over a stream of its own. A part's receipt, which comes on a link before
+        its reply, is timed into `uploads`."""
         max_bytes = wire_params.MAX_PARAMETER_BYTES if kind == pb.DHT_KIND_PARAMS else wire.DEFAULT_MAX_BYTES
         parts = wire.Reassembler(max_bytes=max_bytes)
         first: pb.DhtMessage | None = None
@@ -136,6 +141,10 @@ class Streams(SignedMessages):
                 why = self._check(msg) or _sent_as(msg, link.peer)
             if why:
                 raise PeerUnavailable(f"refused a reply: {why}")
+            if msg.kind == pb.DHT_KIND_RECEIVED:  # the whole part was read: its reply comes later
+                if kind == pb.DHT_KIND_PART and first is None:
+                    self.uploads.receipt(round, address, len(data or b""), time.perf_counter() - started)
+                return False
             first = first or msg
             if msg.error:
                 raise PeerUnavailable(f"refused: {msg.error}")
@@ -145,6 +154,7 @@ class Streams(SignedMessages):
             return whole is not None
 
         link: links.Link | None = None
+        started = 0.0
         try:
             async with asyncio.timeout(timeout_s):
                 if kind in _OWN_STREAM:
@@ -163,6 +173,7 @@ class Streams(SignedMessages):
                     link = await self._link(address, round)
                     call, replies = link.open_call()
                     try:
+                        started = time.perf_counter()
                         await link.send(self._messages(kind, round, data, call=call, **fields))
                         while (msg := await replies.get()) is not None and not await take(msg):
                             pass
@@ -302,6 +313,10 @@ class Streams(SignedMessages):
             return None
         self._refuse(msg.sender, msg.round, remote, why)
         return self._message(pb.DHT_KIND_REPLY, msg.round, error=why, call=call)
+
+    def receipt(self, head: pb.DhtMessage, call: int) -> pb.DhtMessage:
+        """`links.Served`: the caller's whole part was read here."""
+        return self._message(pb.DHT_KIND_RECEIVED, head.round, call=call)
 
     def failure(self, head: pb.DhtMessage, call: int, error: Exception) -> pb.DhtMessage:
         """`links.Served`: the answer to a request whose handler raised (a bug: logged)."""

@@ -112,11 +112,13 @@ async def land(loop: Landing, flight: InFlight, metrics: TextIO | None, *, defer
     loop.digest = await asyncio.to_thread(_settle, loop, flight.payload, result)
     settled = time.perf_counter()
     cost_s = flight.compute_s - flight.train_s + settled - t1  # this round's exchange: the cut-off leaves room
+    # Its upload: a Submit's, start to reply (coordinator mode), or its parts' until their receipts (DHT mode).
+    upload_s = result.phases.get("submit", result.phases.get("upload", 0.0))
     if not loop.overlap:  # an overlapped round's upload runs beside the next round's training
-        cost_s += result.phases.get("encode", 0.0) + result.phases.get("submit", 0.0)
+        cost_s += result.phases.get("encode", 0.0) + upload_s
     sent_k = flight.payload.topk()
     if loop.link is not None:
-        loop.link.sent(sent_k, result.bytes_up, result.phases.get("submit", 0.0))
+        loop.link.sent(sent_k, int(result.phases.get("upload_bytes", result.bytes_up)), upload_s)
     loop.paced(flight, cost_s, result.next_round_s)
     loop.spanning = result.spans
     if flight.micro_batches:

@@ -3,7 +3,8 @@
 A peer's calls to another go over one long-lived libp2p stream: many calls at once on it, their replies
 in another order than the calls, a multi-part request among them; a call that times out retires the link
 (the next call opens another); a handler that fails answers its call alone; and a peer that goes away
-fails the calls waiting on it at once, not at their timeouts. A link is signed for by its hello alone,
+fails the calls waiting on it at once, not at their timeouts. A part is acknowledged as soon as it is read,
+before its handler answers. A link is signed for by its hello alone,
 speaks for the sender that hello bound and no other, and carries its opener's DHT records to the callee's
 node, which validates them.
 """
@@ -64,6 +65,20 @@ async def _links() -> None:
             assert head.slice == i and data == datas[i][::-1] + bytes([i]), i
         assert streams.links_opened == 1
         assert finished != sorted(finished)  # replies came in another order than the calls
+
+        # A part is acknowledged once read whole, before its handler answers: the caller times its upload by
+        # that receipt (here within the handler's second), not by the reply.
+        async def hold(head: pb.DhtMessage, data: bytes | None) -> Reply:
+            await asyncio.sleep(1.0)
+            return Reply()
+
+        b._node.streams.serve(pb.DHT_KIND_PART, hold)
+        t0 = time.monotonic()
+        await streams.call(address, pb.DHT_KIND_PART, 7, slice=0, data=os.urandom(50_000), samples=1, timeout_s=10)
+        assert time.monotonic() - t0 >= 1.0
+        size, seconds = streams.uploads.of(7) or (0, -1.0)
+        assert size == 50_000 and 0.0 <= seconds < 1.0, (size, seconds)
+        assert streams.uploads.of(1) is None  # the calls of other kinds are not parts
 
         # A handler that fails answers its own call; the link goes on.
         try:
