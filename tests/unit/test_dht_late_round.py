@@ -18,6 +18,7 @@ from demonet.dht.board import FrozeWithout, RoundBoard
 from demonet.dht.exchange import Exchanged
 from demonet.dht.gatherer import DhtGatherer
 from demonet.dht.options import DhtOptions
+from demonet.dht.uploads import Uploads
 from demonet.transport import Digest, NotMember
 from tests.unit.test_dht_majority import _FakeNode
 
@@ -74,7 +75,7 @@ def _gatherers(exchanges: dict[str, Any], expected: dict[str, set[str]], previou
     gatherers = {}
     for p, exchange in exchanges.items():
         node = _FakeNode(p, records)
-        node.streams = SimpleNamespace(serve=lambda *_: None)  # type: ignore[attr-defined]
+        node.streams = SimpleNamespace(serve=lambda *_: None, uploads=Uploads())  # type: ignore[attr-defined]
         node.gets = 0  # type: ignore[attr-defined]
         node.opts = DhtOptions(run="r", token="t", window_s=1.0, settle_s=0.0, leave_after_s=60.0)
         g = gatherers[p] = DhtGatherer(node, {})  # type: ignore[arg-type]
