@@ -173,7 +173,8 @@ class SliceExchange(SliceCalls, SliceServing):
                                     phases=dict(st.phases), other_lists=self.other_lists(r),
                                     capped=frozenset(st.capped),
                                     claims={p: n for held in st.claims.values() for p, n in held.items()
-                                            if p in contributors})
+                                            if p in contributors},
+                                    topks={p: k for p, k in st.topks.items() if p in contributors})
         if not delivered:
             return Exchanged(None, None, contributors, **done)
         if dead_owners:
@@ -302,12 +303,16 @@ class SliceExchange(SliceCalls, SliceServing):
             if not decoded or (senders is not None and set(decoded) != set(senders)):
                 return refused, None
             order = tuple(sorted(decoded))
+            ks.update({p: part.topk() for p, part in decoded.items()})
             merged = merge([decoded[p] for p in order], step=r, rules=self.opts.rules, expected=specs,
                            samples=[claims[p] for p in order])
             return refused, (order, merged)
 
+        ks: dict[str, int] = {}  # the senders' k per chunk, for the dashboard
         inline = merges_inline(parts.keys() - outcomes.keys(), outcomes.values())
         refused, result = decode_and_merge() if inline else await asyncio.to_thread(decode_and_merge)
+        for sender, k in ks.items():
+            st.topks[sender] = max(k, st.topks.get(sender, 0))
         for sender, why in refused.items():
             logger.warning("[%s round=%d] refused the part of %s: %s", self.peer_id, r, sender, why)
         return result

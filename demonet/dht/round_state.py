@@ -102,6 +102,8 @@ class Exchanged:
     claims: Mapping[str, int] = field(default_factory=dict)
     """The contributors' samples, as their parts held here claimed them (a slice this peer owns or verifies; a peer
     that holds none, as in client mode, knows none): their weights in every slice's merge."""
+    topks: Mapping[str, int] = field(default_factory=dict)
+    """The contributors' k per chunk, as their parts merged here held it (for the dashboard)."""
     other_lists: frozenset[str] = frozenset()
     """Peers that froze the round with another member list (they sent or answered a part cut for it), and
     the members those lists name: alive, so the next round waits for them. The slices of those owners are
@@ -132,6 +134,8 @@ class RoundState:
     parts: dict[int, dict[str, tuple[str, bytes]]] = field(default_factory=dict)  # slice -> sender -> (mdigest, data)
     claims: dict[int, dict[str, int]] = field(default_factory=dict)
     """Slice -> sender -> the samples its part held here claims (`DhtMessage.samples`): its weight in the merge."""
+    topks: dict[str, int] = field(default_factory=dict)
+    """Sender -> the k per chunk of its parts merged here (the dashboard's `topk`)."""
     samples: int = 1  # this peer's own samples in the round, sent with each of its parts
     capped: set[str] = field(default_factory=set)  # Exchanged.capped
     ahead: dict[int, set[str]] = field(default_factory=dict)

@@ -93,10 +93,18 @@ class DhtView:
 
     def exchanged(self, round: int, *, contributors: Sequence[str], slice_owners: Sequence[str], aborted: bool,
                   bytes_up: int, bytes_down: int, claims: Mapping[str, int] | None = None,
+                  topks: Mapping[str, int] | None = None, upload_s: float | None = None,
                   max_ratio: float = 0.0) -> None:
         """The round's exchange ended: count it, with this peer's bytes and the slices each member owned; where this
-        peer holds every contributor's claimed samples (`claims`), each one's samples and weight in the merge."""
-        claims = claims or {}
+        peer holds every contributor's claimed samples (`claims`), each one's samples and weight in the merge; the k
+        of the members whose parts it merged (`topks`); and its own upload's seconds (`upload_s`: its parts, timed
+        by their receipts; 0 or None: not measured)."""
+        claims, topks = claims or {}, topks or {}
+        for p, k in topks.items():
+            if p in self._states:
+                self.record.member(p).topk = k
+        if upload_s:
+            self.record.member(self.peer_id).upload_s = upload_s
         now = time.monotonic()
         for p in self._states:  # counted once the round's exchange ended: a reader never sees a half-counted round
             self.record.member(p).slices = 0
