@@ -118,7 +118,7 @@ class SliceExchange(SliceCalls, SliceServing):
         parts the others sent ahead for the same members are decoded from then on as they arrive. `encoded`:
         the parts encoded already (in the training's thread), and their plan; used where it is this one.
         `samples`: the payload's samples, sent with each part (its weight in the merges)."""
-        (plan, owners), mdigest = self._ordered(r, specs, owners), rules.members_digest(members)
+        (plan, owners), mdigest = self._ordered(r, specs, owners), rules.members_digest(members, owners)
         self._round(r).expect(r, plan, mdigest, self.opts.rules)
 
         async def parts() -> list[bytes]:
@@ -134,7 +134,7 @@ class SliceExchange(SliceCalls, SliceServing):
         come (`RoundState.decode_early`), not all at once when its own parts go ahead (`send_ahead`)."""
         st = self._round(r)
         if st.plan is None:
-            st.expect(r, self.plan_for(specs, owners), rules.members_digest(members), self.opts.rules)
+            st.expect(r, self.plan_for(specs, owners), rules.members_digest(members, owners), self.opts.rules)
 
     def drop_ahead(self, r: int) -> None:
         """Cancel the calls of round `r`'s parts sent ahead, if `run` did not take them up."""
@@ -150,9 +150,9 @@ class SliceExchange(SliceCalls, SliceServing):
         st = self._round(r, mine=True)
         async with self._cond:
             st.samples = samples
+            st.mdigest = rules.members_digest(members, owners)
             st.plan, owners = self._ordered(r, specs, owners)
             st.owners, st.members, st.dialable = list(owners[:st.plan.n]), list(members), list(owners)
-            st.mdigest = rules.members_digest(members)
             st.verifiers = rules.verifiers(r, st.mdigest, owners, st.plan.n, self.opts.verify_fraction)
             st.rs_deadline = max(frozen_at, now()) + self.opts.exchange_timeout_s
             st.ag_deadline = st.rs_deadline + self.opts.exchange_timeout_s

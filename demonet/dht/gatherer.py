@@ -61,6 +61,7 @@ class DhtGatherer:
         """This peer's view of the run for its dashboard, fed each round; None: no dashboard."""
         self._board.on_minority = self._minority
         self._excluded: frozenset[str] = frozenset()  # the owners left out of the last round (for the log)
+        self._slow: frozenset[str] = frozenset()  # the members slow by their link in the last round (for the log)
         self._steady: tuple[int, list[str], list[str], dict[str, str]] | None = None
         """(r, members, owners, addresses) of the last round when it was whole (every member's payload in,
         no joiner, no slice lost): round r + 1's parts are sent ahead of its freeze, cut for the same."""
@@ -287,6 +288,13 @@ class DhtGatherer:
                 logger.warning("[%s round=%d] %s own no slice: reported by a majority for disagreeing slices",
                                self.peer_id, r, ", ".join(sorted(excluded)))
         self._excluded = excluded
+        slow = rules.slow_links(announced, members)
+        if slow and not set(owners) <= slow:  # their links would hold every member's exchange
+            owners = [p for p in owners if p not in slow]
+            if slow != self._slow:
+                logger.info("[%s round=%d] %s own no slice: slow by their link", self.peer_id, r,
+                            ", ".join(sorted(slow)))
+        self._slow = slow
         addresses = {p: announced[p].address for p in members}
         done = await self._exchange.run(r, payload, specs=self.specs, members=members, owners=owners,
                                         addresses=addresses, frozen_at=frozen.deadline, samples=samples)

@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import math
 import random
+import statistics
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import torch
 
 from demonet.optim import Compressed, Payload
 from demonet.optim.payload import num_chunks
-from demonet.wire.pace import valid_report
+from demonet.wire.pace import MIN_GAP_S, SPAN, valid_report
 
 __all__ = ["MIN_SLICE_OWNERS", "Announcement", "SlicePlan", "excluded_owners", "has_majority", "majority_digest",
            "members_digest", "next_base", "owner_count", "owner_order", "param_ranges", "sign", "stacks_slices",
@@ -126,9 +127,11 @@ def majority_digest(digests: Mapping[str, str]) -> str:
     return min(d for d, c in counts.items() if c == best)
 
 
-def members_digest(members: Sequence[str]) -> str:
-    """A short digest of a sorted member list: parts cut for another list are refused."""
-    return hashlib.sha256("\n".join(members).encode()).hexdigest()[:16]
+def members_digest(members: Sequence[str], owners: Sequence[str] | None = None) -> str:
+    """A short digest of a sorted member list, and of the sorted members that own slices (`owners`, where it is
+    not all of them): parts cut for another list, or for other owners, are refused."""
+    named = list(members) if owners is None or list(owners) == list(members) else [*members, "", *owners]
+    return hashlib.sha256("\n".join(named).encode()).hexdigest()[:16]
 
 
 # -- slice owners -----------------------------------------------------------------------------------------
@@ -202,6 +205,21 @@ def excluded_owners(announced: Mapping[str, Announcement], members: Collection[s
         if a is not None:
             votes.update(o for o, seen in a.reports.items() if r - rounds <= seen < r)
     return frozenset(o for o, n in votes.items() if 2 * n > len(members))
+
+
+def slow_links(announced: Mapping[str, Announcement], members: Collection[str]) -> frozenset[str]:
+    """The members slow by their link, as round `r`'s announcements of its `members` tell: their exchange (the
+    announced `least_s` less `train_s`, at the full k) over `SPAN` times the median member's and over it by
+    `MIN_GAP_S`, and at least their own micro-batch's time (of three members with a pace at least). They own no
+    slice (docs/dht.md#mixed-speed-peers): an owner's downlink carries every member's part of its slice and
+    its uplink the merged slice to each. Every peer reads the same announcements, so every peer agrees."""
+    exchange = {p: (pace[1] - pace[2], pace[2]) for p in members
+                if (a := announced.get(p)) is not None and (pace := a.pace) is not None}
+    if len(exchange) < 3:
+        return frozenset()
+    median = statistics.median_low(x for x, _ in exchange.values())
+    return frozenset(p for p, (x, train) in exchange.items() if x > SPAN * median and x - median >= MIN_GAP_S
+                     and x >= train)
 
 
 # -- the sparse reduce-scatter ------------------------------------------------------------------------

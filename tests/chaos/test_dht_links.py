@@ -27,7 +27,7 @@ def test_dht_a_peer_behind_a_slow_link_sends_a_smaller_k_and_is_in_every_round(d
     a chunk take most of a second to upload. Each part's receipt times the slow peer's uplink
     (`DHT_KIND_RECEIVED`); once its round is longer than the others', the rounds go by the clock and it sends
     the k its uplink carries in a quarter of the round (`LinkPace`): fewer coefficients, in every round, on
-    one digest."""
+    one digest. Slow by its link, it owns no slice."""
     rounds = 12
     dht.start(run_config(round_timeout_s=20.0, model="small", topk=2048), steps=rounds, start_peers=3,
               exchange_timeout_s=10.0)
@@ -49,3 +49,7 @@ def test_dht_a_peer_behind_a_slow_link_sends_a_smaller_k_and_is_in_every_round(d
     report("dht_slow_link_smaller_k", figures)
     assert slow_k[0] == 2048 and max(slow_k[-4:]) < 2048 and min(slow_k) >= 2048 // 8, figures
     assert min(fast_k) >= 2048 * 3 // 4, figures
+    # Its announced exchange (at the full k) is over the others': it owns no slice, so its downlink and uplink
+    # carry only its own parts and the merged slices it fetches (`rules.slow_links`).
+    for peer in rates:
+        assert "slow own no slice: slow by their link" in dht.log(peer), dht.notable(peer)
