@@ -11,13 +11,14 @@ another (the peer served first is done early); either way, by the time a peer's 
 least the parts of the peers read before it have gone up. A peer can also be slow to read its parts (its
 downlink, or a busy reader), which says nothing of this uplink. So the round's upload rate is the highest,
 over the peers in the order their last parts were read, of the bytes of the parts read so far over the
-time so far, and its time is the bytes of all the parts at that rate. A peer slow to read its parts then
-counts only where every peer is, as on this peer's own slow uplink. With one other peer, its downlink counts
-as this uplink.
+time so far, and its time is the bytes of all the parts at that rate. Peers slow to read their parts then
+count only where they are half of them or more (below). With one other peer, its downlink counts as this
+uplink.
 
-A peer that read its parts within `MIN_S` times nothing: a link's first tens of kB go at once, into a
-shaper's burst or a buffer, whatever the link's rate. Such a round's upload is 0 (not measured), and the
-round loop keeps the rate it measured before.
+A part read within `MIN_S` times nothing: a link's first tens of kB go at once, into a shaper's burst or a
+buffer, whatever the link's rate. Its bytes count in the parts read so far, but no rate is taken at its time.
+Where the peers' lower median read its parts within `MIN_S`, the round's upload is 0 (not measured: a fast
+uplink, or a burst), and the round loop keeps the rate it measured before.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 __all__ = ["MIN_S", "Uploads"]
 
 MIN_S = 0.05
-"""A round whose first peer read its parts sooner measures no rate (a part of tens of kB can fit a burst)."""
+"""No rate is taken at a part read sooner (a part of tens of kB can fit a burst)."""
 
 
 @dataclass
@@ -50,16 +51,18 @@ class Uploads:
 
     def of(self, r: int) -> tuple[int, float] | None:
         """Round `r`'s upload: the bytes of its received parts, and the seconds they take at the round's rate
-        (the module's docstring), 0 where a peer read its parts within `MIN_S` (None: no part received)."""
+        (the module's docstring), 0 where the peers' lower median read its parts within `MIN_S` (None: no part
+        received)."""
         peers = self._rounds.get(r)
         if not peers:
             return None
         held = sorted(peers.values(), key=lambda part: part[1])
         total = sum(size for size, _ in held)
-        if held[0][1] < MIN_S:
+        if held[(len(held) - 1) // 2][1] < MIN_S:
             return total, 0.0
         so_far, rate = 0, 0.0
         for size, seconds in held:
             so_far += size
-            rate = max(rate, so_far / seconds)
+            if seconds >= MIN_S:
+                rate = max(rate, so_far / seconds)
         return total, total / rate

@@ -30,11 +30,24 @@ def test_an_uplink_that_serves_its_links_together_is_timed_by_the_last() -> None
     assert up.of(0) == (6000, pytest.approx(2.0))
 
 
-def test_a_round_whose_first_peer_read_its_parts_at_once_measures_nothing() -> None:
+def test_a_part_read_at_once_counts_its_bytes_but_no_rate() -> None:
     up = Uploads()
-    up.receipt(1, "a", 30_000, MIN_S / 10)  # a shaper's burst, a buffer, or a fast uplink: none can be told
-    up.receipt(1, "b", 30_000, 0.9)
+    up.receipt(1, "a", 20_000, MIN_S / 10)  # into a shaper's burst
+    up.receipt(1, "b", 30_000, 0.4)
+    up.receipt(1, "c", 30_000, 0.8)
+    # 50 kB read by 0.4 s (the burst's bytes with b's), 80 kB by 0.8 s; no rate at the burst's time
+    assert up.of(1) == (80_000, pytest.approx(80_000 / (50_000 / 0.4)))
+
+
+def test_where_most_peers_read_their_parts_at_once_nothing_is_measured() -> None:
+    up = Uploads()
+    up.receipt(1, "a", 30_000, MIN_S / 10)  # a fast uplink, or a burst: the two cannot be told apart
+    up.receipt(1, "b", 30_000, 0.9)  # a peer slow to read
     assert up.of(1) == (60_000, 0.0)
+    up.receipt(2, "a", 30_000, MIN_S / 10)
+    up.receipt(2, "b", 30_000, MIN_S / 5)
+    up.receipt(2, "c", 30_000, 2.0)
+    assert up.of(2) == (90_000, 0.0)
 
 
 def test_one_other_peer_counts_alone_and_nothing_received_is_none() -> None:
