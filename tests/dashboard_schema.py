@@ -24,7 +24,7 @@ MEMBER = {"id": str, "key": (str, type(None)), "state": str, "last_seen_s": NUMB
           "resyncs": int,
           "last_loss": OPT_NUMBER, "bytes_up": OPT_INT, "bytes_down": OPT_INT, "link_bps": OPT_NUMBER,
           "slices": OPT_INT, "samples": OPT_INT, "weight": OPT_NUMBER, "topk": OPT_INT, "upload_s": OPT_NUMBER,
-          "need_s": OPT_NUMBER}
+          "need_s": OPT_NUMBER, "micro_batches": OPT_INT, "compute_s": OPT_NUMBER}
 REFUSAL = {"time": NUMBER, "peer": str, "round": OPT_INT, "kind": str, "reason": str}
 # In coordinator mode these are always numbers (DHT mode has no such things, and says null).
 COORDINATOR_RUN_NUMBERS = ("idle", "joiners", "submitted", "late", "clipped", "capped", "unauthorized")

@@ -298,7 +298,7 @@ class ParametersRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., resync: bool = ..., signature: _Optional[bytes] = ..., counter: _Optional[int] = ...) -> None: ...
 
 class SubmitPart(_message.Message):
-    __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature", "digest_follows", "samples", "need_s", "least_s", "train_s")
+    __slots__ = ("peer_id", "round", "param_digest", "loss", "part", "signature", "digest_follows", "samples", "need_s", "least_s", "train_s", "micro_batches", "compute_s")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,8 @@ class SubmitPart(_message.Message):
     NEED_S_FIELD_NUMBER: _ClassVar[int]
     LEAST_S_FIELD_NUMBER: _ClassVar[int]
     TRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     param_digest: str
@@ -321,7 +323,9 @@ class SubmitPart(_message.Message):
     need_s: float
     least_s: float
     train_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., digest_follows: bool = ..., samples: _Optional[int] = ..., need_s: _Optional[float] = ..., least_s: _Optional[float] = ..., train_s: _Optional[float] = ...) -> None: ...
+    micro_batches: int
+    compute_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., param_digest: _Optional[str] = ..., loss: _Optional[float] = ..., part: _Optional[_Union[PayloadPart, _Mapping]] = ..., signature: _Optional[bytes] = ..., digest_follows: bool = ..., samples: _Optional[int] = ..., need_s: _Optional[float] = ..., least_s: _Optional[float] = ..., train_s: _Optional[float] = ..., micro_batches: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted", "reason", "resync", "refusal", "open_round")

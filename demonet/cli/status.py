@@ -143,12 +143,13 @@ def format_status(doc: dict[str, Any], *, rounds: int = 5, refusals: int = 10) -
     if doc["members"]:
         lines += _table(
             ["id", "key", "state", "last seen", "contributed", "missed", "resyncs", "last loss", "in", "out", "link",
-             "samples", "weight", "k", "upload s", *(["slices"] if dht else [])],
+             "samples", "micro-batches", "compute s", "weight", "k", "upload s", *(["slices"] if dht else [])],
             [[m["id"], m["key"] or "-", m["state"], f"{m['last_seen_s']:.1f} s ago", str(m["contributed"]),
               str(m["missed"]), str(m["resyncs"]), _v(m["last_loss"], 4), _bytes(m["bytes_up"]),
               _bytes(m["bytes_down"]),
               "-" if m["link_bps"] is None else _bytes(m["link_bps"] * 8).replace("B", "bit") + "/s",
-              _v(m.get("samples")), "-" if m.get("weight") is None else f"{100 * m['weight']:.0f}%",
+              _v(m.get("samples")), _v(m.get("micro_batches")), _v(m.get("compute_s"), 2),
+              "-" if m.get("weight") is None else f"{100 * m['weight']:.0f}%",
               _v(m.get("topk")), _v(m.get("upload_s"), 2), *([_v(m["slices"])] if dht else [])]
              for m in doc["members"]])
     omitted = doc.get("members_omitted") or {}

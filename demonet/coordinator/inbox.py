@@ -76,7 +76,7 @@ class Inbox:
         self.losses[s.peer_id] = s.loss
         self.samples[s.peer_id] = s.samples
         self.metrics.uploaded(s.peer_id, s.size, s.stream_s, s.loss, samples=s.samples, topk=s.payload.topk(),
-                              need_s=s.need_s)
+                              need_s=s.need_s, micro_batches=s.micro_batches, compute_s=s.compute_s)
 
     def _late(self, peer_id: str, round: int, late: int) -> int:
         return late if self.counted.get(peer_id, -1) < round else 0

@@ -162,7 +162,8 @@ class LocalClient:
                                 payload_digest=hashlib.sha256(data).digest(), param_digest=await param_digest.known(),
                                 loss=loss, size=len(data), samples=samples,
                                 need_s=pace.need_s if pace else 0.0, least_s=pace.least_s if pace else 0.0,
-                                train_s=pace.train_s if pace else 0.0, late=LATE_ROUNDS)
+                                train_s=pace.train_s if pace else 0.0, micro_batches=pace.micro_batches if pace else 0,
+                                compute_s=pace.compute_s if pace else 0.0, late=LATE_ROUNDS)
         counted = round
         try:
             counted = await core.submit(submission)

@@ -104,10 +104,12 @@ class Metrics:
             self.record.count(name, peer, amount)
 
     def uploaded(self, peer: str, num_bytes: int, seconds: float, loss: float, *, samples: int | None = None,
-                 topk: int | None = None, need_s: float | None = None) -> None:
+                 topk: int | None = None, need_s: float | None = None, micro_batches: int = 0,
+                 compute_s: float = 0.0) -> None:
         """An accepted payload of `num_bytes` whose Submit stream took `seconds` (and what it was computed from)."""
         self.add("bytes_up", num_bytes)
-        self.record.uploaded(peer, num_bytes, seconds, loss, samples=samples, topk=topk, need_s=need_s)
+        self.record.uploaded(peer, num_bytes, seconds, loss, samples=samples, topk=topk, need_s=need_s,
+                             micro_batches=micro_batches, compute_s=compute_s)
 
     def refused(self, peer: str, round: int | None, kind: str, reason: str) -> None:
         """A refused call or payload, for the dashboard's list (the counters are counted where they apply)."""

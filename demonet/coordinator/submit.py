@@ -26,7 +26,7 @@ from demonet.errors import Busy, InvalidPayload, NotJoined, PeerUnavailable, Ref
 from demonet.optim import Payload
 from demonet.wire.identity import submit_statement
 from demonet.wire.merge import check_samples, decode_contribution
-from demonet.wire.pace import MOST_S, valid_report
+from demonet.wire.pace import MAX_MICRO_BATCHES, MOST_S, valid_report, valid_work
 
 from .admission import Admission, caller_address
 from .core import RoundCore
@@ -167,6 +167,7 @@ class SubmitReader:
                 peer_id=head.peer_id, round=head.round, payload=payload, payload_digest=head.part.payload_digest,
                 param_digest=param_digest, loss=head.loss, size=len(data), stream_s=stream_s,
                 samples=int(head.samples), need_s=head.need_s, least_s=head.least_s, train_s=head.train_s,
+                micro_batches=head.micro_batches, compute_s=head.compute_s,
                 late=0 if head.digest_follows else LATE_ROUNDS))
         except SubmitRejected as e:
             return _reply(e, core.rounds.round)
@@ -190,6 +191,9 @@ class SubmitReader:
         if not valid_report(head.need_s, head.least_s, head.train_s):
             raise InvalidPayload(f"need_s, least_s and train_s should be seconds between 0 and {MOST_S:g}, got "
                                  f"{head.need_s!r}, {head.least_s!r} and {head.train_s!r}")
+        if not valid_work(head.micro_batches, head.compute_s):
+            raise InvalidPayload(f"micro_batches should be at most {MAX_MICRO_BATCHES} and compute_s seconds between 0 "
+                                 f"and {MOST_S:g}, got {head.micro_batches} and {head.compute_s!r}")
         # refuse before reading (and decoding) the rest of the stream
         self.core.inbox.check(head.peer_id, head.round, head.part.payload_digest, early=head.digest_follows,
                               late=0 if head.digest_follows else LATE_ROUNDS)

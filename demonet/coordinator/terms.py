@@ -65,6 +65,9 @@ class Submission:
     """The same for a round of one micro-batch."""
     train_s: float = 0.0
     """One micro-batch's forward and backward alone (0: not measured)."""
+    micro_batches: int = 0
+    """Its micro-batches, and their seconds (`compute_s`), for the dashboard (0: not said)."""
+    compute_s: float = 0.0
     late: int = 0
     """How many rounds before the open one its round may be: it then counts in the open round (`LATE_ROUNDS`
     for a payload whose digest came with it; 0 for one sent ahead)."""

@@ -192,7 +192,8 @@ function renderMembers(doc) {
     const tr = el("tr", null, m.state === "left" ? "left" : slow.has(m.id) ? "slow" : "");
     tr.setAttribute("data-peer", m.id);
     const cells = [m.id, m.key || "—", m.state, ago(m.last_seen_s), m.contributed, m.missed, m.resyncs, num(m.last_loss, 4),
-      bytes(m.bytes_up), bytes(m.bytes_down), rate(m.link_bps), m.samples ?? "—",
+      bytes(m.bytes_up), bytes(m.bytes_down), rate(m.link_bps), m.samples ?? "—", m.micro_batches ?? "—",
+      num(m.compute_s, 2),
       m.weight === null || m.weight === undefined ? "—" : (100 * m.weight).toFixed(0) + "%", m.topk ?? "—",
       num(m.upload_s, 2), num(m.need_s, 2)];
     cells.forEach((v, i) => tr.appendChild(el("td", v, i === 2 ? "state-" + m.state : "")));
@@ -205,7 +206,7 @@ function renderMembers(doc) {
   if (more) {
     const tr = el("tr");
     const td = el("td", more, "muted");
-    td.colSpan = 17;
+    td.colSpan = 19;
     tr.appendChild(td);
     body.appendChild(tr);
   }

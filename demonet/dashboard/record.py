@@ -56,6 +56,10 @@ class MemberStats:
     """Seconds its last upload took (its Submit stream)."""
     need_s: float | None = None
     """The seconds it reported needing for a round of its own micro-batches, exchange included."""
+    micro_batches: int | None = None
+    """The micro-batches its last payload was computed from, as it said (None: not said)."""
+    compute_s: float | None = None
+    """Their forward and backward seconds, as it said."""
     weight: float | None = None
     """Its share of the last merged round it was in (its samples, capped, over all of that round's)."""
     seen_at: float = 0.0
@@ -109,7 +113,8 @@ class RunRecord:
         setattr(stats, name, (getattr(stats, name) or 0) + amount)
 
     def uploaded(self, peer_id: str, num_bytes: int, seconds: float, loss: float | None, *, samples: int | None = None,
-                 topk: int | None = None, need_s: float | None = None) -> None:
+                 topk: int | None = None, need_s: float | None = None, micro_batches: int = 0,
+                 compute_s: float = 0.0) -> None:
         """A payload of `num_bytes` whose stream took `seconds`, with the loss its sender reported, the samples it
         was computed from, its coefficients per chunk and its sender's reported round time (0: not measured)."""
         self.count("bytes_up", peer_id, num_bytes)
@@ -119,6 +124,7 @@ class RunRecord:
             stats.link_bps, stats.upload_s = num_bytes / seconds, seconds
         stats.samples, stats.topk = samples, topk
         stats.need_s = finite(need_s) if need_s else None
+        stats.micro_batches, stats.compute_s = micro_batches or None, finite(compute_s) if compute_s else None
 
     def weighted(self, contributors: Iterable[str], weights: Iterable[float]) -> None:
         """A merged round's weights (its contributors' samples, capped; none given: all alike): each one's share."""
@@ -198,7 +204,8 @@ def _row(peer_id: str, state: str, ago: float, stats: MemberStats, key: str | No
             "missed": stats.missed, "resyncs": stats.resyncs, "last_loss": stats.last_loss,
             "bytes_up": stats.bytes_up, "bytes_down": stats.bytes_down, "link_bps": stats.link_bps,
             "slices": stats.slices, "samples": stats.samples, "weight": stats.weight,
-            "topk": stats.topk, "upload_s": stats.upload_s, "need_s": stats.need_s}
+            "topk": stats.topk, "upload_s": stats.upload_s, "need_s": stats.need_s,
+            "micro_batches": stats.micro_batches, "compute_s": stats.compute_s}
 
 
 def _most_relevant(known: Mapping[str, tuple[str, float]], stats: Mapping[str, MemberStats], count: int) -> set[str]:

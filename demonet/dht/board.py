@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from demonet.errors import PeerUnavailable
-from demonet.transport import NotMember
+from demonet.transport import NotMember, Pace
 
 from . import rules
 from .deadlines import now
@@ -101,9 +101,10 @@ class RoundBoard(Joining):
     # -- one round -------------------------------------------------------------------------------------
 
     async def enter(self, r: int, digest: str, loss: float | None = None, *, stored: Callable[[], None] | None = None,
-                    pace: tuple[float, float, float] | None = None) -> tuple[Frozen, dict[str, rules.Announcement]]:
-        """Announce this peer in round `r` (with its loss, for the dashboards, and its `pace`, for the automatic
-        round length; its state and the head round in the same DHT call) and read the round's announcements
+                    pace: Pace | None = None) -> tuple[Frozen, dict[str, rules.Announcement]]:
+        """Announce this peer in round `r` (with its loss, for the dashboards, and its `pace`: its speed, where
+        measured, for the automatic round length, and its payload's micro-batches and their seconds, for the
+        dashboards; its state and the head round in the same DHT call) and read the round's announcements
         until its freeze is final.
         `stored` is called once the announcement's store is on its way, before the freeze's first look.
 
@@ -115,8 +116,10 @@ class RoundBoard(Joining):
                         "client": self._opts.client_mode}
         if loss is not None and math.isfinite(loss):
             announcement["loss"] = float(loss)
-        if pace is not None:
-            announcement["pace"] = [float(s) for s in pace]
+        if pace is not None and pace.need_s > 0:
+            announcement["pace"] = [float(pace.need_s), float(pace.least_s), float(pace.train_s)]
+        if pace is not None:  # a spanning member's round may have ended no micro-batch: 0 is said too
+            announcement["work"] = [int(pace.micro_batches), float(pace.compute_s)]
         self.reports = {o: q for o, q in self.reports.items() if q >= r - self._opts.exclude_rounds}
         if self.reports:
             announcement["reports"] = dict(self.reports)
@@ -181,7 +184,8 @@ class RoundBoard(Joining):
                 announced[p] = rules.Announcement(p, float(v["t"]), str(v["digest"]), str(v["address"]),
                                                   bool(v["client"]),
                                                   float(loss) if isinstance(loss, float | int) else None, reports,
-                                                  rules.announced_pace(v.get("pace")))
+                                                  rules.announced_pace(v.get("pace")),
+                                                  rules.announced_work(v.get("work")))
         self.joins = {q: j for q, j in self.joins.items() if q > r - _KEEP_ROUNDS}
         self.joins[r] = joins
         for p, a in announced.items():

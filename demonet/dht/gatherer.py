@@ -239,14 +239,12 @@ class DhtGatherer:
                                           encoded=(encoded[1], encoded[3]) if encoded is not None
                                           and encoded[0] == r and encoded[2] is payload else None)
         try:
-            reported = None if pace is None else (pace.need_s, pace.least_s, pace.train_s)
-            return await self._gather(r, payload, digest, loss, ahead, samples, reported)
+            return await self._gather(r, payload, digest, loss, ahead, samples, pace)
         finally:
             self._exchange.drop_ahead(r)  # not taken up by the exchange: the round ended before it, or froze otherwise
 
     async def _gather(self, r: int, payload: Payload, param_digest: str, loss: float,
-                      ahead: Callable[[], None] | None, samples: int, pace: tuple[float, float, float] | None
-                      ) -> RoundResult:
+                      ahead: Callable[[], None] | None, samples: int, pace: Pace | None) -> RoundResult:
         board, view = self._board, self.view
         gets = self._node.gets
         try:

@@ -26,7 +26,7 @@ import torch
 
 from demonet.optim import Compressed, Payload
 from demonet.optim.payload import num_chunks
-from demonet.wire.pace import MIN_GAP_S, SPAN, valid_report
+from demonet.wire.pace import MIN_GAP_S, SPAN, valid_report, valid_work
 
 __all__ = ["MIN_SLICE_OWNERS", "Announcement", "SlicePlan", "excluded_owners", "has_majority", "majority_digest",
            "members_digest", "next_base", "owner_count", "owner_order", "param_ranges", "sign", "stacks_slices",
@@ -72,6 +72,21 @@ class Announcement:
     pace: tuple[float, float, float] | None = None
     """Its speed for the automatic round length (`demonet.transport.Pace`: need_s, least_s, train_s); None: not
     measured yet, or not a valid report."""
+    work: tuple[int, float] | None = None
+    """Its payload's micro-batches and their forward and backward seconds, for the dashboards (None: not said,
+    or not valid: `demonet.wire.pace.valid_work`)."""
+
+
+def announced_work(value: object) -> tuple[int, float] | None:
+    """An announcement's `work` field: (micro_batches, compute_s) where `demonet.wire.pace.valid_work` accepts them;
+    None otherwise (for the dashboards only: a bad one is not shown)."""
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        return None
+    count, seconds = value
+    if not isinstance(count, int) or isinstance(count, bool) or not isinstance(seconds, float | int) \
+            or isinstance(seconds, bool):
+        return None
+    return (count, float(seconds)) if valid_work(count, float(seconds)) else None
 
 
 def announced_pace(value: object) -> tuple[float, float, float] | None:
@@ -214,7 +229,7 @@ def slow_links(announced: Mapping[str, Announcement], members: Collection[str]) 
     slice (docs/dht.md#mixed-speed-peers): an owner's downlink carries every member's part of its slice and
     its uplink the merged slice to each. Every peer reads the same announcements, so every peer agrees."""
     exchange = {p: (pace[1] - pace[2], pace[2]) for p in members
-                if (a := announced.get(p)) is not None and (pace := a.pace) is not None}
+                if (a := announced.get(p)) is not None and (pace := a.pace) is not None and pace[0] > 0}
     if len(exchange) < 3:
         return frozenset()
     median = statistics.median_low(x for x, _ in exchange.values())

@@ -57,8 +57,9 @@ class DhtView:
         for p in members:
             stats = self.record.member(p)
             stats.last_loss = finite(announced[p].loss)
-            pace = announced[p].pace
+            pace, work = announced[p].pace, announced[p].work
             stats.need_s = finite(pace[0]) if pace is not None else None
+            stats.micro_batches, stats.compute_s = work if work is not None else (None, None)
             self._states[p] = ("resync" if announced[p].digest != good else "spanning" if p in spanning
                                else "member")
             if self._states[p] == "resync":

@@ -52,7 +52,7 @@ async def overlapped_rounds(loop: LoopSteps, metrics: TextIO | None, beats: asyn
             if flight is not None:
                 if loop.gatherer.digest_follows:  # it leaves now; its digest once `flight` is settled
                     ahead = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, ahead=True,
-                                        samples=samples)
+                                        samples=samples, micro_batches=micro_batches, train_s=train_s)
                 landing, flight = flight, None  # `land` gives its payload back on every error path
                 landed = await loop.land(landing, metrics)
                 if landed == RoundOutcome.APPLIED and not await loop.membership.agree(loop.go(loop.round)):
@@ -85,8 +85,8 @@ async def overlapped_rounds(loop: LoopSteps, metrics: TextIO | None, beats: asyn
                 flight.compute_s = compute_s
                 flight.digest.set(loop.digest)
             else:
-                flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, samples=samples)
-            flight.train_s, flight.micro_batches = train_s, micro_batches
+                flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, samples=samples,
+                                     micro_batches=micro_batches, train_s=train_s)
             if loop.lookahead:  # while the payload travels: the next round trains from here
                 t2 = time.perf_counter()
                 await asyncio.to_thread(replica.lookahead, payload, loop.round)

@@ -53,9 +53,9 @@ async def plain_round(loop: LoopSteps, metrics: TextIO | None) -> bool:
         t1 = time.perf_counter()
         payload, staged = await asyncio.to_thread(loop.compress, loop.replica, False)
         compute_s += time.perf_counter() - t1
-    flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, samples=loop.replica.samples())
-    flight.checked_s, flight.encode_s, flight.train_s = checked_s, encode_s, train_s
-    flight.micro_batches = loop.replica.micro_batches()
+    flight = loop.submit(payload, staged, loss, started=t0, compute_s=compute_s, samples=loop.replica.samples(),
+                         micro_batches=loop.replica.micro_batches(), train_s=train_s)
+    flight.checked_s, flight.encode_s = checked_s, encode_s
     return await loop.land(flight, metrics, defer=True) != RoundOutcome.STOPPED
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -232,18 +233,22 @@ class RoundLoop:
     # -- one round -----------------------------------------------------------------------------------
 
     def submit(self, payload: Payload, staged: tuple[Payload, torch.cuda.Event | None], loss: float, *,
-               started: float, compute_s: float, ahead: bool = False, samples: int = 1) -> InFlight:
+               started: float, compute_s: float, ahead: bool = False, samples: int = 1, micro_batches: int = 1,
+               train_s: float = 0.0) -> InFlight:
         """Start the exchange of the open round's payload (a task: training may go on meanwhile).
 
         `staged`: the payload's host copy and the event that says it is there (`to_host`): the exchange
         sends that copy, and `payload` stays on the device for the settle or the restore. `ahead`: the
         payload of the round after the open one, sent before the open round is settled, its digest to
-        follow (`InFlight.digest`; the gatherer must have `digest_follows`)."""
+        follow (`InFlight.digest`; the gatherer must have `digest_follows`). `micro_batches` and `train_s`: the
+        payload's micro-batches and their forward and backward seconds (sent with its speed, for the dashboards)."""
         sent, ready = staged
         round, digest = self.round + ahead, Digest.to_follow() if ahead else None
-        gather = asyncio.create_task(self._gather(round, sent, ready, loss=loss, samples=samples, pace=self.pace(),
+        pace = dataclasses.replace(self.pace() or Pace(), micro_batches=micro_batches, compute_s=train_s)
+        gather = asyncio.create_task(self._gather(round, sent, ready, loss=loss, samples=samples, pace=pace,
                                                   param_digest=Digest(self.digest) if digest is None else digest))
-        return InFlight(round, payload, loss, gather, started, compute_s, digest, samples=samples)
+        return InFlight(round, payload, loss, gather, started, compute_s, digest, samples=samples, train_s=train_s,
+                        micro_batches=micro_batches)
 
     @staticmethod
     async def drop(flight: InFlight) -> None:

@@ -53,8 +53,9 @@ async def spanning_round(loop: LoopSteps, replica: Spanning, metrics: TextIO | N
     t1 = time.perf_counter()
     payload, staged = await asyncio.to_thread(loop.compress, replica, False)
     compress_s = time.perf_counter() - t1
-    flight = loop.submit(payload, staged, loss, started=t0, compute_s=train_s + compress_s, samples=samples)
-    flight.train_s, flight.micro_batches, flight.stale = train_s, micro_batches, stale
+    flight = loop.submit(payload, staged, loss, started=t0, compute_s=train_s + compress_s, samples=samples,
+                         micro_batches=micro_batches, train_s=train_s)
+    flight.stale = stale
     return await loop.land(flight, metrics) != RoundOutcome.STOPPED
 
 

@@ -128,6 +128,10 @@ class Pace:
     """The same for a round of one micro-batch."""
     train_s: float = 0.0
     """One micro-batch's forward and backward alone: what of `least_s` is compute, not the link."""
+    micro_batches: int = 0
+    """The micro-batches of the payload it comes with (for the dashboards; 0: not said)."""
+    compute_s: float = 0.0
+    """Their forward and backward seconds (for the dashboards; 0: not said)."""
 
 
 @dataclass(frozen=True)

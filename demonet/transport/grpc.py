@@ -272,7 +272,8 @@ class GrpcClient(CoordinatorConnection):
                              param_digest="" if digest.follows else digest.value, loss=loss,
                              digest_follows=digest.follows, samples=samples,
                              need_s=pace.need_s if pace else 0.0, least_s=pace.least_s if pace else 0.0,
-                             train_s=pace.train_s if pace else 0.0)
+                             train_s=pace.train_s if pace else 0.0, micro_batches=pace.micro_batches if pace else 0,
+                             compute_s=pace.compute_s if pace else 0.0)
 
         replied = asyncio.Event()  # a reply (a refusal) before the digest: the stream has nothing more to send
 

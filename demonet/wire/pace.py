@@ -35,8 +35,8 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["ALIKE", "ALIKE_OFF", "MIN_GAP_S", "MOST_S", "SLOWEST_MICRO_BATCHES", "SPAN", "RoundPace",
-           "valid_report"]
+__all__ = ["ALIKE", "ALIKE_OFF", "MAX_MICRO_BATCHES", "MIN_GAP_S", "MOST_S", "SLOWEST_MICRO_BATCHES", "SPAN",
+           "RoundPace", "valid_report", "valid_work"]
 
 ALIKE = 1.5
 """Rounds go by the clock once the slowest member's round is over this many times the median member's."""
@@ -64,6 +64,14 @@ WHOLE_SLACK = 1.05
 cut-off then fits the last one despite a little jitter."""
 MOST_S = 86400.0
 """The largest round time a peer may report (`need_s`, `least_s`, `train_s`): a day."""
+MAX_MICRO_BATCHES = 1 << 20
+"""The most micro-batches a peer may say a payload was computed from (shown on the dashboards)."""
+
+
+def valid_work(micro_batches: int, compute_s: float) -> bool:
+    """Whether what a peer says of its payload's work, for the dashboards, is a count up to `MAX_MICRO_BATCHES` and
+    seconds between 0 and `MOST_S` (NaN is not)."""
+    return 0 <= micro_batches <= MAX_MICRO_BATCHES and 0.0 <= compute_s <= MOST_S
 
 
 def valid_report(need_s: float, least_s: float, train_s: float) -> bool:

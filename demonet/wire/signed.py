@@ -65,15 +65,16 @@ def aggregate_request(identity: Identity, session: bytes, peer_id: str, round: i
 
 def submit_parts(identity: Identity, session: bytes, peer_id: str, round: int, data: bytes, *, param_digest: str,
                  loss: float, part_bytes: int = DEFAULT_PART_BYTES, digest_follows: bool = False,
-                 samples: int = 1, need_s: float = 0.0, least_s: float = 0.0, train_s: float = 0.0
-                 ) -> list[pb.SubmitPart]:
+                 samples: int = 1, need_s: float = 0.0, least_s: float = 0.0, train_s: float = 0.0,
+                 micro_batches: int = 0, compute_s: float = 0.0) -> list[pb.SubmitPart]:
     """A serialized payload as the SubmitPart messages of one Submit stream; the first one carries the signature.
 
     `digest_follows`: the parameter digest is not known yet (an overlapped peer sending round r+1 while round
     r is open); `param_digest` must be "", and `digest_part` gives the stream's last message once it is.
     `samples`: how many samples the payload was computed from (the merge's weight), in the first part;
     `need_s`, `least_s`: this peer's round of its own micro-batches and of one (the automatic round length);
-    `train_s`: one micro-batch's forward and backward alone.
+    `train_s`: one micro-batch's forward and backward alone; `micro_batches`, `compute_s`: the payload's
+    micro-batches and their seconds, for the dashboards (in the first part, not in the statement).
     """
     if digest_follows and param_digest:
         raise ValueError("digest_follows: the digest comes in the last message (digest_part), not the first")
@@ -83,7 +84,8 @@ def submit_parts(identity: Identity, session: bytes, peer_id: str, round: int, d
     return [pb.SubmitPart(peer_id=peer_id, round=round, param_digest=param_digest, loss=loss, part=part,
                           signature=signature if i == 0 else b"", digest_follows=digest_follows and i == 0,
                           samples=samples if i == 0 else 0, need_s=need_s if i == 0 else 0.0,
-                          least_s=least_s if i == 0 else 0.0, train_s=train_s if i == 0 else 0.0)
+                          least_s=least_s if i == 0 else 0.0, train_s=train_s if i == 0 else 0.0,
+                          micro_batches=micro_batches if i == 0 else 0, compute_s=compute_s if i == 0 else 0.0)
             for i, part in enumerate(parts)]
 
 

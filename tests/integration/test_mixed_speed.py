@@ -115,12 +115,14 @@ async def test_a_claim_of_a_billion_samples_is_capped_and_one_of_zero_is_refused
     async with coordinator_in_process(tmp_path, token=TOKEN, steps=4) as (address, _):
         a, b = await _a_and_b(address)  # a trained round 0 alone; both are members of 1
 
-        def parts(peer: Peer, samples: int, need_s: float = 0.0) -> list[pb.SubmitPart]:
+        def parts(peer: Peer, samples: int, need_s: float = 0.0, micro_batches: int = 3,
+                  compute_s: float = 0.6) -> list[pb.SubmitPart]:
             x, y = next(peer.batches)
             peer.model(x, y)[1].backward()
             payload = peer.opt.compress()
             return submit_parts(peer.identity, peer.session, peer.peer_id, 1, wire.encode(payload, step=1),
-                                param_digest=peer.digest(), loss=1.0, samples=samples, need_s=need_s)
+                                param_digest=peer.digest(), loss=1.0, samples=samples, need_s=need_s,
+                                micro_batches=micro_batches, compute_s=compute_s)
 
         before = await a.status()
         zero = await a.stub.Submit(iter(parts(a, 0)), metadata=a.md, timeout=30)
@@ -128,8 +130,11 @@ async def test_a_claim_of_a_billion_samples_is_capped_and_one_of_zero_is_refused
         for need_s in (-1.0, math.nan, math.inf):  # a round time no peer can have: refused the same way
             odd = await a.stub.Submit(iter(parts(a, 2, need_s)), metadata=a.md, timeout=30)
             assert not odd.accepted and odd.refusal == pb.REFUSAL_INVALID and "need_s" in odd.reason
+        for work in ((2**21, 0.6), (3, -1.0), (3, math.nan)):  # what it says of its work, for the dashboard
+            odd = await a.stub.Submit(iter(parts(a, 2, 0.0, *work)), metadata=a.md, timeout=30)
+            assert not odd.accepted and odd.refusal == pb.REFUSAL_INVALID and "micro_batches" in odd.reason
         after = await a.status()
-        assert (after.submitted, after.round, after.rejected) == (before.submitted, before.round, before.rejected + 4)
+        assert (after.submitted, after.round, after.rejected) == (before.submitted, before.round, before.rejected + 7)
         with pytest.raises(grpc.aio.AioRpcError) as bad_signature:  # samples are signed: another count is a lie
             lied = parts(a, 2)
             lied[0].samples = 10**9
@@ -143,4 +148,6 @@ async def test_a_claim_of_a_billion_samples_is_capped_and_one_of_zero_is_refused
         document = await a.stub.Status(pb.StatusRequest(detail=True), metadata=a.md, timeout=10)
         run = json.loads(document.detail_json)
         assert run["run"]["capped"] == 1
+        members = {m["id"]: m for m in run["members"]}  # each one's work, as it said it
+        assert [(members[p]["micro_batches"], members[p]["compute_s"]) for p in "ab"] == [(3, 0.6), (3, 0.6)]
         assert any(r["kind"] == "samples_capped" and r["peer"] == "a" for r in run["refusals"]), run["refusals"]

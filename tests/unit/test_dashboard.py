@@ -133,8 +133,9 @@ def test_a_dht_peer_shows_each_members_samples_weight_k_speed_and_whether_it_spa
     """From the announcements (their speeds) and the parts this peer merged (their claimed samples and k), as the merge
     weighs them: a claim over the cap weighs the cap; a peer that holds no part of some contributor shows none."""
     view = DhtView("a", total_rounds=10, window_s=5.0)
-    announced = {p: Announcement(p, 0.0, "good", loss=1.0, pace=pace) for p, pace in (
-        ("a", (0.3, 0.3, 0.25)), ("b", (0.3, 0.3, 0.25)), ("c", (0.3, 0.3, 0.25)), ("slow", (1.1, 1.1, 1.0)))}
+    announced = {p: Announcement(p, 0.0, "good", loss=1.0, pace=pace, work=work) for p, pace, work in (
+        ("a", (0.3, 0.3, 0.25), (1, 0.25)), ("b", (0.3, 0.3, 0.25), (1, 0.26)), ("c", (0.3, 0.3, 0.25), None),
+        ("slow", (1.1, 1.1, 1.0), (0, 0.0)))}
     view.frozen(0, list(announced), announced, "good", spanning={"slow"})
     view.exchanged(0, contributors=["a", "b", "c", "slow"], slice_owners=["a", "b", "c", "slow"], aborted=False,
                    bytes_up=1, bytes_down=1, claims={"a": 16, "b": 16, "c": 10**9, "slow": 4}, max_ratio=4.0,
@@ -150,6 +151,8 @@ def test_a_dht_peer_shows_each_members_samples_weight_k_speed_and_whether_it_spa
     assert {p: m["weight"] for p, m in members.items()} == pytest.approx(
         {"a": 16 / total, "b": 16 / total, "c": 64 / total, "slow": 4 / total})
     assert (members["a"]["need_s"], members["slow"]["need_s"]) == (0.3, 1.1)
+    assert {p: (m["micro_batches"], m["compute_s"]) for p, m in members.items()} == {  # as each announced it
+        "a": (1, 0.25), "b": (1, 0.26), "c": (None, None), "slow": (0, 0.0)}
     view.frozen(1, list(announced), announced, "good")
     view.exchanged(1, contributors=["a", "b"], slice_owners=["a", "b"], aborted=False, bytes_up=1, bytes_down=1,
                    claims={"a": 32})  # b's part is not held here: the round's weights are not known

@@ -1,5 +1,5 @@
 """`rules.slow_links`: which DHT members own no slice because their link is slow, from the announcements alone;
-and the digest parts are cut for, which names the owners."""
+the digest parts are cut for, which names the owners; and the work an announcement says, for the dashboards."""
 
 from __future__ import annotations
 
@@ -42,3 +42,10 @@ def test_parts_cut_for_other_owners_carry_another_digest() -> None:
     assert rules.members_digest(members, ["a", "b"]) != rules.members_digest(members)
     assert rules.members_digest(members, ["a", "b"]) != rules.members_digest(members, ["a", "c"])
     assert rules.members_digest(["a", "b"]) != rules.members_digest(members, ["a", "b"])
+
+
+def test_an_announcements_work_is_shown_only_where_it_is_valid() -> None:
+    assert rules.announced_work([3, 0.75]) == (3, 0.75)
+    assert rules.announced_work([0, 0]) == (0, 0.0)  # a spanning member's round that ended no micro-batch
+    for bad in ([2**21, 0.5], [3, -1.0], [3, float("nan")], [True, 0.5], ["3", 0.5], [3], None, {"a": 1}):
+        assert rules.announced_work(bad) is None, bad
