@@ -112,11 +112,13 @@ async def land(loop: Landing, flight: InFlight, metrics: TextIO | None, *, defer
     loop.digest = await asyncio.to_thread(_settle, loop, flight.payload, result)
     settled = time.perf_counter()
     cost_s = flight.compute_s - flight.train_s + settled - t1  # this round's exchange: the cut-off leaves room
-    # Its upload: a Submit's, start to reply (coordinator mode), or its parts' until their receipts (DHT mode).
+    # Its upload: a Submit's, start to reply (coordinator mode), or its parts' until their receipts (DHT mode;
+    # 0 where they were read too soon to time: then the one its uplink's rate predicts, if it has one).
     upload_s = result.phases.get("submit", result.phases.get("upload", 0.0))
-    if not loop.overlap:  # an overlapped round's upload runs beside the next round's training
-        cost_s += result.phases.get("encode", 0.0) + upload_s
     sent_k = flight.payload.topk()
+    if not loop.overlap:  # an overlapped round's upload runs beside the next round's training
+        predicted = loop.link.upload_s(sent_k) if loop.link is not None else 0.0
+        cost_s += result.phases.get("encode", 0.0) + (upload_s or predicted)
     if loop.link is not None:
         loop.link.sent(sent_k, int(result.phases.get("upload_bytes", result.bytes_up)), upload_s)
     loop.paced(flight, cost_s, result.next_round_s)
