@@ -119,7 +119,7 @@ class RoundBoard(Joining):
         if pace is not None and pace.need_s > 0:
             announcement["pace"] = [float(pace.need_s), float(pace.least_s), float(pace.train_s)]
         if pace is not None:  # a spanning member's round may have ended no micro-batch: 0 is said too
-            announcement["work"] = [int(pace.micro_batches), float(pace.compute_s)]
+            announcement["work"] = [int(pace.micro_batches), float(pace.compute_s), float(pace.upload_s)]
         self.reports = {o: q for o, q in self.reports.items() if q >= r - self._opts.exclude_rounds}
         if self.reports:
             announcement["reports"] = dict(self.reports)

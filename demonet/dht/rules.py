@@ -72,21 +72,24 @@ class Announcement:
     pace: tuple[float, float, float] | None = None
     """Its speed for the automatic round length (`demonet.transport.Pace`: need_s, least_s, train_s); None: not
     measured yet, or not a valid report."""
-    work: tuple[int, float] | None = None
-    """Its payload's micro-batches and their forward and backward seconds, for the dashboards (None: not said,
-    or not valid: `demonet.wire.pace.valid_work`)."""
+    work: tuple[int, float, float] | None = None
+    """Its payload's micro-batches, their forward and backward seconds and its last upload's seconds (0: none
+    measured), for the dashboards (None: not said, or not valid: `demonet.wire.pace.valid_work`)."""
 
 
-def announced_work(value: object) -> tuple[int, float] | None:
-    """An announcement's `work` field: (micro_batches, compute_s) where `demonet.wire.pace.valid_work` accepts them;
-    None otherwise (for the dashboards only: a bad one is not shown)."""
-    if not isinstance(value, list | tuple) or len(value) != 2:
+def announced_work(value: object) -> tuple[int, float, float] | None:
+    """An announcement's `work` field: (micro_batches, compute_s, upload_s) where `demonet.wire.pace.valid_work`
+    accepts the first two and the upload is seconds like them; None otherwise (for the dashboards only: a bad one
+    is not shown)."""
+    if not isinstance(value, list | tuple) or len(value) != 3:
         return None
-    count, seconds = value
-    if not isinstance(count, int) or isinstance(count, bool) or not isinstance(seconds, float | int) \
-            or isinstance(seconds, bool):
+    count, seconds, upload = value
+    if not isinstance(count, int) or isinstance(count, bool) \
+            or not all(isinstance(s, float | int) and not isinstance(s, bool) for s in (seconds, upload)):
         return None
-    return (count, float(seconds)) if valid_work(count, float(seconds)) else None
+    if not valid_work(count, float(seconds)) or not valid_work(0, float(upload)):
+        return None
+    return count, float(seconds), float(upload)
 
 
 def announced_pace(value: object) -> tuple[float, float, float] | None:

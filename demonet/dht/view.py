@@ -59,7 +59,9 @@ class DhtView:
             stats.last_loss = finite(announced[p].loss)
             pace, work = announced[p].pace, announced[p].work
             stats.need_s = finite(pace[0]) if pace is not None else None
-            stats.micro_batches, stats.compute_s = work if work is not None else (None, None)
+            stats.micro_batches, stats.compute_s = work[:2] if work is not None else (None, None)
+            if p != self.peer_id:  # its own: timed here (`exchanged`)
+                stats.upload_s = (work[2] or None) if work is not None else None
             self._states[p] = ("resync" if announced[p].digest != good else "spanning" if p in spanning
                                else "member")
             if self._states[p] == "resync":

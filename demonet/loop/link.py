@@ -37,6 +37,8 @@ class LinkPace:
     """A payload's bytes per unit of k (its size is about linear in k: indices and values per coefficient)."""
     k: int = 0
     """The k of the last payload (0: none sent yet)."""
+    last_s: float = 0.0
+    """The last upload measured, in seconds (0: none yet)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_k <= self.max_k:
@@ -47,6 +49,7 @@ class LinkPace:
         self.k = k
         if size <= 0 or upload_s <= 0 or k <= 0:
             return
+        self.last_s = upload_s
         rate, per_k = size / upload_s, size / k
         self.bytes_per_s = rate if not self.bytes_per_s else self.bytes_per_s + _SMOOTHING * (rate - self.bytes_per_s)
         self.bytes_per_k = per_k if not self.bytes_per_k else self.bytes_per_k + _SMOOTHING * (per_k - self.bytes_per_k)

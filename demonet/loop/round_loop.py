@@ -244,7 +244,8 @@ class RoundLoop:
         payload's micro-batches and their forward and backward seconds (sent with its speed, for the dashboards)."""
         sent, ready = staged
         round, digest = self.round + ahead, Digest.to_follow() if ahead else None
-        pace = dataclasses.replace(self.pace() or Pace(), micro_batches=micro_batches, compute_s=train_s)
+        pace = dataclasses.replace(self.pace() or Pace(), micro_batches=micro_batches, compute_s=train_s,
+                                   upload_s=self.link.last_s if self.link is not None else 0.0)
         gather = asyncio.create_task(self._gather(round, sent, ready, loss=loss, samples=samples, pace=pace,
                                                   param_digest=Digest(self.digest) if digest is None else digest))
         return InFlight(round, payload, loss, gather, started, compute_s, digest, samples=samples, train_s=train_s,

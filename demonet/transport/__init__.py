@@ -132,6 +132,8 @@ class Pace:
     """The micro-batches of the payload it comes with (for the dashboards; 0: not said)."""
     compute_s: float = 0.0
     """Their forward and backward seconds (for the dashboards; 0: not said)."""
+    upload_s: float = 0.0
+    """Its last upload measured, in seconds (for a DHT peer's dashboards; 0: none; a coordinator times its own)."""
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ def test_parts_cut_for_other_owners_carry_another_digest() -> None:
 
 
 def test_an_announcements_work_is_shown_only_where_it_is_valid() -> None:
-    assert rules.announced_work([3, 0.75]) == (3, 0.75)
-    assert rules.announced_work([0, 0]) == (0, 0.0)  # a spanning member's round that ended no micro-batch
-    for bad in ([2**21, 0.5], [3, -1.0], [3, float("nan")], [True, 0.5], ["3", 0.5], [3], None, {"a": 1}):
+    assert rules.announced_work([3, 0.75, 0.2]) == (3, 0.75, 0.2)
+    assert rules.announced_work([0, 0, 0]) == (0, 0.0, 0.0)  # a spanning member's round that ended no micro-batch
+    for bad in ([2**21, 0.5, 0.0], [3, -1.0, 0.0], [3, float("nan"), 0.0], [3, 0.5, -1.0], [3, 0.5, float("inf")],
+                [True, 0.5, 0.0], ["3", 0.5, 0.0], [3, 0.5], [3], None, {"a": 1}):
         assert rules.announced_work(bad) is None, bad

@@ -38,8 +38,9 @@ def test_the_averages_follow_the_recent_submits() -> None:
     link.sent(32, 64_000, 1.0)
     link.sent(16, 32_000, 0.25)  # the link got faster
     assert 64_000 < link.bytes_per_s < 128_000 and link.bytes_per_k == pytest.approx(2000)
+    assert link.last_s == 0.25
     link.sent(16, 0, 0.0)  # nothing measured (an in-process exchange): only k is noted
-    assert link.k == 16 and link.bytes_per_k == pytest.approx(2000)
+    assert link.k == 16 and link.bytes_per_k == pytest.approx(2000) and link.last_s == 0.25
 
 
 def _payload_bytes(topk: int | None) -> bytes:
