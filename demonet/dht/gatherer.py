@@ -317,11 +317,9 @@ class DhtGatherer:
                            "the %d members of the round before: applying nothing (cut off during the exchange?)",
                            self.peer_id, r, ", ".join(done.contributors), len(base or ()))
         self._donor.withdraw()
-        upload = self._node.streams.uploads.of(r)  # this peer's parts, timed by their receipts (its link's k)
         if view is not None:
             view.exchanged(r, contributors=done.contributors, slice_owners=done.slice_owners, aborted=not applies,
                            claims=done.claims, topks={**done.topks, self.peer_id: payload.topk()},
-                           upload_s=upload[1] if upload is not None else None,
                            max_ratio=self.opts.rules.max_sample_ratio,
                            bytes_up=done.bytes_up, bytes_down=done.bytes_down)
         if applies and not joiners and set(done.contributors) == set(members) and not done.dead_owners \
@@ -329,6 +327,7 @@ class DhtGatherer:
             self._steady = (r, members, owners, addresses)
             self._exchange.expect(r + 1, specs=self.specs, members=members, owners=owners)
         phases = {**board.phases(), **done.phases, "dht_reads": self._node.gets - gets, "verified": done.checked}
+        upload = self._node.streams.uploads.of(r)  # this peer's parts, timed by their receipts (its link's k)
         if upload is not None:
             phases["upload_bytes"], phases["upload"] = float(upload[0]), upload[1]
         if not applies:

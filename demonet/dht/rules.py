@@ -79,17 +79,14 @@ class Announcement:
 
 def announced_work(value: object) -> tuple[int, float, float] | None:
     """An announcement's `work` field: (micro_batches, compute_s, upload_s) where `demonet.wire.pace.valid_work`
-    accepts the first two and the upload is seconds like them; None otherwise (for the dashboards only: a bad one
-    is not shown)."""
+    accepts them; None otherwise (for the dashboards only: a bad one is not shown)."""
     if not isinstance(value, list | tuple) or len(value) != 3:
         return None
     count, seconds, upload = value
     if not isinstance(count, int) or isinstance(count, bool) \
             or not all(isinstance(s, float | int) and not isinstance(s, bool) for s in (seconds, upload)):
         return None
-    if not valid_work(count, float(seconds)) or not valid_work(0, float(upload)):
-        return None
-    return count, float(seconds), float(upload)
+    return (count, float(seconds), float(upload)) if valid_work(count, float(seconds), float(upload)) else None
 
 
 def announced_pace(value: object) -> tuple[float, float, float] | None:
@@ -226,7 +223,7 @@ def excluded_owners(announced: Mapping[str, Announcement], members: Collection[s
 
 
 def slow_links(announced: Mapping[str, Announcement], members: Collection[str]) -> frozenset[str]:
-    """The members slow by their link, as round `r`'s announcements of its `members` tell: their exchange (the
+    """The members slow by their link, as the round's announcements of its `members` tell: their exchange (the
     announced `least_s` less `train_s`, at the full k) over `SPAN` times the median member's and over it by
     `MIN_GAP_S`, and at least their own micro-batch's time (of three members with a pace at least). They own no
     slice (docs/dht.md#mixed-speed-peers): an owner's downlink carries every member's part of its slice and

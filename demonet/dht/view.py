@@ -59,9 +59,8 @@ class DhtView:
             stats.last_loss = finite(announced[p].loss)
             pace, work = announced[p].pace, announced[p].work
             stats.need_s = finite(pace[0]) if pace is not None else None
-            stats.micro_batches, stats.compute_s = work[:2] if work is not None else (None, None)
-            if p != self.peer_id:  # its own: timed here (`exchanged`)
-                stats.upload_s = (work[2] or None) if work is not None else None
+            stats.micro_batches, stats.compute_s, stats.upload_s = (
+                (work[0], work[1], work[2] or None) if work is not None else (None, None, None))
             self._states[p] = ("resync" if announced[p].digest != good else "spanning" if p in spanning
                                else "member")
             if self._states[p] == "resync":
@@ -96,18 +95,15 @@ class DhtView:
 
     def exchanged(self, round: int, *, contributors: Sequence[str], slice_owners: Sequence[str], aborted: bool,
                   bytes_up: int, bytes_down: int, claims: Mapping[str, int] | None = None,
-                  topks: Mapping[str, int] | None = None, upload_s: float | None = None,
+                  topks: Mapping[str, int] | None = None,
                   max_ratio: float = 0.0) -> None:
         """The round's exchange ended: count it, with this peer's bytes and the slices each member owned; where this
-        peer holds every contributor's claimed samples (`claims`), each one's samples and weight in the merge; the k
-        of the members whose parts it merged (`topks`); and its own upload's seconds (`upload_s`: its parts, timed
-        by their receipts; 0 or None: not measured)."""
+        peer holds every contributor's claimed samples (`claims`), each one's samples and weight in the merge; and the
+        k of the members whose parts it merged (`topks`)."""
         claims, topks = claims or {}, topks or {}
         for p, k in topks.items():
             if p in self._states:
                 self.record.member(p).topk = k
-        if upload_s:
-            self.record.member(self.peer_id).upload_s = upload_s
         now = time.monotonic()
         for p in self._states:  # counted once the round's exchange ended: a reader never sees a half-counted round
             self.record.member(p).slices = 0

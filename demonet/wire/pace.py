@@ -68,10 +68,10 @@ MAX_MICRO_BATCHES = 1 << 20
 """The most micro-batches a peer may say a payload was computed from (shown on the dashboards)."""
 
 
-def valid_work(micro_batches: int, compute_s: float) -> bool:
+def valid_work(micro_batches: int, *seconds: float) -> bool:
     """Whether what a peer says of its payload's work, for the dashboards, is a count up to `MAX_MICRO_BATCHES` and
-    seconds between 0 and `MOST_S` (NaN is not)."""
-    return 0 <= micro_batches <= MAX_MICRO_BATCHES and 0.0 <= compute_s <= MOST_S
+    seconds (its compute, its upload) between 0 and `MOST_S` (NaN is not)."""
+    return 0 <= micro_batches <= MAX_MICRO_BATCHES and all(0.0 <= s <= MOST_S for s in seconds)
 
 
 def valid_report(need_s: float, least_s: float, train_s: float) -> bool:

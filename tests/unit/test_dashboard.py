@@ -134,16 +134,16 @@ def test_a_dht_peer_shows_each_members_samples_weight_k_speed_and_whether_it_spa
     weighs them: a claim over the cap weighs the cap; a peer that holds no part of some contributor shows none."""
     view = DhtView("a", total_rounds=10, window_s=5.0)
     announced = {p: Announcement(p, 0.0, "good", loss=1.0, pace=pace, work=work) for p, pace, work in (
-        ("a", (0.3, 0.3, 0.25), (1, 0.25, 0.0)), ("b", (0.3, 0.3, 0.25), (1, 0.26, 0.05)),
+        ("a", (0.3, 0.3, 0.25), (1, 0.25, 0.4)), ("b", (0.3, 0.3, 0.25), (1, 0.26, 0.05)),
         ("c", (0.3, 0.3, 0.25), None), ("slow", (1.1, 1.1, 1.0), (0, 0.0, 0.0)))}
     view.frozen(0, list(announced), announced, "good", spanning={"slow"})
     view.exchanged(0, contributors=["a", "b", "c", "slow"], slice_owners=["a", "b", "c", "slow"], aborted=False,
                    bytes_up=1, bytes_down=1, claims={"a": 16, "b": 16, "c": 10**9, "slow": 4}, max_ratio=4.0,
-                   topks={"a": 128, "b": 128, "slow": 40, "gone": 7}, upload_s=0.4)
+                   topks={"a": 128, "b": 128, "slow": 40, "gone": 7})
     members = {m["id"]: m for m in view.document()["members"]}
     # the k of the parts it merged (c's: none held here; a peer not in the round: not shown), its own upload
     assert {p: m["topk"] for p, m in members.items()} == {"a": 128, "b": 128, "c": None, "slow": 40}
-    # its own upload as it timed it; the others' as they announced it (b's last one; none measured: not shown)
+    # each one's last upload as it announced it (its parts timed by their receipts; none measured: not shown)
     assert {p: m["upload_s"] for p, m in members.items()} == {"a": 0.4, "b": 0.05, "c": None, "slow": None}
     assert {p: m["state"] for p, m in members.items()} == {"a": "member", "b": "member", "c": "member",
                                                           "slow": "spanning"}
